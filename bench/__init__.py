@@ -1,0 +1,1 @@
+"""Reproducible benchmarks; each writes JSON, a Markdown table and PNG plots under bench/results/."""

@@ -1,0 +1,1 @@
+"""Chunk keys, the chunk object format and int8 quantization."""

@@ -1,0 +1,1 @@
+"""Stores: one small interface, backends chosen by name."""

@@ -1,0 +1,1 @@
+"""Data movement: bandwidth shaping (NIXL and TCP come with the storage issue)."""

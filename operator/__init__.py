@@ -1,0 +1,1 @@
+"""CacheFlow Kubernetes operator (kopf). Not built yet: see the Kubernetes issue."""

@@ -1,0 +1,1 @@
+"""CacheFlow services: the `cacheflow` command, and (in later issues) coordinator, worker and storage apps."""
