@@ -1,0 +1,35 @@
+"""A preallocated KV buffer for one request and a contiguous range of layers."""
+
+from __future__ import annotations
+
+import torch
+
+from cacheflow_common.model.config import ModelConfig
+
+
+class KVBuffer:
+    """KV of layers [layer_start, layer_end) for up to `capacity` tokens of one request.
+
+    `data` is [n_layers, 2, num_kv_heads, capacity, head_dim]; index 0 of dim 1 is K (after RoPE),
+    1 is V. Token positions are explicit: whoever writes tokens [a, b) writes data[..., a:b, :].
+    """
+
+    def __init__(self, *, layer_start: int, layer_end: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.layer_start = layer_start
+        self.layer_end = layer_end
+        self.capacity = capacity
+        self.data = torch.zeros(layer_end - layer_start, 2, num_kv_heads, capacity, head_dim, dtype=dtype,
+                                device=device)
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, *, layers: range, capacity: int, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> KVBuffer:
+        return cls(layer_start=layers.start, layer_end=layers.stop, num_kv_heads=config.num_kv_heads,
+                   head_dim=config.head_dim, capacity=capacity, dtype=dtype, device=device)
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """[2, Hkv, capacity, D] view of absolute layer `layer`."""
+        if not self.layer_start <= layer < self.layer_end:
+            raise IndexError(f"layer {layer} is outside this buffer's [{self.layer_start}, {self.layer_end})")
+        return self.data[layer - self.layer_start]

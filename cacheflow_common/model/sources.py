@@ -1,0 +1,52 @@
+"""Named model sources: `tiny` (seeded random Qwen3-shaped), `smollm2` (real, from PyPI), or a directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cacheflow_common.errors import ConfigError
+from cacheflow_common.model.config import ModelConfig
+from cacheflow_common.model.transformer import Transformer
+
+# A Qwen3-shaped model small enough for 2 CPU cores yet with realistic GQA proportions (8 q / 2 kv heads).
+TINY_QWEN3 = {
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(spec: str, *, dtype: torch.dtype = torch.bfloat16, layers: range | None = None,
+               seed: int = 0) -> Transformer:
+    """`tiny`, `smollm2`, or a directory with config.json + safetensors."""
+    if spec == "tiny":
+        return Transformer.random(ModelConfig.from_hf_dict(TINY_QWEN3), seed=seed, dtype=dtype)
+    if spec == "smollm2":
+        from cacheflow_common.model.smollm2 import smollm2_dir
+
+        return Transformer.from_dir(smollm2_dir(), dtype=dtype, layers=layers)
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model {spec!r} is neither 'tiny', 'smollm2' nor a directory with a config.json")
+    return Transformer.from_dir(path, dtype=dtype, layers=layers)

@@ -1,0 +1,59 @@
+"""The model runtime against transformers' own implementation, on tiny seeded random models (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheflow_common.model.config import RopeConfig
+from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.model.transformer import Span, Transformer
+from tests.factories import tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = {
+    "llama": {},
+    "llama-rope3": {"rope": RopeConfig(theta=500000.0, scaling="llama3", factor=8.0, low_freq_factor=1.0,
+                                       high_freq_factor=4.0, original_max_position_embeddings=16)},
+    "qwen2": {},
+    "qwen3": {},
+    "qwen3_moe": {},
+}
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+def _ours(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, KVBuffer]:
+    kv = KVBuffer.for_model(model.config, layers=range(model.config.num_layers), capacity=len(ids),
+                            dtype=model.dtype)
+    hidden = model.forward_layers(model.embed(ids), model.layers, [Span(kv, 0, len(ids))])
+    return model.logits(hidden), kv
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_logits_and_every_layers_kv_match_transformers(variant, tmp_path):
+    family = variant.split("-")[0]
+    model = tiny_model(family, seed=1, **FAMILIES[variant])
+    model.save(tmp_path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    ids = torch.randint(0, model.config.vocab_size, (37,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = ref(ids[None], use_cache=True)
+    logits, kv = _ours(model, ids)
+    torch.testing.assert_close(logits, out.logits[0].float(), **TOL)
+    cache = out.past_key_values
+    for layer in range(model.config.num_layers):
+        ref_k, ref_v = cache.layers[layer].keys[0], cache.layers[layer].values[0]  # [Hkv, T, D]
+        torch.testing.assert_close(kv.layer(layer)[0], ref_k, **TOL)
+        torch.testing.assert_close(kv.layer(layer)[1], ref_v, **TOL)
+
+
+def test_our_loader_reads_what_transformers_saves(tmp_path):
+    model = tiny_model("qwen3", seed=3)
+    model.save(tmp_path / "ours")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+    ref.save_pretrained(tmp_path / "theirs")
+    loaded = Transformer.from_dir(tmp_path / "theirs")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name

@@ -1,0 +1,39 @@
+"""Small factories for tests: tiny seeded random models of each family (no download needed)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from cacheflow_common.model.config import ModelConfig, MoeConfig, RopeConfig
+from cacheflow_common.model.transformer import Transformer
+
+
+def tiny_config(family: str = "qwen3", **overrides: Any) -> ModelConfig:
+    """A tiny config of `family` with GQA (4 query / 2 KV heads); override any ModelConfig field."""
+    base = ModelConfig(
+        family=family,
+        vocab_size=384,
+        hidden_size=96,
+        intermediate_size=160,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=24,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0),
+        max_position_embeddings=4096,
+        tie_word_embeddings=family == "qwen2",
+        attention_bias=family == "qwen2",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        moe=MoeConfig(num_experts=4, experts_per_token=2, intermediate_size=48, norm_topk_prob=True,
+                      sparse_step=1, mlp_only_layers=(1,)) if family == "qwen3_moe" else None,
+        dtype="float32",
+    )
+    return replace(base, **overrides)
+
+
+def tiny_model(family: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Transformer:
+    return Transformer.random(tiny_config(family, **overrides), seed=seed, dtype=dtype)
