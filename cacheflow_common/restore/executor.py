@@ -1,0 +1,219 @@
+"""Restore the KV cache of one request's cached prefix on one stage, by any policy.
+
+The step loop reads like the algorithm: the calling thread is the compute pointer, a loader thread is
+the I/O pointer, and a `TwoPointerBoard` with a planner decides who takes which unit (token chunks in
+token mode, layers in layer mode). Policies:
+
+| policy            | mode          | planner                         | what it stands for              |
+|-------------------|---------------|---------------------------------|---------------------------------|
+| `compute-only`    | token         | fixed split at n (no loads)     | vLLM on a cache miss            |
+| `load-only`       | token         | fixed split at 0 (no compute)   | LMCache                         |
+| `cake`            | token         | greedy two pointers             | Cake                            |
+| `cacheflow-token` | token         | predictive meeting point        | CacheFlow, token-wise           |
+| `cacheflow-layer` | layer         | predictive meeting point        | CacheFlow, layer-wise           |
+| `cacheflow`       | N >= L_delta  | predictive meeting point        | CacheFlow, adaptive             |
+
+Misses (absent or corrupt chunks) are recomputed by every policy, load-only included.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cacheflow_common.errors import BadRequestError, ConfigError
+from cacheflow_common.kv.keys import ChunkKey
+from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.model.transformer import Span, Transformer
+from cacheflow_common.restore.board import Planner, TwoPointerBoard, UnitRecord
+from cacheflow_common.restore.costs import CostModel
+from cacheflow_common.restore.loader import KVLoader
+from cacheflow_common.restore.planner import FixedSplitPlanner, GreedyPlanner, PredictivePlanner
+from cacheflow_common.store.base import ChunkStore
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("compute-only", "load-only", "cake", "cacheflow-token", "cacheflow-layer", "cacheflow")
+
+# The hidden states entering the stage's first layer for prefix tokens [start, end): [T, hidden].
+StageInput = Callable[[int, int], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreJob:
+    """One request's cached prefix on one stage: what to restore, and how it was stored."""
+
+    token_ids: tuple[int, ...]
+    keys: tuple[ChunkKey, ...]  # one per chunk of token_ids (the last may be partial)
+    layers: range  # the stage's layers [a_s, b_s)
+    kv_dtype: str  # dtype the chunks were stored in, e.g. "bfloat16"
+    quant: str = "none"  # "none" | "int8"
+
+    def __post_init__(self) -> None:
+        covered = self.keys[-1].token_end if self.keys else 0
+        if covered != len(self.token_ids):
+            raise BadRequestError(f"chunk keys cover {covered} tokens but the prefix has {len(self.token_ids)}")
+
+
+@dataclass
+class RestoreResult:
+    """What a restore did: the filled KV buffer and, per unit, which side restored it and when."""
+
+    policy: str
+    mode: str  # "token" | "layer"
+    kv: KVBuffer
+    units: list[UnitRecord]
+    elapsed_s: float
+    loader_error: str = ""  # an unexpected loader failure (its units were recomputed)
+    bytes_loaded: int = 0
+    misses: Counter[str] = field(default_factory=Counter)
+
+    def sources(self) -> list[str]:
+        return [u.source for u in self.units]
+
+
+def choose_mode(policy: str, n_tokens: int, l_delta: int) -> str:
+    """Token-wise or layer-wise for `policy`; `cacheflow` picks token-wise when N >= L_delta."""
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown restore policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if policy == "cacheflow-layer" or (policy == "cacheflow" and n_tokens < l_delta):
+        return "layer"
+    return "token"
+
+
+def restore(
+    job: RestoreJob,
+    *,
+    model: Transformer,
+    store: ChunkStore,
+    policy: str,
+    costs: CostModel | None = None,
+    l_delta: int = 0,
+    kv: KVBuffer | None = None,
+    stage_input: StageInput | None = None,
+) -> RestoreResult:
+    """Restore `job` into `kv` (allocated if None) with `policy`; returns what was done.
+
+    `costs` (the profile's cost model behind the link in use) is required by the CacheFlow
+    policies; `stage_input` defaults to the token embeddings (stage 0).
+    """
+    mode = choose_mode(policy, len(job.token_ids), l_delta)
+    kv = kv if kv is not None else _kv_for(model, job)
+    loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
+    planner = _planner(policy, mode, job, loader, costs)
+    return run_restore(job, model=model, loader=loader, mode=mode, planner=planner, policy=policy,
+                       stage_input=stage_input)
+
+
+def run_restore(
+    job: RestoreJob,
+    *,
+    model: Transformer,
+    loader: KVLoader,
+    mode: str,
+    planner: Planner,
+    policy: str = "custom",
+    stage_input: StageInput | None = None,
+) -> RestoreResult:
+    """The restore loop: this thread is the compute pointer, a loader thread the I/O pointer."""
+    kv = loader.kv
+    if not job.token_ids:
+        return RestoreResult(policy=policy, mode=mode, kv=kv, units=[], elapsed_s=0.0)
+    inputs = stage_input or _embedding_input(model, job.token_ids)
+    n_units = len(job.keys) if mode == "token" else len(job.layers)
+    board = TwoPointerBoard(n_units, planner=planner, compute_skips_loaded=mode == "token")
+    load_unit = loader.load_chunk if mode == "token" else (lambda u: loader.load_layer(job.layers.start + u))
+    loader_error: list[str] = []
+    thread = threading.Thread(target=_run_loader, args=(board, load_unit, loader_error), daemon=True)
+
+    start = time.perf_counter()
+    thread.start()
+    if mode == "token":
+        _compute_chunks(board, model, job, kv, inputs)
+    else:
+        _compute_layers(board, model, job, kv, inputs)
+    thread.join()
+    elapsed = time.perf_counter() - start
+    misses = Counter(u.miss_reason for u in board.records if u.miss_reason)
+    return RestoreResult(policy=policy, mode=mode, kv=kv, units=board.records, elapsed_s=elapsed,
+                         loader_error=loader_error[0] if loader_error else "",
+                         bytes_loaded=loader.bytes_read, misses=misses)
+
+
+def _kv_for(model: Transformer, job: RestoreJob) -> KVBuffer:
+    return KVBuffer.for_model(model.config, layers=job.layers, capacity=max(1, len(job.token_ids)),
+                              dtype=model.dtype)
+
+
+def _embedding_input(model: Transformer, token_ids: Sequence[int]) -> StageInput:
+    ids = torch.tensor(token_ids, dtype=torch.long)  # [N]
+
+    def inputs(start: int, end: int) -> torch.Tensor:
+        return model.embed(ids[start:end])  # [T, hidden]
+
+    return inputs
+
+
+def _compute_chunks(board: TwoPointerBoard, model: Transformer, job: RestoreJob, kv: KVBuffer,
+                    inputs: StageInput) -> None:
+    """The compute pointer, token mode: run the stage's layers over each claimed chunk."""
+    while (unit := board.claim_compute()) is not None:
+        key = job.keys[unit]
+        hidden = inputs(key.token_start, key.token_end)  # [T, hidden]
+        model.forward_layers(hidden, job.layers, [Span(kv, key.token_start, key.token_end - key.token_start)])
+        board.compute_done(unit)
+
+
+def _compute_layers(board: TwoPointerBoard, model: Transformer, job: RestoreJob, kv: KVBuffer,
+                    inputs: StageInput) -> None:
+    """The compute pointer, layer mode: run each claimed layer over the whole prefix."""
+    n = len(job.token_ids)
+    hidden: torch.Tensor | None = None  # [N, hidden] entering the next layer to compute
+    while (unit := board.claim_compute()) is not None:
+        if hidden is None:
+            hidden = inputs(0, n)
+        layer = job.layers.start + unit
+        hidden = model.forward_layers(hidden, range(layer, layer + 1), [Span(kv, 0, n)])
+        board.compute_done(unit)
+
+
+def _run_loader(board: TwoPointerBoard, load_unit: Callable[[int], str], error: list[str]) -> None:
+    """The I/O pointer: load units from the back until the planner stops it or the pointers meet."""
+    try:
+        while (unit := board.claim_load()) is not None:
+            reason = load_unit(unit)
+            if reason:
+                board.load_missed(unit, reason)
+            else:
+                board.load_done(unit)
+    except Exception as exc:  # any loader failure: its units are recomputed, and the result reports it
+        log.exception("loader failed; its chunks will be recomputed")
+        error.append(f"{type(exc).__name__}: {exc}")
+        board.abort_loader("loader-error")
+
+
+def _planner(policy: str, mode: str, job: RestoreJob, loader: KVLoader, costs: CostModel | None) -> Planner:
+    n_units = len(job.keys) if mode == "token" else len(job.layers)
+    if policy == "compute-only":
+        return FixedSplitPlanner(n_units)
+    if policy == "load-only":
+        return FixedSplitPlanner(0)
+    if policy == "cake":
+        return GreedyPlanner()
+    if costs is None:
+        raise ConfigError(f"policy {policy!r} needs a cost model: run `cacheflow profile` and pass its costs")
+    n_layers = len(job.layers)
+    if mode == "token":
+        compute = [costs.chunk_compute_s(k.token_start, k.token_end, n_layers) for k in job.keys]
+        load = [costs.chunk_load_s(loader.chunk_bytes(i)) for i in range(len(job.keys))]
+    else:
+        n = len(job.token_ids)
+        compute = [costs.layer_compute_s(n)] * n_layers
+        load = [costs.layer_load_s(loader.layer_bytes(), len(job.keys))] * n_layers
+    return PredictivePlanner(compute, load)

@@ -1,0 +1,177 @@
+"""`cacheflow profile`: measure this machine's compute and load costs and the L_delta crossover.
+
+1. Per-chunk compute cost vs position (and a few chunk sizes), fitted per layer.
+2. Per-layer cost of a layer-wise pass over N tokens, fitted per layer.
+3. Raw store read throughput and the fixed cost of a read.
+4. For a few link rates, both restore modes run for real over a grid of prefix lengths; L_delta is the
+   shortest length from which token-wise is never slower than layer-wise (the paper's Fig. 3).
+Layers of a model are alike, so steps 1–2 time a few of them and divide; step 4 uses all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cacheflow_common.kv.chunk import encode_kv_chunk
+from cacheflow_common.kv.keys import ChunkKey
+from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.model.transformer import Span, Transformer
+from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
+from cacheflow_common.restore.executor import restore
+from cacheflow_common.restore.profile import Crossover, Profile
+from cacheflow_common.restore.save import dtype_name, make_job, save_prefix
+from cacheflow_common.store.base import ChunkStore
+from cacheflow_common.store.memory import MemoryStore
+from cacheflow_common.store.shaped import ShapedStore
+from cacheflow_common.transport.shaping import TokenBucket
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileSettings:
+    chunk_size: int = 256  # the restore's chunk size (DESIGN.md default)
+    max_tokens: int = 4096  # longest prefix timed for the compute fits
+    sample_layers: int = 4  # layers timed for the per-layer fits (layers are alike)
+    repeats: int = 3  # best of N: the minimum is the least noisy estimate on a shared machine
+    crossover_ratios: tuple[float, ...] = (0.5, 1.0, 2.0)  # Tio/Tcomp at the grid's middle length
+    crossover_chunks: tuple[float, ...] = (0.5, 1, 2, 3, 4, 6, 8)  # prefix lengths, in chunks
+
+
+def profile_model(model: Transformer, *, store: ChunkStore, settings: ProfileSettings,
+                  model_name: str, progress: Progress | None = None) -> Profile:
+    """Measure `model` on this machine, reading through `store` (unshaped), and build a profile."""
+    say = progress or (lambda _msg: None)
+    say("chunk compute cost vs position")
+    chunk_cost = _fit_chunk_compute(model, settings)
+    say("layer compute cost vs length")
+    layer_cost = _fit_layer_compute(model, settings)
+    say("store read throughput")
+    load = _measure_load(model, store, settings)
+    costs = CostModel(chunk_compute=chunk_cost, layer_compute=layer_cost, load=load)
+    crossovers = []
+    for ratio in settings.crossover_ratios:
+        say(f"L_delta crossover at Tio/Tcomp={ratio}")
+        crossovers.append(_measure_crossover(model, costs, settings, ratio))
+    return Profile(model=model.fingerprint(), model_name=model_name, dtype=dtype_name(model.dtype),
+                   chunk_size=settings.chunk_size, threads=torch.get_num_threads(), costs=costs,
+                   crossovers=tuple(crossovers), machine=_machine())
+
+
+def _machine() -> dict[str, str | int]:
+    return {"node": platform.node(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count() or 0, "torch": torch.__version__}
+
+
+def _best_time(fn: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _fit(rows: Sequence[tuple[float, float, float]], times: Sequence[float]) -> LinearCost:
+    """Least-squares `fixed + a * x1 + b * x2`, coefficients clipped at zero (costs are not negative)."""
+    a = np.array(rows, dtype=np.float64)  # [M, 3]
+    coef, *_ = np.linalg.lstsq(a, np.array(times), rcond=None)
+    coef = np.clip(coef, 0.0, None)
+    return LinearCost(fixed_s=float(coef[0]), per_token_s=float(coef[1]), per_token_ctx_s=float(coef[2]))
+
+
+def _sample_layers(model: Transformer, settings: ProfileSettings) -> range:
+    return range(model.layers.start, model.layers.start + min(settings.sample_layers, len(model.layers)))
+
+
+def _fit_chunk_compute(model: Transformer, settings: ProfileSettings) -> LinearCost:
+    layers = _sample_layers(model, settings)
+    c, n_max = settings.chunk_size, settings.max_tokens
+    kv = KVBuffer.for_model(model.config, layers=layers, capacity=n_max, dtype=model.dtype)
+    ids = torch.randint(0, model.config.vocab_size, (n_max,))  # [N]
+    spans = [(p, min(c, n_max - p)) for p in range(0, n_max, c)]
+    spans += [(p, t) for p in (0, n_max // 2) for t in (max(1, c // 4), max(1, c // 2))]
+    rows, times = [], []
+    for p, t in spans:  # in order: every chunk's context is in the buffer before it runs
+        hidden = model.embed(ids[p : p + t])  # [T, hidden]
+        sec = _best_time(lambda h=hidden, p=p, t=t: model.forward_layers(h, layers, [Span(kv, p, t)]),
+                         settings.repeats)
+        rows.append((1.0, float(t), t * (p + t / 2)))
+        times.append(sec / len(layers))
+    return _fit(rows, times)
+
+
+def _fit_layer_compute(model: Transformer, settings: ProfileSettings) -> LinearCost:
+    layers = _sample_layers(model, settings)
+    c, n_max = settings.chunk_size, settings.max_tokens
+    kv = KVBuffer.for_model(model.config, layers=layers, capacity=n_max, dtype=model.dtype)
+    lengths = sorted({max(1, c // 2), c, 2 * c, 4 * c, n_max // 2, n_max} & set(range(1, n_max + 1)))
+    rows, times = [], []
+    for n in lengths:
+        hidden = model.embed(torch.randint(0, model.config.vocab_size, (n,)))  # [N, hidden]
+        sec = _best_time(lambda h=hidden, n=n: model.forward_layers(h, layers, [Span(kv, 0, n)]), settings.repeats)
+        rows.append((1.0, float(n), n * n / 2))
+        times.append(sec / len(layers))
+    return _fit(rows, times)
+
+
+def _measure_load(model: Transformer, store: ChunkStore, settings: ProfileSettings) -> LoadCost:
+    cfg, t = model.config, settings.chunk_size
+    kv = torch.zeros(len(model.layers), 2, cfg.num_kv_heads, t, cfg.head_dim, dtype=model.dtype)
+    key = ChunkKey(digest=os.urandom(16), index=0, token_start=0, token_end=t)
+    obj = encode_kv_chunk(key=key, token_ids=[0] * t, model=model.fingerprint(), layer_start=model.layers.start,
+                          kv=kv, dtype=dtype_name(model.dtype))
+    name = f"profile-{key.hex}"
+    store.put(name, obj)
+    try:
+        big, small = memoryview(bytearray(len(obj))), memoryview(bytearray(64))
+        whole = _best_time(lambda: store.read_into(name, big, 0), settings.repeats + 2)
+        tiny = _best_time(lambda: store.read_into(name, small, 0), settings.repeats + 2)
+    finally:
+        store.delete(name)
+    latency = max(tiny, 1e-7)
+    rate = len(obj) / max(whole - latency, 1e-9)
+    return LoadCost(bytes_per_s=rate, latency_s=latency)
+
+
+def _measure_crossover(model: Transformer, costs: CostModel, settings: ProfileSettings, ratio: float) -> Crossover:
+    c = settings.chunk_size
+    lengths = [max(1, int(k * c)) for k in settings.crossover_chunks]
+    mid = lengths[len(lengths) // 2]
+    n_layers = len(model.layers)
+    bytes_mid = mid * n_layers * model.config.kv_bytes_per_token_per_layer
+    comp_mid = sum(costs.chunk_compute_s(p, min(p + c, mid), n_layers) for p in range(0, mid, c))
+    rate = bytes_mid / (ratio * comp_mid)
+    raw = MemoryStore()
+    table = []
+    for n in lengths:
+        job = make_job(model, torch.randint(0, model.config.vocab_size, (n,)).tolist(), tenant="profile",
+                       chunk_size=c, layers=model.layers)
+        save_prefix(model, job, raw)
+        linked = costs.with_link(rate)
+        times = {}
+        for mode in ("cacheflow-token", "cacheflow-layer"):
+            times[mode] = min(
+                restore(job, model=model, store=ShapedStore(raw, TokenBucket(rate)), policy=mode,
+                        costs=linked).elapsed_s
+                for _ in range(max(1, settings.repeats - 1))
+            )
+        table.append({"n_tokens": float(n), "token_s": times["cacheflow-token"], "layer_s": times["cacheflow-layer"]})
+    return Crossover(link_bytes_per_s=rate, l_delta=_crossover_length(table), table=tuple(table))
+
+
+def _crossover_length(table: Sequence[dict[str, float]]) -> int:
+    """Shortest length from which token-wise is never slower than layer-wise; beyond the grid if none."""
+    l_delta = int(table[-1]["n_tokens"]) + 1
+    for row in reversed(table):
+        if row["token_s"] > row["layer_s"]:
+            break
+        l_delta = int(row["n_tokens"])
+    return l_delta

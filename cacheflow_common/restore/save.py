@@ -1,0 +1,76 @@
+"""The save path: compute a prefix's KV (chunked prefill) and store it as chunk objects.
+
+Encoding uses torch: it runs after a prefill, off the restore's hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cacheflow_common.kv.chunk import encode_kv_chunk
+from cacheflow_common.kv.keys import ChunkKey, chunk_keys, object_name, tenant_salt
+from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.model.transformer import Span, Transformer
+from cacheflow_common.restore.executor import RestoreJob
+from cacheflow_common.store.base import ChunkStore
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES[dtype]
+
+
+def make_job(
+    model: Transformer,
+    token_ids: Sequence[int],
+    *,
+    tenant: str,
+    chunk_size: int,
+    layers: range | None = None,
+    quant: str = "none",
+) -> RestoreJob:
+    """The restore job for `token_ids` under `tenant`, keys salted by the model's fingerprint."""
+    keys = chunk_keys(token_ids, chunk_size, tenant_salt(model.fingerprint(), tenant))
+    return RestoreJob(
+        token_ids=tuple(token_ids),
+        keys=tuple(keys),
+        layers=layers if layers is not None else range(model.config.num_layers),
+        kv_dtype=dtype_name(model.dtype),
+        quant=quant,
+    )
+
+
+def compute_prefix_kv(model: Transformer, job: RestoreJob) -> KVBuffer:
+    """Chunked prefill of the job's prefix through its layers (stage 0 input: token embeddings)."""
+    kv = KVBuffer.for_model(model.config, layers=job.layers, capacity=max(1, len(job.token_ids)),
+                            dtype=model.dtype)
+    ids = torch.tensor(job.token_ids, dtype=torch.long)  # [N]
+    for key in job.keys:
+        hidden = model.embed(ids[key.token_start : key.token_end])  # [T, hidden]
+        model.forward_layers(hidden, job.layers, [Span(kv, key.token_start, key.token_end - key.token_start)])
+    return kv
+
+
+def save_chunks(kv: KVBuffer, job: RestoreJob, store: ChunkStore, *, model_fingerprint: str,
+                keys: Sequence[ChunkKey] | None = None) -> int:
+    """Store the chunks `keys` (default: all of the job's) of `kv`; returns the bytes written."""
+    lo = job.layers.start - kv.layer_start
+    written = 0
+    for key in keys if keys is not None else job.keys:
+        part = kv.data[lo : lo + len(job.layers), :, :, key.token_start : key.token_end]  # [L, 2, Hkv, T, D]
+        obj = encode_kv_chunk(key=key, token_ids=job.token_ids[key.token_start : key.token_end],
+                              model=model_fingerprint, layer_start=job.layers.start, kv=part,
+                              dtype=job.kv_dtype, quant=job.quant)
+        store.put(object_name(key, "kv", job.layers.start, job.layers.stop), obj)
+        written += len(obj)
+    return written
+
+
+def save_prefix(model: Transformer, job: RestoreJob, store: ChunkStore) -> KVBuffer:
+    """Prefill the job's prefix and store every chunk; returns the computed KV."""
+    kv = compute_prefix_kv(model, job)
+    save_chunks(kv, job, store, model_fingerprint=model.fingerprint())
+    return kv
