@@ -35,5 +35,6 @@ def tiny_config(family: str = "qwen3", **overrides: Any) -> ModelConfig:
     return replace(base, **overrides)
 
 
-def tiny_model(family: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Transformer:
+def tiny_model(family: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32,
+               **overrides: Any) -> Transformer:
     return Transformer.random(tiny_config(family, **overrides), seed=seed, dtype=dtype)

@@ -62,6 +62,8 @@ class ModelConfig:
         family = d.get("model_type")
         if family not in FAMILIES:
             raise ConfigError(f"unsupported model_type {family!r}; supported: {', '.join(FAMILIES)}")
+        if d.get("mlp_bias"):
+            raise ConfigError("MLP biases (mlp_bias: true) are not supported")
         if d.get("use_sliding_window"):
             raise ConfigError("sliding-window attention is not supported (use_sliding_window is true)")
         try:

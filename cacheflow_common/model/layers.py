@@ -23,7 +23,8 @@ def linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
 
 def dense_mlp(x: torch.Tensor, w: Weights, prefix: str) -> torch.Tensor:
     """SwiGLU: down(silu(gate(x)) * up(x)); x [R, hidden] -> [R, hidden]."""
-    return linear(F.silu(linear(x, w, prefix + "gate_proj")) * linear(x, w, prefix + "up_proj"), w, prefix + "down_proj")
+    gated = F.silu(linear(x, w, prefix + "gate_proj")) * linear(x, w, prefix + "up_proj")  # [R, inter]
+    return linear(gated, w, prefix + "down_proj")
 
 
 def moe_mlp(x: torch.Tensor, w: Weights, prefix: str, config: ModelConfig) -> torch.Tensor:

@@ -31,9 +31,27 @@ TINY_QWEN3 = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def cpu_has_fast_bf16() -> bool:
+    """AMX (or AVX-512 BF16) makes bfloat16 matmuls 2-3x faster than float32; without it they are far slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def default_dtype() -> torch.dtype:
+    """The faster compute dtype on this machine: bfloat16 on GPUs and bf16-capable CPUs, else float32."""
+    return torch.bfloat16 if torch.cuda.is_available() or cpu_has_fast_bf16() else torch.float32
+
+
 def parse_dtype(name: str) -> torch.dtype:
+    """A dtype name, or "auto" for `default_dtype()`."""
+    if name == "auto":
+        return default_dtype()
     if name not in DTYPES:
-        raise ConfigError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+        raise ConfigError(f"unknown dtype {name!r}; choose auto or one of {', '.join(DTYPES)}")
     return DTYPES[name]
 
 

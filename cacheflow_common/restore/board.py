@@ -143,18 +143,28 @@ class TwoPointerBoard:
 
     # -- the I/O side --------------------------------------------------------------------------
     def claim_load(self) -> int | None:
-        """The next unit to load (highest pending), or None once the loader should stop."""
+        """The next unit to load (highest pending), or None once nothing is left for the loader.
+
+        When the planner says compute should take the rest, the loader waits and re-plans at the next
+        event (its predictions improve as units finish) instead of giving up for good.
+        """
         with self._cond:
-            if not self._load_active:
-                return None
-            pending = self._pending()
-            if not pending or not self.planner.load_may_take(self._view()):
-                self._retire_loader()
-                return None
-            unit = pending[-1]
-            self._start(unit, Unit.LOADING)
-            self._load_free_at = time.perf_counter() + self.planner.predicted_s(unit, "load")
-            return unit
+            while self._load_active:
+                pending = self._pending()
+                if not pending:
+                    self._retire_loader()
+                    return None
+                if self.planner.load_may_take(self._view()):
+                    unit = pending[-1]
+                    self._start(unit, Unit.LOADING)
+                    self._load_free_at = time.perf_counter() + self.planner.predicted_s(unit, "load")
+                    return unit
+                self._cond.wait(timeout=self._compute_wait_s())
+            return None
+
+    def _compute_wait_s(self) -> float:
+        # Re-plan when the compute side is predicted to be free, or soon if it is late.
+        return min(0.05, max(0.001, self._compute_free_at - time.perf_counter()))
 
     def load_done(self, unit: int) -> None:
         with self._cond:

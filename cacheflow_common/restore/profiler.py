@@ -24,7 +24,7 @@ from cacheflow_common.kv.keys import ChunkKey
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
-from cacheflow_common.restore.executor import restore
+from cacheflow_common.restore.executor import RestoreJob, restore
 from cacheflow_common.restore.profile import Crossover, Profile
 from cacheflow_common.restore.save import dtype_name, make_job, save_prefix
 from cacheflow_common.store.base import ChunkStore
@@ -57,9 +57,10 @@ def profile_model(model: Transformer, *, store: ChunkStore, settings: ProfileSet
     load = _measure_load(model, store, settings)
     costs = CostModel(chunk_compute=chunk_cost, layer_compute=layer_cost, load=load)
     crossovers = []
+    prefixes = _crossover_prefixes(model, settings)
     for ratio in settings.crossover_ratios:
         say(f"L_delta crossover at Tio/Tcomp={ratio}")
-        crossovers.append(_measure_crossover(model, costs, settings, ratio))
+        crossovers.append(_measure_crossover(model, costs, settings, ratio, prefixes))
     return Profile(model=model.fingerprint(), model_name=model_name, dtype=dtype_name(model.dtype),
                    chunk_size=settings.chunk_size, threads=torch.get_num_threads(), costs=costs,
                    crossovers=tuple(crossovers), machine=_machine())
@@ -141,29 +142,37 @@ def _measure_load(model: Transformer, store: ChunkStore, settings: ProfileSettin
     return LoadCost(bytes_per_s=rate, latency_s=latency)
 
 
-def _measure_crossover(model: Transformer, costs: CostModel, settings: ProfileSettings, ratio: float) -> Crossover:
-    c = settings.chunk_size
-    lengths = [max(1, int(k * c)) for k in settings.crossover_chunks]
-    mid = lengths[len(lengths) // 2]
-    n_layers = len(model.layers)
+def _crossover_prefixes(model: Transformer, settings: ProfileSettings) -> tuple[MemoryStore, list[RestoreJob]]:
+    """Random prefixes over the crossover grid, saved once in memory (the link is emulated per rate)."""
+    store = MemoryStore()
+    jobs = []
+    for k in settings.crossover_chunks:
+        n = max(1, int(k * settings.chunk_size))
+        job = make_job(model, torch.randint(0, model.config.vocab_size, (n,)).tolist(), tenant="profile",
+                       chunk_size=settings.chunk_size, layers=model.layers)
+        save_prefix(model, job, store)
+        jobs.append(job)
+    return store, jobs
+
+
+def _measure_crossover(model: Transformer, costs: CostModel, settings: ProfileSettings, ratio: float,
+                       prefixes: tuple[MemoryStore, list[RestoreJob]]) -> Crossover:
+    raw, jobs = prefixes
+    c, n_layers = settings.chunk_size, len(model.layers)
+    mid = len(jobs[len(jobs) // 2].token_ids)
     bytes_mid = mid * n_layers * model.config.kv_bytes_per_token_per_layer
     comp_mid = sum(costs.chunk_compute_s(p, min(p + c, mid), n_layers) for p in range(0, mid, c))
     rate = bytes_mid / (ratio * comp_mid)
-    raw = MemoryStore()
+    linked = costs.with_link(rate)
     table = []
-    for n in lengths:
-        job = make_job(model, torch.randint(0, model.config.vocab_size, (n,)).tolist(), tenant="profile",
-                       chunk_size=c, layers=model.layers)
-        save_prefix(model, job, raw)
-        linked = costs.with_link(rate)
-        times = {}
-        for mode in ("cacheflow-token", "cacheflow-layer"):
-            times[mode] = min(
-                restore(job, model=model, store=ShapedStore(raw, TokenBucket(rate)), policy=mode,
-                        costs=linked).elapsed_s
-                for _ in range(max(1, settings.repeats - 1))
-            )
-        table.append({"n_tokens": float(n), "token_s": times["cacheflow-token"], "layer_s": times["cacheflow-layer"]})
+    for job in jobs:
+        times = {
+            mode: min(restore(job, model=model, store=ShapedStore(raw, TokenBucket(rate)), policy=mode,
+                              costs=linked).elapsed_s for _ in range(max(1, settings.repeats - 1)))
+            for mode in ("cacheflow-token", "cacheflow-layer")
+        }
+        table.append({"n_tokens": float(len(job.token_ids)), "token_s": times["cacheflow-token"],
+                      "layer_s": times["cacheflow-layer"]})
     return Crossover(link_bytes_per_s=rate, l_delta=_crossover_length(table), table=tuple(table))
 
 
