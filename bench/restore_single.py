@@ -13,6 +13,7 @@ splits. Writes bench/results/restore_single.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import tempfile
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from cacheflow_bench.common import (
     write_json,
 )
 
+from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.sources import load_model, parse_dtype
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.costs import best_split
@@ -141,6 +143,7 @@ def _bench_cell(model: Transformer, name: str, profile: Profile, raw: ChunkStore
     modes: dict[str, str] = {}
     for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits every policy alike
         for policy in TIMED:
+            gc.collect()  # a collection inside a timed run would be charged to that policy
             result = restore(job, model=model, store=linked(), policy=policy, costs=costs, l_delta=l_delta)
             _require_complete(result)
             runs[policy].append(result.elapsed_s)
@@ -169,9 +172,7 @@ def _forced(model: Transformer, job: RestoreJob, store: ChunkStore, mode: str, s
     return result
 
 
-def _fresh_kv(model: Transformer, job: RestoreJob):  # type: ignore[no-untyped-def]
-    from cacheflow_common.model.kv_buffer import KVBuffer
-
+def _fresh_kv(model: Transformer, job: RestoreJob) -> KVBuffer:
     return KVBuffer.for_model(model.config, layers=job.layers, capacity=len(job.token_ids), dtype=model.dtype)
 
 

@@ -42,7 +42,7 @@ def smollm2_dir(cache_dir: Path | None = None) -> Path:
     pkg = gguf_package_dir()
     try:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
     except ImportError as exc:
         raise ConfigError(f"converting SmolLM2 needs transformers, gguf and accelerate: {INSTALL_HINT}") from exc
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -50,12 +50,11 @@ def smollm2_dir(cache_dir: Path | None = None) -> Path:
     try:
         # A GGUF-quantized model cannot be saved as is: copy its (dequantized) weights into a plain one.
         packed = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=GGUF_FILE, dtype=torch.float32)
-        config = packed.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = LlamaForCausalLM(config)
+        config = packed.config.to_dict()
+        config.pop("quantization_config", None)
+        plain = LlamaForCausalLM(LlamaConfig.from_dict(config))
         plain.load_state_dict(packed.state_dict(), strict=True)
-        plain.to(torch.bfloat16).save_pretrained(tmp)
+        plain.bfloat16().save_pretrained(tmp)
         AutoTokenizer.from_pretrained(pkg, gguf_file=GGUF_FILE).save_pretrained(tmp)
         os.rename(tmp, target)
     except OSError:

@@ -124,7 +124,7 @@ def checkpoint_fingerprint(path: Path, config: ModelConfig, dtype: torch.dtype) 
         h.update(size.to_bytes(8, "little"))
         with open(file, "rb") as f:
             if whole:
-                for block in iter(lambda f=f: f.read(1 << 20), b""):
+                while block := f.read(1 << 20):
                     h.update(block)
                 continue
             (header_len,) = struct.unpack("<Q", f.read(8))

@@ -15,6 +15,7 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -102,8 +103,7 @@ def _fit_chunk_compute(model: Transformer, settings: ProfileSettings) -> LinearC
     rows, times = [], []
     for p, t in spans:  # in order: every chunk's context is in the buffer before it runs
         hidden = model.embed(ids[p : p + t])  # [T, hidden]
-        sec = _best_time(lambda h=hidden, p=p, t=t: model.forward_layers(h, layers, [Span(kv, p, t)]),
-                         settings.repeats)
+        sec = _best_time(partial(model.forward_layers, hidden, layers, [Span(kv, p, t)]), settings.repeats)
         rows.append((1.0, float(t), t * (p + t / 2)))
         times.append(sec / len(layers))
     return _fit(rows, times)
@@ -117,7 +117,7 @@ def _fit_layer_compute(model: Transformer, settings: ProfileSettings) -> LinearC
     rows, times = [], []
     for n in lengths:
         hidden = model.embed(torch.randint(0, model.config.vocab_size, (n,)))  # [N, hidden]
-        sec = _best_time(lambda h=hidden, n=n: model.forward_layers(h, layers, [Span(kv, 0, n)]), settings.repeats)
+        sec = _best_time(partial(model.forward_layers, hidden, layers, [Span(kv, 0, n)]), settings.repeats)
         rows.append((1.0, float(n), n * n / 2))
         times.append(sec / len(layers))
     return _fit(rows, times)

@@ -9,7 +9,7 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cacheflow_common.restore.board import BoardView, TwoPointerBoard
+from cacheflow_common.restore.board import BoardView, Planner, TwoPointerBoard
 from cacheflow_common.restore.costs import best_split, best_split_from
 from cacheflow_common.restore.planner import FixedSplitPlanner, GreedyPlanner, PredictivePlanner
 
@@ -66,12 +66,13 @@ def _check_partition(board: TwoPointerBoard, computed: list[int], loaded: list[i
 def test_every_unit_restored_once_and_pointers_never_cross(n, miss_bits, token_mode, planner_kind, seed):
     misses = {u for u in range(n) if miss_bits >> u & 1}
     rng = random.Random(seed)
-    planner = {
+    planners: dict[str, Planner] = {
         "greedy": GreedyPlanner(),
         "fixed": FixedSplitPlanner(rng.randint(0, n)),
         "predictive": PredictivePlanner([rng.uniform(1e-4, 1e-3) for _ in range(n)],
                                         [rng.uniform(1e-4, 1e-3) for _ in range(n)]),
-    }[planner_kind]
+    }
+    planner = planners[planner_kind]
     board = TwoPointerBoard(n, planner=planner, compute_skips_loaded=token_mode)
     computed, loaded = _drive(board, misses, seed)
     _check_partition(board, computed, loaded, token_mode)

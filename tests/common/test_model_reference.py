@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from tests.factories import tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = {
+FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {},
     "llama-rope3": {"rope": RopeConfig(theta=500000.0, scaling="llama3", factor=8.0, low_freq_factor=1.0,
                                        high_freq_factor=4.0, original_max_position_embeddings=16)},
@@ -20,7 +22,7 @@ FAMILIES = {
     "qwen3": {},
     "qwen3_moe": {},
 }
-TOL = {"atol": 1e-4, "rtol": 1e-4}
+TOL = 1e-4
 
 
 def _ours(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, KVBuffer]:
@@ -41,12 +43,12 @@ def test_logits_and_every_layers_kv_match_transformers(variant, tmp_path):
     with torch.no_grad():
         out = ref(ids[None], use_cache=True)
     logits, kv = _ours(model, ids)
-    torch.testing.assert_close(logits, out.logits[0].float(), **TOL)
+    torch.testing.assert_close(logits, out.logits[0].float(), atol=TOL, rtol=TOL)
     cache = out.past_key_values
     for layer in range(model.config.num_layers):
         ref_k, ref_v = cache.layers[layer].keys[0], cache.layers[layer].values[0]  # [Hkv, T, D]
-        torch.testing.assert_close(kv.layer(layer)[0], ref_k, **TOL)
-        torch.testing.assert_close(kv.layer(layer)[1], ref_v, **TOL)
+        torch.testing.assert_close(kv.layer(layer)[0], ref_k, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(kv.layer(layer)[1], ref_v, atol=TOL, rtol=TOL)
 
 
 def test_our_loader_reads_what_transformers_saves(tmp_path):

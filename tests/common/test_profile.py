@@ -1,0 +1,48 @@
+"""The profile file: round trip, validation, and L_delta chosen by the nearest profiled link rate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cacheflow_common.errors import ConfigError
+from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
+from cacheflow_common.restore.profile import Crossover, Profile
+
+COSTS = CostModel(chunk_compute=LinearCost(fixed_s=1e-3, per_token_s=1e-5, per_token_ctx_s=1e-9),
+                  layer_compute=LinearCost(fixed_s=2e-3, per_token_s=1e-5, per_token_ctx_s=1e-9),
+                  load=LoadCost(bytes_per_s=5e9, latency_s=1e-4))
+
+
+def _profile() -> Profile:
+    return Profile(model="fp", model_name="tiny", dtype="float32", chunk_size=256, threads=2, costs=COSTS,
+                   crossovers=(Crossover(link_bytes_per_s=1e7, l_delta=512),
+                               Crossover(link_bytes_per_s=1e9, l_delta=1024)))
+
+
+def test_round_trip(tmp_path):
+    p = _profile()
+    p.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == p
+
+
+def test_l_delta_of_nearest_rate_in_log_scale():
+    p = _profile()
+    assert p.l_delta_for(2e7) == 512 and p.l_delta_for(5e8) == 1024 and p.l_delta_for(None) == 1024
+
+
+def test_link_caps_the_load_rate():
+    p = _profile()
+    assert p.cost_model(1e6).load.bytes_per_s == 1e6 and p.cost_model(1e12).load.bytes_per_s == 5e9
+
+
+@pytest.mark.parametrize("damage", [{"format": 99}, {"costs": None}, {"crossovers": [{"l_delta": 3}]}])
+def test_bad_profiles_are_rejected_with_the_reason(tmp_path, damage):
+    body = _profile().to_json()
+    body.update(damage)
+    (tmp_path / "p.json").write_text(json.dumps(body))
+    with pytest.raises(ConfigError, match="profile"):
+        Profile.load(tmp_path / "p.json")
+    with pytest.raises(ConfigError):
+        Profile.load(tmp_path / "absent.json")
