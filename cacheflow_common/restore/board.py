@@ -34,6 +34,11 @@ class Unit(enum.Enum):
 
 _DONE = (Unit.LOADED, Unit.COMPUTED)
 _WAIT = -1  # claim_compute: nothing to take yet, but loads in flight may still miss
+# Every state change notifies the board's condition, so waits for events need no timeout; this is
+# only a safety net. Re-planning waits never sleep less than _MIN_REPLAN_S: a tighter loop would take
+# the GIL from the compute thread often enough to slow the forward pass.
+_EVENT_WAIT_S = 1.0
+_MIN_REPLAN_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,13 @@ class BoardView:
 
 
 class Planner(Protocol):
-    """Decides whether a side may take the next pending unit. Pure policy: no I/O, no compute."""
+    """Decides whether a side may take the next pending unit. Pure policy: no I/O, no compute.
+
+    `replans_over_time`: whether a declined claim may be granted later without any event (because
+    time passing changes the prediction). If not, a declined side sleeps until the next event.
+    """
+
+    replans_over_time: bool
 
     def compute_may_take(self, view: BoardView) -> bool: ...
 
@@ -94,14 +105,14 @@ class TwoPointerBoard:
                 if unit is None:
                     return None
                 if unit == _WAIT:
-                    self._cond.wait(timeout=0.05)
+                    self._cond.wait(timeout=_EVENT_WAIT_S)
                     continue
                 if self.states[unit] is Unit.PENDING:
                     if not self.planner.compute_may_take(self._view()):
-                        self._cond.wait(timeout=self._wait_s())
+                        self._cond.wait(timeout=self._replan_wait_s(self._load_free_at))
                         continue
                 elif not self._ready_for_fallback(unit):
-                    self._cond.wait(timeout=0.05)
+                    self._cond.wait(timeout=_EVENT_WAIT_S)
                     continue
                 self._start(unit, Unit.COMPUTING)
                 self._compute_free_at = time.perf_counter() + self.planner.predicted_s(unit, "compute")
@@ -159,12 +170,8 @@ class TwoPointerBoard:
                     self._start(unit, Unit.LOADING)
                     self._load_free_at = time.perf_counter() + self.planner.predicted_s(unit, "load")
                     return unit
-                self._cond.wait(timeout=self._compute_wait_s())
+                self._cond.wait(timeout=self._replan_wait_s(self._compute_free_at))
             return None
-
-    def _compute_wait_s(self) -> float:
-        # Re-plan when the compute side is predicted to be free, or soon if it is late.
-        return min(0.05, max(0.001, self._compute_free_at - time.perf_counter()))
 
     def load_done(self, unit: int) -> None:
         with self._cond:
@@ -209,9 +216,11 @@ class TwoPointerBoard:
             load_active=self._load_active,
         )
 
-    def _wait_s(self) -> float:
-        # Re-plan when the loader is predicted to be free, or soon if it is late.
-        return min(0.05, max(0.001, self._load_free_at - time.perf_counter()))
+    def _replan_wait_s(self, other_side_free_at: float) -> float:
+        """How long a declined side sleeps: until the next event, or when the other side should be free."""
+        if not self.planner.replans_over_time:
+            return _EVENT_WAIT_S
+        return min(_EVENT_WAIT_S, max(_MIN_REPLAN_S, other_side_free_at - time.perf_counter()))
 
     def _start(self, unit: int, state: Unit) -> None:
         self.states[unit] = state

@@ -24,6 +24,8 @@ _CALIBRATION_WEIGHT = 0.5
 class GreedyPlanner:
     """Cake: every claim is granted."""
 
+    replans_over_time = False
+
     def compute_may_take(self, view: BoardView) -> bool:
         return True
 
@@ -52,6 +54,8 @@ class FixedSplitPlanner(GreedyPlanner):
 
 class PredictivePlanner:
     """CacheFlow: re-plan the meeting point at every claim, with online-calibrated unit costs."""
+
+    replans_over_time = True
 
     def __init__(self, compute_s: Sequence[float], load_s: Sequence[float]) -> None:
         if len(compute_s) != len(load_s):

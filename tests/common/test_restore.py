@@ -8,6 +8,7 @@ corrupt) are recomputed and the result is still correct.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from cacheflow_common.restore.executor import POLICIES, RestoreJob, RestoreResul
 from cacheflow_common.restore.loader import KVLoader
 from cacheflow_common.restore.planner import FixedSplitPlanner
 from cacheflow_common.restore.save import compute_prefix_kv, make_job, save_chunks, save_prefix
+from cacheflow_common.store.base import ChunkStore
 from cacheflow_common.store.filesystem import FilesystemStore
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_common.store.shaped import ShapedStore
@@ -81,25 +83,47 @@ def _check(result: RestoreResult, job: RestoreJob, saved: KVBuffer, ref: KVBuffe
             torch.testing.assert_close(got[region], ref.data[region], atol=ATOL, rtol=ATOL)
 
 
-def _restore_and_check(model: Transformer, n: int, policy: str, store_kind: str, tmp_path, seed: int = 1):
+@dataclass
+class Case:
+    """A saved prefix of `n` tokens plus a suffix, its one-pass reference, and an empty KV buffer."""
+
+    n: int
+    ids: list[int]
+    job: RestoreJob
+    saved: KVBuffer
+    ref: KVBuffer
+    ref_logits: torch.Tensor
+    kv: KVBuffer
+
+    def check(self, model: Transformer, result: RestoreResult) -> None:
+        _check(result, self.job, self.saved, self.ref, self.n)
+        torch.testing.assert_close(_next_logits(model, result.kv, self.ids, self.n), self.ref_logits,
+                                   atol=ATOL, rtol=ATOL)
+
+
+def _case(model: Transformer, n: int, seed: int, store: ChunkStore) -> Case:
     ids = _tokens(model, n, seed)
     job = make_job(model, ids[:n], tenant="t", chunk_size=CHUNK)
-    raw = FilesystemStore(tmp_path / "chunks") if store_kind == "fs" else MemoryStore()
-    saved = save_prefix(model, job, raw)
+    saved = save_prefix(model, job, store)
     ref, ref_logits = _reference(model, ids, n)
+    kv = KVBuffer.for_model(model.config, layers=job.layers, capacity=n + SUFFIX, dtype=model.dtype)
+    return Case(n, ids, job, saved, ref, ref_logits, kv)
+
+
+def _restore_and_check(model: Transformer, n: int, policy: str, store_kind: str, tmp_path, seed: int = 1):
+    raw = FilesystemStore(tmp_path / "chunks") if store_kind == "fs" else MemoryStore()
+    case = _case(model, n, seed, raw)
     # A link slow enough that loading a chunk costs about as much as computing one: both sides work.
     store = ShapedStore(raw, TokenBucket(2e7))
-    kv = KVBuffer.for_model(model.config, layers=job.layers, capacity=n + SUFFIX, dtype=model.dtype)
-    result = restore(job, model=model, store=store, policy=policy, costs=COSTS, l_delta=3 * CHUNK, kv=kv)
-    _check(result, job, saved, ref, n)
-    torch.testing.assert_close(_next_logits(model, result.kv, ids, n), ref_logits, atol=ATOL, rtol=ATOL)
-    return result, job, raw
+    result = restore(case.job, model=model, store=store, policy=policy, costs=COSTS, l_delta=3 * CHUNK, kv=case.kv)
+    case.check(model, result)
+    return result
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("n", [0, 5, 2 * CHUNK, 3 * CHUNK + 7])
 def test_every_policy_restores_full_prefill_kv(model, policy, n, tmp_path):
-    result, _, _ = _restore_and_check(model, n, policy, "memory", tmp_path)
+    result = _restore_and_check(model, n, policy, "memory", tmp_path)
     if n == 0:
         assert result.units == []
         return
@@ -121,19 +145,14 @@ def test_restore_from_filesystem_store(model, policy, tmp_path):
 @pytest.mark.parametrize("split", [1, 2])
 def test_forced_mixed_split_is_exact_where_loaded(model, mode, split):
     """A fixed split guarantees both sides restore part of the prefix, deterministically."""
-    n = 3 * CHUNK + 5
-    ids = _tokens(model, n, seed=7)
-    job = make_job(model, ids[:n], tenant="t", chunk_size=CHUNK)
     store = MemoryStore()
-    saved = save_prefix(model, job, store)
-    ref, ref_logits = _reference(model, ids, n)
-    kv = KVBuffer.for_model(model.config, layers=job.layers, capacity=n + SUFFIX, dtype=model.dtype)
-    loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant="none")
+    case = _case(model, 3 * CHUNK + 5, 7, store)
+    job = case.job
+    loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=case.kv, dtype=job.kv_dtype, quant="none")
     result = run_restore(job, model=model, loader=loader, mode=mode, planner=FixedSplitPlanner(split))
     n_units = len(result.units)
     assert result.sources() == ["computed"] * split + ["loaded"] * (n_units - split)
-    _check(result, job, saved, ref, n)
-    torch.testing.assert_close(_next_logits(model, kv, ids, n), ref_logits, atol=ATOL, rtol=ATOL)
+    case.check(model, result)
 
 
 def _corrupt(store: MemoryStore, name: str, offset: int) -> None:
@@ -144,19 +163,14 @@ def _corrupt(store: MemoryStore, name: str, offset: int) -> None:
 
 @pytest.mark.parametrize("policy", ["load-only", "cake", "cacheflow-token", "cacheflow-layer"])
 def test_missing_and_corrupt_chunks_are_recomputed(model, policy):
-    n = 4 * CHUNK + 3
-    ids = _tokens(model, n, seed=3)
-    job = make_job(model, ids[:n], tenant="t", chunk_size=CHUNK)
     store = MemoryStore()
-    saved = save_prefix(model, job, store)
-    ref, ref_logits = _reference(model, ids, n)
+    case = _case(model, 4 * CHUNK + 3, 3, store)
+    job = case.job
     names = [object_name(k, "kv", job.layers.start, job.layers.stop) for k in job.keys]
     store.delete(names[2])  # absent
     _corrupt(store, names[4], 65)  # the first payload byte of the first section: crc fails
-    kv = KVBuffer.for_model(model.config, layers=job.layers, capacity=n + SUFFIX, dtype=model.dtype)
-    result = restore(job, model=model, store=store, policy=policy, costs=COSTS, kv=kv)
-    _check(result, job, saved, ref, n)
-    torch.testing.assert_close(_next_logits(model, kv, ids, n), ref_logits, atol=ATOL, rtol=ATOL)
+    result = restore(job, model=model, store=store, policy=policy, costs=COSTS, kv=case.kv)
+    case.check(model, result)
     if policy == "load-only":  # the loader visits every unit, so both misses are seen and counted
         assert result.misses["absent"] >= 1
         if result.mode == "token":
