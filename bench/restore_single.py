@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import tempfile
 from collections.abc import Sequence
@@ -46,7 +47,8 @@ from cacheflow_common.store.shaped import ShapedStore
 from cacheflow_common.transport.shaping import TokenBucket
 
 POLICIES = ("compute-only", "load-only", "cake", "cacheflow-token", "cacheflow-layer", "cacheflow")
-TIMED = ("cake", "cacheflow-token", "cacheflow-layer", "cacheflow")  # repeated; the baselines below run fewer times
+# Repeated and interleaved in every cell; load-only (bound by the emulated link) runs once per cell.
+TIMED = ("compute-only", "cake", "cacheflow-token", "cacheflow-layer", "cacheflow")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -55,6 +57,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--models", default="tiny,smollm2", help="comma list of tiny | smollm2 | model dirs")
     p.add_argument("--lengths", default="1024,2048,4096,8192", help="prefix lengths in tokens")
     p.add_argument("--ratios", default="0.25,0.5,1,2,4", help="Tio/Tcomp ratios that set the link speed")
+    p.add_argument("--cap", default="", help="per-model longest prefix, e.g. smollm2=4096 (to fit a time budget)")
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="runs per policy and cell (median)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: timings depend on it)")
@@ -81,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile = _profile(model, name, args, max(lengths))
             profiles[name] = profile.to_json()
             store = FilesystemStore(Path(tmp) / name)
-            for n in lengths:
+            cap = dict(item.split("=") for item in args.cap.split(",") if item).get(name)
+            for n in [x for x in lengths if cap is None or x <= int(cap)]:
                 print(f"[{name}] N={n}", flush=True)
                 cells += _bench_length(model, name, profile, store, n, ratios, args)
                 _write(out, args, profiles, cells)  # partial results survive an interrupted run
@@ -114,15 +118,16 @@ def _bench_length(model: Transformer, name: str, profile: Profile, store: ChunkS
     job = make_job(model, [rng.randrange(model.config.vocab_size) for _ in range(n)], tenant="bench",
                    chunk_size=args.chunk_size)
     save_prefix(model, job, store)
-    # Compute-only costs do not depend on the link: measure them once per length (token and layer mode).
-    comp_token = [_forced(model, job, store, "token", len(job.keys)) for _ in range(args.repeats)]
+    for mode, units in (("token", len(job.keys)), ("layer", len(job.layers))):
+        _forced(model, job, store, mode, units)  # warm-up, discarded: first runs of a new length are slower
+    # Layer-wise compute-only is needed only for the layer-split bound: once per length.
     comp_layer = [_forced(model, job, store, "layer", len(job.layers)) for _ in range(args.repeats)]
-    t_comp = median([r.elapsed_s for r in comp_token])
-    total_bytes = comp_token[0].kv.data[..., :n, :].numel() * comp_token[0].kv.data.element_size()
+    t_comp = median([_forced(model, job, store, "token", len(job.keys)).elapsed_s for _ in range(args.repeats)])
+    kv_bytes = n * len(job.layers) * model.config.kv_bytes_per_token_per_layer
     cells = []
     for ratio in ratios:
-        rate = total_bytes / (ratio * t_comp)
-        cells.append(_bench_cell(model, name, profile, store, job, ratio, rate, comp_token, comp_layer, args))
+        rate = kv_bytes / (ratio * t_comp)
+        cells.append(_bench_cell(model, name, profile, store, job, ratio, rate, comp_layer, args))
         c = cells[-1]
         print(f"  Tio/Tcomp={ratio}: " + ", ".join(f"{p}={c['times_s'][p]:.3f}" for p in POLICIES)
               + f", bound={c['bound_s']:.3f}", flush=True)
@@ -130,8 +135,7 @@ def _bench_length(model: Transformer, name: str, profile: Profile, store: ChunkS
 
 
 def _bench_cell(model: Transformer, name: str, profile: Profile, raw: ChunkStore, job: RestoreJob, ratio: float,
-                rate: float, comp_token: list[RestoreResult], comp_layer: list[RestoreResult],
-                args: argparse.Namespace) -> dict[str, Any]:
+                rate: float, comp_layer: list[RestoreResult], args: argparse.Namespace) -> dict[str, Any]:
     def linked() -> ShapedStore:
         return ShapedStore(raw, TokenBucket(rate))
 
@@ -140,16 +144,19 @@ def _bench_cell(model: Transformer, name: str, profile: Profile, raw: ChunkStore
     load_token = _forced(model, job, linked(), "token", 0)
     load_layer = _forced(model, job, linked(), "layer", 0)
     runs: dict[str, list[float]] = {p: [] for p in TIMED}
+    comp_token: list[RestoreResult] = []
     modes: dict[str, str] = {}
-    for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits every policy alike
-        for policy in TIMED:
+    for _ in range(args.repeats):  # interleaved: drift on a shared machine hits every policy alike
+        gc.collect()
+        comp_token.append(_forced(model, job, raw, "token", len(job.keys)))
+        for policy in TIMED[1:]:
             gc.collect()  # a collection inside a timed run would be charged to that policy
             result = restore(job, model=model, store=linked(), policy=policy, costs=costs, l_delta=l_delta)
             _require_complete(result)
             runs[policy].append(result.elapsed_s)
             modes[policy] = result.mode
+    runs["compute-only"] = [r.elapsed_s for r in comp_token]
     times = {p: median(v) for p, v in runs.items()}
-    times["compute-only"] = median([r.elapsed_s for r in comp_token])
     times["load-only"] = load_token.elapsed_s
     token_bound = best_split(_unit_costs(comp_token), _unit_costs([load_token]))[1]
     layer_bound = best_split(_unit_costs(comp_layer), _unit_costs([load_layer]))[1]
@@ -158,7 +165,7 @@ def _bench_cell(model: Transformer, name: str, profile: Profile, raw: ChunkStore
         "model": name, "n_tokens": len(job.token_ids), "ratio": ratio, "link_gbps": rate * 8 / 1e9,
         "l_delta": l_delta, "adaptive_mode": modes["cacheflow"], "times_s": times, "runs_s": runs,
         "bound_s": bound, "token_bound_s": token_bound, "layer_bound_s": layer_bound,
-        "ratio_to_bound": {p: t / bound for p, t in times.items()},
+        "ratio_to_bound": {p: t / bound for p, t in times.items()}, "load_average": os.getloadavg()[0],
     }
 
 
