@@ -65,8 +65,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--out", default=str(RESULTS_DIR), help="output directory")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, short prefixes, one repeat")
     args = p.parse_args(argv)
-    if args.quick:
-        args.models, args.lengths, args.ratios, args.repeats = "tiny", "512,1024", "0.5,1,2", 1
+    if args.quick:  # smoke settings, for whatever was not given explicitly
+        quick = {"models": "tiny", "lengths": "512,1024", "ratios": "0.5,1,2", "repeats": 1}
+        for name, value in quick.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
     return args
 
 

@@ -23,7 +23,7 @@ def tiny_config(family: str = "qwen3", **overrides: Any) -> ModelConfig:
         num_kv_heads=2,
         head_dim=24,
         rms_norm_eps=1e-6,
-        rope=RopeConfig(theta=10000.0),
+        rope=RopeConfig(theta=10000.0, scaling="default"),  # the classic base
         max_position_embeddings=4096,
         tie_word_embeddings=family == "qwen2",
         attention_bias=family == "qwen2",

@@ -56,10 +56,11 @@ def smollm2_dir(cache_dir: Path | None = None) -> Path:
         plain.load_state_dict(packed.state_dict(), strict=True)
         plain.bfloat16().save_pretrained(tmp)
         AutoTokenizer.from_pretrained(pkg, gguf_file=GGUF_FILE).save_pretrained(tmp)
-        os.rename(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if (target / "model.safetensors").is_file():  # another process converted it meanwhile
-            return target
-        raise
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():  # not just another process converting meanwhile
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
     return target

@@ -23,8 +23,9 @@ from cacheflow_common.model.layers import Weights, attention, dense_mlp, linear,
 from cacheflow_common.model.rope import RotaryTable, apply_rope
 from cacheflow_common.model.weights import (
     checkpoint_fingerprint,
+    fingerprint,
     load_weights,
-    random_fingerprint,
+    memory_tensors,
     random_weights,
     save_weights,
 )
@@ -43,14 +44,17 @@ class Span:
 
 
 class Transformer:
-    def __init__(self, config: ModelConfig, weights: Weights, *, layers: range, fingerprint: str,
+    def __init__(self, config: ModelConfig, weights: Weights, *, layers: range, source: Path | None = None,
                  device: torch.device | str = "cpu") -> None:
+        """`weights` by Hugging Face name for `layers` (plus embedding, final norm, head); `source` is the
+        checkpoint directory they came from, needed to fingerprint a partial load."""
         self.config = config
         self.weights = weights
         self.layers = layers
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.device = torch.device(device)
-        self._fingerprint = fingerprint
+        self._source = source
+        self._fingerprint: str | None = None  # computed on first use, then kept
         self._rope = RotaryTable(config.rope, config.head_dim, self.device)
 
     @classmethod
@@ -63,15 +67,13 @@ class Transformer:
             raise ConfigError(f"layers {layers} are not a contiguous range within the model's {config.num_layers}")
         dtype = dtype or _DTYPES[config.dtype]
         weights = load_weights(path, config, layers=layers, dtype=dtype, device=device)
-        return cls(config, weights, layers=layers, fingerprint=checkpoint_fingerprint(path, config, dtype),
-                   device=device)
+        return cls(config, weights, layers=layers, source=path, device=device)
 
     @classmethod
     def random(cls, config: ModelConfig, *, seed: int, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> Transformer:
         weights = {k: v.to(device) for k, v in random_weights(config, seed=seed, dtype=dtype).items()}
-        return cls(config, weights, layers=range(config.num_layers), device=device,
-                   fingerprint=random_fingerprint(config, seed, dtype))
+        return cls(config, weights, layers=range(config.num_layers), device=device)
 
     def save(self, path: str | Path) -> None:
         """config.json + model.safetensors with Hugging Face names (loadable by transformers)."""
@@ -88,6 +90,12 @@ class Transformer:
         return dict(self.weights)
 
     def fingerprint(self) -> str:
+        """32 hex chars identifying config + weights; equal for every layer range of one checkpoint."""
+        if self._fingerprint is None:
+            if self.layers == range(self.config.num_layers) or self._source is None:
+                self._fingerprint = fingerprint(self.config, memory_tensors(self.weights))
+            else:
+                self._fingerprint = checkpoint_fingerprint(self._source, self.config, self.dtype, self.weights)
         return self._fingerprint
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -97,23 +105,23 @@ class Transformer:
     @torch.inference_mode()
     def forward_layers(self, hidden: torch.Tensor, layers: range, spans: Sequence[Span]) -> torch.Tensor:
         """Run `layers` over packed rows `hidden` [R, hidden]; returns the hidden state entering `layers.stop`."""
-        if len(layers) and (layers.start < self.layers.start or layers.stop > self.layers.stop):
+        if len(layers) and (layers.step != 1 or layers.start < self.layers.start or layers.stop > self.layers.stop):
             raise ConfigError(f"layers {layers} are not loaded (this model holds {self.layers})")
-        rows = _row_offsets(spans)
-        if rows[-1] != hidden.shape[0]:
-            raise ValueError(f"spans cover {rows[-1]} rows but hidden has {hidden.shape[0]}")
+        if not len(layers):
+            return hidden
+        rows = _span_rows(spans, hidden.shape[0])
         for layer in layers:
             hidden = self._layer(layer, hidden, spans, rows)
         return hidden
 
-    def _layer(self, layer: int, x: torch.Tensor, spans: Sequence[Span], rows: list[int]) -> torch.Tensor:
+    def _layer(self, layer: int, x: torch.Tensor, spans: Sequence[Span], rows: Sequence[int]) -> torch.Tensor:
         c, w, p = self.config, self.weights, f"model.layers.{layer}."
         h = rms_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)  # [R, hidden]
         q = linear(h, w, p + "self_attn.q_proj")  # [R, H*D]
         k = linear(h, w, p + "self_attn.k_proj")  # [R, Hkv*D]
         v = linear(h, w, p + "self_attn.v_proj")  # [R, Hkv*D]
         out = torch.empty_like(q)  # [R, H*D]
-        for span, r0 in zip(spans, rows, strict=False):
+        for span, r0 in zip(spans, rows, strict=True):
             r1 = r0 + span.length
             out[r0:r1] = self._attend(layer, span, q[r0:r1], k[r0:r1], v[r0:r1])
         x = x + linear(out, w, p + "self_attn.o_proj")  # [R, hidden]
@@ -150,13 +158,21 @@ class Transformer:
         return F.linear(h, head).float()
 
 
-def _row_offsets(spans: Sequence[Span]) -> list[int]:
-    """Start row of each span, then the total: rows are consecutive in span order."""
-    offsets = [0]
-    for s in spans:
-        offsets.append(offsets[-1] + s.length)
-    starts = offsets[:-1]
-    given = [s.row for s in spans]
-    if any(given) and given != starts:
-        raise ValueError(f"span rows {given} are not consecutive in span order {starts}")
-    return [*starts, offsets[-1]]
+def _span_rows(spans: Sequence[Span], n_rows: int) -> list[int]:
+    """First row of each span: consecutive in span order when all rows are 0, else as given.
+
+    The spans must tile [0, n_rows) exactly (no gap, no overlap).
+    """
+    if any(s.length <= 0 or s.start < 0 for s in spans):
+        raise ValueError("every span needs length > 0 and start >= 0")
+    starts = [s.row for s in spans]
+    if not any(starts):
+        starts = [sum(s.length for s in spans[:i]) for i in range(len(spans))]
+    covered = 0
+    for r0, s in sorted(zip(starts, spans, strict=True), key=lambda p: p[0]):
+        if r0 != covered:
+            raise ValueError(f"span rows {starts} (lengths {[s.length for s in spans]}) do not tile the batch")
+        covered += s.length
+    if covered != n_rows:
+        raise ValueError(f"spans cover {covered} rows but hidden has {n_rows}")
+    return starts

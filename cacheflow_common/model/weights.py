@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-import struct
+import math
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -15,9 +17,8 @@ from safetensors.torch import save_file
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-FULL_HASH_LIMIT = 2 << 30  # checkpoints up to 2 GiB are hashed whole; larger ones by sampled windows
-_WINDOWS, _WINDOW = 64, 64 * 1024  # 64 windows of 64 KiB per file beyond that limit
+FP_WINDOWS = 16  # windows hashed per tensor: enough to catch a different checkpoint, cheap for 70B
+FP_WINDOW = 4096  # bytes per window
 
 
 def layer_param_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
@@ -75,30 +76,35 @@ def load_weights(path: Path, config: ModelConfig, *, layers: range, dtype: torch
                  device: torch.device | str) -> dict[str, torch.Tensor]:
     """Read only the tensors `layers` need from a safetensors checkpoint (single file or sharded)."""
     wanted = param_shapes(config, layers)
-    weights: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name in wanted:
-                    weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-    missing = sorted(set(wanted) - set(weights))
+    located = tensor_files(path)
+    missing = sorted(set(wanted) - set(located))
     if missing:
         raise ConfigError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    for name, shape in wanted.items():
-        if tuple(weights[name].shape) != shape:
-            raise ConfigError(f"tensor {name} has shape {tuple(weights[name].shape)}, config implies {shape}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted({located[name] for name in wanted}):
+        with safe_open(str(file), framework="pt") as f:
+            for name in sorted(n for n in wanted if located[n] == file):
+                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                if tuple(weights[name].shape) != wanted[name]:
+                    raise ConfigError(f"tensor {name} has shape {tuple(weights[name].shape)}, "
+                                      f"config implies {wanted[name]}")
     return weights
 
 
-def safetensors_files(path: Path) -> list[Path]:
+def tensor_files(path: Path) -> dict[str, Path]:
+    """Which file holds each tensor: the shard index's weight_map, or the keys of model.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConfigError(f"{index} is not a valid shard index: {e}") from e
+        return {name: path / shard for name, shard in weight_map.items()}
     single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise ConfigError(f"no model.safetensors (or sharded index) in {path}")
+    if not single.is_file():
+        raise ConfigError(f"no model.safetensors (or sharded index) in {path}")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
 
 
 def save_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:
@@ -106,37 +112,61 @@ def save_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:
               metadata={"format": "pt"})
 
 
-def checkpoint_fingerprint(path: Path, config: ModelConfig, dtype: torch.dtype) -> str:
-    """Identifies a checkpoint as this runtime uses it (config, runtime dtype, weight bytes).
+# ------------------------------------------------------------------ fingerprints
+RowReader = Callable[[int, int], torch.Tensor]  # (first row, end row) -> those rows, in the runtime dtype
 
-    Independent of which layers a process loads, so every stage of one model agrees on it. Files
-    up to FULL_HASH_LIMIT in total are hashed whole; larger checkpoints hash each file's header and
-    size plus evenly spaced windows of its bytes (cheap for 8B+ models; a change outside the windows
-    would go unnoticed there).
+
+def fingerprint(config: ModelConfig, tensors: dict[str, tuple[tuple[int, ...], torch.dtype, RowReader]]) -> str:
+    """blake2b-128 over the canonical config, then per tensor (sorted by name) its name, shape, dtype and
+    up to FP_WINDOWS evenly spaced FP_WINDOW-byte windows of its bytes (all of them when it is small).
+
+    Tensors come as (shape, dtype, row reader) so a stage that loaded only some layers can fingerprint the
+    whole checkpoint by reading a few rows of the others: every stage of one model agrees.
     """
     h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps(config.to_hf_dict(), sort_keys=True).encode())
-    h.update(str(dtype).encode())
-    files = safetensors_files(path)
-    whole = sum(f.stat().st_size for f in files) <= FULL_HASH_LIMIT
-    for file in files:
-        size = file.stat().st_size
-        h.update(size.to_bytes(8, "little"))
-        with open(file, "rb") as f:
-            if whole:
-                while block := f.read(1 << 20):
-                    h.update(block)
-                continue
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            h.update(f.read(header_len))
-            for i in range(_WINDOWS):
-                f.seek(i * max(0, size - _WINDOW) // max(1, _WINDOWS - 1))
-                h.update(f.read(_WINDOW))
+    h.update(config.canonical_json().encode())
+    for name in sorted(tensors):
+        shape, dtype, read = tensors[name]
+        h.update(f"{name}|{list(shape)}|{str(dtype).removeprefix('torch.')}|".encode())
+        for a, b in _windows(shape, dtype):
+            rows = max(1, math.prod(shape[1:]))  # elements per row
+            r0, r1 = a // rows, -(-b // rows)
+            flat = read(r0, r1).reshape(-1)[a - r0 * rows: b - r0 * rows]  # [b - a]
+            h.update(flat.contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
-def random_fingerprint(config: ModelConfig, seed: int, dtype: torch.dtype) -> str:
-    """A seeded random model is fully determined by its config, seed and dtype."""
-    body = json.dumps({"random": True, "seed": seed, "dtype": str(dtype), "config": config.to_hf_dict()},
-                      sort_keys=True)
-    return hashlib.blake2b(body.encode(), digest_size=16).hexdigest()
+def _windows(shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, int]]:
+    """Element ranges to hash: the whole tensor if it fits in FP_WINDOWS windows, else evenly spaced ones."""
+    n, per = math.prod(shape), max(1, FP_WINDOW // dtype.itemsize)
+    if n <= FP_WINDOWS * per:
+        return [(0, n)] if n else []
+    return [(a, a + per) for a in (i * (n - per) // (FP_WINDOWS - 1) for i in range(FP_WINDOWS))]
+
+
+def memory_tensors(weights: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype, RowReader]]:
+    def reader(t: torch.Tensor) -> RowReader:
+        return lambda r0, r1: t[r0:r1]
+
+    return {n: (tuple(t.shape), t.dtype, reader(t)) for n, t in weights.items()}
+
+
+def checkpoint_fingerprint(path: Path, config: ModelConfig, dtype: torch.dtype,
+                           loaded: dict[str, torch.Tensor]) -> str:
+    """The fingerprint the full model would have in `dtype`, reading only sampled rows of unloaded tensors."""
+    located = tensor_files(path)
+    tensors = memory_tensors(loaded)
+    with ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+        for name, shape in param_shapes(config, range(config.num_layers)).items():
+            if name in tensors:
+                continue
+            file = located[name]
+            if file not in opened:
+                opened[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+            tensors[name] = (shape, dtype, _slice_reader(opened[file].get_slice(name), dtype))
+        return fingerprint(config, tensors)
+
+
+def _slice_reader(sl: Any, dtype: torch.dtype) -> RowReader:
+    return lambda r0, r1: sl[r0:r1].to(dtype)

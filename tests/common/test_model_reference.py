@@ -18,6 +18,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {},
     "llama-rope3": {"rope": RopeConfig(theta=500000.0, scaling="llama3", factor=8.0, low_freq_factor=1.0,
                                        high_freq_factor=4.0, original_max_position_embeddings=16)},
+    "llama-linear": {"rope": RopeConfig(theta=10000.0, scaling="linear", factor=4.0), "tie_word_embeddings": True},
     "qwen2": {},
     "qwen3": {},
     "qwen3_moe": {},

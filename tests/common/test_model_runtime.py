@@ -90,7 +90,9 @@ def test_fingerprints(tmp_path):
     assert a.fingerprint() != tiny_model("qwen3", seed=0, dtype=torch.bfloat16).fingerprint()
     a.save(tmp_path / "a")
     fp = Transformer.from_dir(tmp_path / "a").fingerprint()
-    assert fp == Transformer.from_dir(tmp_path / "a").fingerprint()
+    assert fp == a.fingerprint()  # equal weights, equal fingerprint: a save/load round trip keeps it
+    assert len(fp) == 32 and int(fp, 16) >= 0
+    assert fp == Transformer.from_dir(tmp_path / "a", layers=range(2, 3)).fingerprint()
     assert fp != Transformer.from_dir(tmp_path / "a", dtype=torch.bfloat16).fingerprint()
     a.weights["model.layers.1.mlp.up_proj.weight"][3, 5] += 1.0
     a.save(tmp_path / "b")
@@ -101,6 +103,8 @@ def test_fingerprints(tmp_path):
     ({"model_type": "gpt2"}, "unsupported model_type"),
     ({"use_sliding_window": True}, "sliding-window"),
     ({"vocab_size": None}, "vocab_size"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope scaling"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
 ])
 def test_bad_configs_are_rejected(change, message):
     d = tiny_model("qwen2").config.to_hf_dict()
@@ -116,3 +120,33 @@ def test_config_round_trips(tmp_path):
         cfg = tiny_model(family).config
         (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
         assert ModelConfig.from_dir(tmp_path) == cfg
+
+
+def test_old_and_new_config_styles_agree():
+    new = tiny_model("qwen3_moe").config
+    d = new.to_hf_dict()
+    old = {k: v for k, v in d.items() if k not in ("rope_parameters", "num_experts", "head_dim", "dtype")}
+    old |= {"rope_theta": 10000.0, "num_local_experts": 4, "torch_dtype": "float32"}
+    assert ModelConfig.from_hf_dict(old) == new  # head_dim defaults to hidden / heads = 96 / 4
+    assert ModelConfig.from_hf_dict({**d, "head_dim": 16}).head_dim == 16
+    llama = tiny_model("llama").config.to_hf_dict()
+    del llama["rope_parameters"]
+    llama |= {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}
+    rope = ModelConfig.from_hf_dict(llama).rope
+    assert (rope.scaling, rope.theta, rope.factor, rope.original_max_position_embeddings) == ("llama3", 5e5, 8.0, 16)
+
+
+def test_explicit_rows_and_empty_layers(model):
+    a_ids, b_ids = _ids(5, 9), _ids(6, 7)
+    kv_a, kv_b, kv_a2, kv_b2 = _kv(model), _kv(model), _kv(model), _kv(model)
+    packed = torch.cat([model.embed(a_ids), model.embed(b_ids)])  # [16, hidden]
+    ref = model.forward_layers(packed, model.layers, [Span(kv_a, 0, 9), Span(kv_b, 0, 7)])
+    # The same rows, spans listed in the other order with explicit rows.
+    got = model.forward_layers(packed, model.layers, [Span(kv_b2, 0, 7, row=9), Span(kv_a2, 0, 9, row=0)])
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(model.forward_layers(packed, range(2, 2), [Span(kv_a, 0, 16)]), packed)
+    with pytest.raises(ValueError, match="tile"):
+        model.forward_layers(packed, model.layers, [Span(kv_a, 0, 9, row=1), Span(kv_b, 0, 7, row=9)])
+    with pytest.raises(ValueError, match="capacity"):
+        model.forward_layers(model.embed(a_ids), model.layers, [Span(kv_a, N - 4, 9)])

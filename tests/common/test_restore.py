@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from cacheflow_common.model.kv_buffer import KVBuffer
-from cacheflow_common.model.transformer import Span, Transformer
 
 from cacheflow_common.kv.keys import object_name
+from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 from cacheflow_common.restore.executor import POLICIES, RestoreJob, RestoreResult, restore, run_restore
 from cacheflow_common.restore.loader import KVLoader
