@@ -126,7 +126,7 @@ def _bench_length(model: Transformer, name: str, profile: Profile, store: ChunkS
     # Layer-wise compute-only is needed only for the layer-split bound: once per length.
     comp_layer = [_forced(model, job, store, "layer", len(job.layers)) for _ in range(args.repeats)]
     t_comp = median([_forced(model, job, store, "token", len(job.keys)).elapsed_s for _ in range(args.repeats)])
-    kv_bytes = n * len(job.layers) * model.config.kv_bytes_per_token_per_layer
+    kv_bytes = n * len(job.layers) * model.kv_bytes_per_token_per_layer
     cells = []
     for ratio in ratios:
         rate = kv_bytes / (ratio * t_comp)

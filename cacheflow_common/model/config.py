@@ -204,10 +204,6 @@ class ModelConfig:
             return False
         return layer not in moe.mlp_only_layers and (layer + 1) % moe.sparse_step == 0
 
-    @property
-    def kv_bytes_per_token_per_layer(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
-
 
 def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
     """Both styles: transformers-5 `rope_parameters` (theta inside) or `rope_theta` + optional `rope_scaling`."""

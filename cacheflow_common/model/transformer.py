@@ -89,6 +89,11 @@ class Transformer:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.weights)
 
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """K and V of one token in one layer, in the dtype this model computes (and stores) KV in."""
+        return 2 * self.config.num_kv_heads * self.config.head_dim * self.dtype.itemsize
+
     def fingerprint(self) -> str:
         """32 hex chars identifying config + weights; equal for every layer range of one checkpoint."""
         if self._fingerprint is None:

@@ -160,7 +160,7 @@ def _measure_crossover(model: Transformer, costs: CostModel, settings: ProfileSe
     raw, jobs = prefixes
     c, n_layers = settings.chunk_size, len(model.layers)
     mid = len(jobs[len(jobs) // 2].token_ids)
-    bytes_mid = mid * n_layers * model.config.kv_bytes_per_token_per_layer
+    bytes_mid = mid * n_layers * model.kv_bytes_per_token_per_layer
     comp_mid = sum(costs.chunk_compute_s(p, min(p + c, mid), n_layers) for p in range(0, mid, c))
     rate = bytes_mid / (ratio * comp_mid)
     linked = costs.with_link(rate)

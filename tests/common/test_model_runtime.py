@@ -150,3 +150,10 @@ def test_explicit_rows_and_empty_layers(model):
         model.forward_layers(packed, model.layers, [Span(kv_a, 0, 9, row=1), Span(kv_b, 0, 7, row=9)])
     with pytest.raises(ValueError, match="capacity"):
         model.forward_layers(model.embed(a_ids), model.layers, [Span(kv_a, N - 4, 9)])
+
+
+def test_kv_size_follows_the_runtime_dtype(model):
+    kv = _kv(model)
+    per_token_layer = kv.data[0, :, :, 0].numel() * kv.data.element_size()
+    assert model.kv_bytes_per_token_per_layer == per_token_layer
+    assert tiny_model("qwen3", dtype=torch.bfloat16).kv_bytes_per_token_per_layer == per_token_layer // 2
