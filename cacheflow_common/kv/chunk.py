@@ -6,11 +6,14 @@
     payload = K then V of one layer, [2, Hkv, T, D] in the dtype ("none"), or int8 values [2, Hkv, T, D]
               then float32 scales [2, Hkv, T] ("int8"); kind "hidden": [T, hidden] (a stage boundary activation)
 
-Every section of a chunk has the same size, computable without reading anything, so token-wise
-restore reads the whole object and layer-wise restore reads one layer's section of each object —
-no byte is read twice. Each section verifies itself (key, layer, token range, checksum), so a ranged
-read is as safe as a whole one. Landing uses numpy only: it runs in the loader thread next to the
-forward pass and must not compete for torch's thread pool.
+Every section of a chunk has the same size, computable without reading anything (`ChunkLayout`), so
+token-wise restore reads the whole object and layer-wise restore reads one layer's section of each
+object with one ranged read: no byte is read twice. Each section verifies itself (key digest, layer,
+token range, crc32), so a ranged read is as safe as a whole one.
+
+Landing (`land_kv_sections`) uses numpy and zlib only, both of which release the GIL on large buffers:
+it runs in the loader thread next to the forward pass and must not compete for torch's thread pool.
+Encoding may use torch: it runs on the save path.
 """
 
 from __future__ import annotations
@@ -25,32 +28,50 @@ from typing import Any
 import numpy as np
 import torch
 
-from cacheflow_common.errors import ChunkFormatError
+from cacheflow_common.errors import BadRequestError, ChunkFormatError
 from cacheflow_common.kv.keys import ChunkKey
-from cacheflow_common.kv.quant import quantize_int8
+from cacheflow_common.kv.quant import (
+    dequantize_int8_np,
+    float32_to_bfloat16_bits,
+    float32_to_dtype_bytes,
+    quantize_int8,
+)
 
 SECTION_MAGIC = b"CFS1"
 END_MAGIC = b"CFKVEND1"
 SECTION_HEADER = struct.Struct("<4sIIIIQ16s")  # magic, layer, token_start, token_end, crc32, payload_len, key
-SECTION_HEADER_SIZE = 64  # padded: payloads stay 64-byte aligned inside the object
+SECTION_HEADER_SIZE = 64  # padded past the 44 packed bytes: room for later fields without moving payloads
+TRAILER_TAIL = struct.Struct("<I8s")  # trailer length, END_MAGIC
 FORMAT_VERSION = 1
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KINDS = ("kv", "hidden")
+QUANTS = ("none", "int8")
+_MAX_TRAILER = 64 * 1024 * 1024  # far above any real trailer (token ids of one chunk); bounds a corrupt length
 
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkLayout:
-    """Sizes and offsets of one chunk object, known before reading it."""
+    """Sizes and offsets of one chunk object, known before reading it. Layers are absolute indices."""
 
     kind: str  # "kv" | "hidden"
     layer_start: int
-    layer_end: int
+    layer_end: int  # exclusive; a hidden chunk has one section: layer_end == layer_start + 1
     n_tokens: int
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    dtype: str = "bfloat16"
-    quant: str = "none"  # "none" | "int8"
-    hidden_size: int = 0
+    num_kv_heads: int = 0  # 0: a hidden chunk has no KV heads
+    head_dim: int = 0  # 0: a hidden chunk has no KV heads
+    dtype: str  # "bfloat16" | "float16" | "float32"
+    quant: str = "none"  # "none" | "int8" (kv only): "none" keeps loaded KV bit-exact
+    hidden_size: int = 0  # hidden chunks only; 0 for kv
+
+    def __post_init__(self) -> None:
+        problem = _layout_problem(self)
+        if problem:
+            raise ChunkFormatError(f"invalid chunk layout: {problem}")
+
+    @property
+    def n_layers(self) -> int:
+        return self.layer_end - self.layer_start
 
     @property
     def payload_size(self) -> int:
@@ -58,7 +79,7 @@ class ChunkLayout:
             return self.n_tokens * self.hidden_size * ITEMSIZE[self.dtype]
         values = 2 * self.num_kv_heads * self.n_tokens * self.head_dim
         if self.quant == "int8":
-            return values + 2 * self.num_kv_heads * self.n_tokens * 4
+            return values + 2 * self.num_kv_heads * self.n_tokens * 4  # int8 values, then float32 scales
         return values * ITEMSIZE[self.dtype]
 
     @property
@@ -67,89 +88,187 @@ class ChunkLayout:
 
     @property
     def sections_size(self) -> int:
-        return (self.layer_end - self.layer_start) * self.section_size
+        """All sections, without the trailer: the bytes a whole-chunk read needs."""
+        return self.n_layers * self.section_size
 
     def section_offset(self, layer: int) -> int:
-        """Byte offset of absolute layer `layer`'s section."""
+        """Byte offset of absolute layer `layer`'s section within the object."""
+        if not self.layer_start <= layer < self.layer_end:
+            raise BadRequestError(f"layer {layer} is outside the chunk's [{self.layer_start}, {self.layer_end})")
         return (layer - self.layer_start) * self.section_size
+
+
+def _layout_problem(lay: ChunkLayout) -> str:
+    if lay.kind not in KINDS or lay.dtype not in ITEMSIZE or lay.quant not in QUANTS:
+        return f"kind {lay.kind!r}, dtype {lay.dtype!r}, quant {lay.quant!r}"
+    if not 0 <= lay.layer_start < lay.layer_end or lay.n_tokens <= 0:
+        return f"layers [{lay.layer_start}, {lay.layer_end}), {lay.n_tokens} tokens"
+    if lay.kind == "kv" and (lay.num_kv_heads <= 0 or lay.head_dim <= 0):
+        return f"kv chunk with {lay.num_kv_heads} heads of {lay.head_dim}"
+    if lay.kind == "hidden" and (lay.hidden_size <= 0 or lay.n_layers != 1 or lay.quant != "none"):
+        return f"hidden chunk of size {lay.hidden_size}, {lay.n_layers} layers, quant {lay.quant!r}"
+    return ""
 
 
 @dataclass(frozen=True)
 class SectionCheck:
     ok: bool
-    reason: str = ""  # "" | "magic" | "layer" | "tokens" | "key" | "crc" | "truncated"
+    # "" | "magic" | "key" | "layer" | "tokens" (token range or payload size not as expected) | "crc" | "truncated"
+    reason: str = ""
 
 
 OK = SectionCheck(True)
 
 
-def _section(layer: int, key: ChunkKey, payload: bytes) -> bytes:
-    header = SECTION_HEADER.pack(SECTION_MAGIC, layer, key.token_start, key.token_end, zlib.crc32(payload),
-                                 len(payload), key.digest)
-    return header.ljust(SECTION_HEADER_SIZE, b"\0") + payload
+# ---------------------------------------------------------------------------------------------- encoding
 
 
-def _trailer(body: dict[str, Any]) -> bytes:
+def _as_tensor(x: np.ndarray | torch.Tensor, dtype: str) -> torch.Tensor:
+    """A torch tensor of `dtype`, or a uint8 numpy view of one ([..., D * itemsize]) -> torch tensor [..., D]."""
+    if dtype not in TORCH_DTYPES:
+        raise BadRequestError(f"unsupported dtype {dtype!r}: use one of {sorted(TORCH_DTYPES)}")
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.uint8 or x.ndim == 0 or x.shape[-1] % ITEMSIZE[dtype]:
+            raise BadRequestError(f"a numpy KV array must be a uint8 view of {dtype}, got {x.dtype} {x.shape}")
+        x = torch.from_numpy(np.ascontiguousarray(x)).view(TORCH_DTYPES[dtype])  # [..., D]
+    if x.dtype != TORCH_DTYPES[dtype]:
+        raise BadRequestError(f"tensor dtype {x.dtype} does not match {dtype}")
+    return x
+
+
+def _check_span(key: ChunkKey, token_ids: Sequence[int], n_tokens: int, layer_start: int) -> None:
+    if layer_start < 0:
+        raise BadRequestError(f"layer_start must be >= 0, got {layer_start}")
+    if not n_tokens or n_tokens != key.n_tokens or len(token_ids) != n_tokens:
+        raise BadRequestError(f"chunk holds {n_tokens} tokens, {len(token_ids)} token ids, key covers {key.n_tokens}")
+
+
+def _flat_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().view(torch.uint8).cpu().numpy().reshape(-1)  # [nbytes]
+
+
+def _trailer_bytes(body: dict[str, Any]) -> bytes:
     raw = json.dumps(body, separators=(",", ":")).encode()
-    return raw + struct.pack("<I", len(raw)) + END_MAGIC
+    return raw + TRAILER_TAIL.pack(len(raw), END_MAGIC)
 
 
-def _raw_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def _kv_payload(layer_kv: torch.Tensor, quant: str) -> bytes:
-    if quant == "none":
-        return _raw_bytes(layer_kv)
-    if quant != "int8":
-        raise ChunkFormatError(f"unknown quantization {quant!r}")
-    q, scales = quantize_int8(layer_kv)  # [2, Hkv, T, D] int8, [2, Hkv, T] float32
-    return _raw_bytes(q) + _raw_bytes(scales)
+def _assemble(layout: ChunkLayout, key: ChunkKey, payloads: Sequence[Sequence[np.ndarray]], trailer: bytes) -> bytes:
+    """Sections (header + payload parts copied in place) followed by the trailer, in one buffer."""
+    size = layout.section_size
+    out = bytearray(layout.sections_size + len(trailer))
+    out[layout.sections_size :] = trailer
+    flat = np.frombuffer(out, dtype=np.uint8)  # [object bytes]
+    view = memoryview(out)
+    for i, parts in enumerate(payloads):
+        pos = i * size + SECTION_HEADER_SIZE
+        for part in parts:
+            flat[pos : pos + part.size] = part
+            pos += part.size
+        payload = view[i * size + SECTION_HEADER_SIZE : (i + 1) * size]
+        SECTION_HEADER.pack_into(out, i * size, SECTION_MAGIC, layout.layer_start + i, key.token_start,
+                                 key.token_end, zlib.crc32(payload), layout.payload_size, key.digest)
+    return bytes(out)
 
 
 def encode_kv_chunk(*, key: ChunkKey, token_ids: Sequence[int], model: str, layer_start: int,
-                    kv: torch.Tensor, dtype: str, quant: str = "none") -> bytes:
-    """kv: [n_layers, 2, Hkv, T, D] of `dtype` -> the chunk object's bytes."""
-    n_layers, _, heads, n_tokens, head_dim = kv.shape
-    if n_tokens != key.n_tokens or len(token_ids) != n_tokens:
-        raise ChunkFormatError(f"chunk holds {n_tokens} tokens but its key covers {key.n_tokens}")
-    if kv.dtype != TORCH_DTYPES[dtype]:
-        raise ChunkFormatError(f"KV dtype {kv.dtype} does not match {dtype}")
-    sections = [_section(layer_start + i, key, _kv_payload(kv[i], quant)) for i in range(n_layers)]
+                    kv: np.ndarray | torch.Tensor, dtype: str, quant: str = "none") -> bytes:
+    """kv [n_layers, 2, Hkv, T, D] of `dtype` (or its uint8 numpy view) -> the chunk object's bytes.
+
+    BadRequestError when the arguments do not describe one chunk.
+    """
+    t = _as_tensor(kv, dtype)  # [L, 2, Hkv, T, D]
+    if t.ndim != 5 or t.shape[0] == 0 or t.shape[1] != 2:
+        raise BadRequestError(f"KV must be [n_layers, 2, Hkv, T, D], got {tuple(t.shape)}")
+    n_layers, _, heads, n_tokens, head_dim = t.shape
+    _check_span(key, token_ids, n_tokens, layer_start)
+    if quant not in QUANTS:
+        raise BadRequestError(f"unknown quantization {quant!r}: use one of {QUANTS}")
+    layout = ChunkLayout(kind="kv", layer_start=layer_start, layer_end=layer_start + n_layers, n_tokens=n_tokens,
+                         num_kv_heads=heads, head_dim=head_dim, dtype=dtype, quant=quant)
+    payloads: list[list[np.ndarray]]
+    if quant == "int8":
+        q, scales = quantize_int8(t)  # [L, 2, Hkv, T, D] int8, [L, 2, Hkv, T] float32
+        payloads = [[_flat_bytes(q[i]), _flat_bytes(scales[i])] for i in range(n_layers)]
+    else:
+        payloads = [[_flat_bytes(t[i])] for i in range(n_layers)]
     trailer = {"format": FORMAT_VERSION, "kind": "kv", "model": model, "key": key.hex,
                "layer_start": layer_start, "layer_end": layer_start + n_layers,
-               "token_start": key.token_start, "token_end": key.token_end, "token_ids": list(token_ids),
+               "token_start": key.token_start, "token_end": key.token_end, "token_ids": [int(i) for i in token_ids],
                "dtype": dtype, "num_kv_heads": heads, "head_dim": head_dim, "quant": quant}
-    return b"".join(sections) + _trailer(trailer)
+    return _assemble(layout, key, payloads, _trailer_bytes(trailer))
 
 
 def encode_hidden_chunk(*, key: ChunkKey, token_ids: Sequence[int], model: str, layer: int,
                         hidden: torch.Tensor, dtype: str) -> bytes:
-    """hidden: [T, hidden_size], the state entering `layer` -> the chunk object's bytes."""
-    n_tokens, hidden_size = hidden.shape
-    if n_tokens != key.n_tokens or hidden.dtype != TORCH_DTYPES[dtype]:
-        raise ChunkFormatError("hidden chunk does not match its key or dtype")
+    """hidden [T, hidden_size]: the state entering absolute layer `layer` -> the chunk object's bytes."""
+    h = _as_tensor(hidden, dtype)  # [T, hidden]
+    if h.ndim != 2:
+        raise BadRequestError(f"hidden must be [T, hidden_size], got {tuple(h.shape)}")
+    n_tokens, hidden_size = h.shape
+    _check_span(key, token_ids, n_tokens, layer)
+    layout = ChunkLayout(kind="hidden", layer_start=layer, layer_end=layer + 1, n_tokens=n_tokens, dtype=dtype,
+                         hidden_size=hidden_size)
     trailer = {"format": FORMAT_VERSION, "kind": "hidden", "model": model, "key": key.hex,
                "layer_start": layer, "layer_end": layer + 1, "token_start": key.token_start,
-               "token_end": key.token_end, "token_ids": list(token_ids), "dtype": dtype,
+               "token_end": key.token_end, "token_ids": [int(i) for i in token_ids], "dtype": dtype,
                "hidden_size": hidden_size, "quant": "none"}
-    return _section(layer, key, _raw_bytes(hidden)) + _trailer(trailer)
+    return _assemble(layout, key, [[_flat_bytes(h)]], _trailer_bytes(trailer))
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+def _trailer_span(mv: memoryview) -> int:
+    """The trailer JSON's length; ChunkFormatError if the object's end is malformed."""
+    if len(mv) < TRAILER_TAIL.size:
+        raise ChunkFormatError("not a chunk object: shorter than its end marker")
+    length, magic = TRAILER_TAIL.unpack_from(mv, len(mv) - TRAILER_TAIL.size)
+    if magic != END_MAGIC:
+        raise ChunkFormatError("not a chunk object (bad end magic, or truncated)")
+    if length > min(len(mv) - TRAILER_TAIL.size, _MAX_TRAILER):
+        raise ChunkFormatError("chunk trailer length exceeds the object")
+    return int(length)
 
 
 def read_trailer(obj: bytes | memoryview) -> dict[str, Any]:
-    mv = memoryview(obj)
-    if len(mv) < 12 or bytes(mv[-8:]) != END_MAGIC:
-        raise ChunkFormatError("not a chunk object (bad end magic or truncated)")
-    (length,) = struct.unpack("<I", mv[-12:-8])
-    if length > len(mv) - 12:
-        raise ChunkFormatError("chunk trailer length exceeds the object")
+    """The trailer JSON of a whole object; ChunkFormatError if malformed."""
+    mv = memoryview(obj).cast("B")
+    length = _trailer_span(mv)
+    end = len(mv) - TRAILER_TAIL.size
     try:
-        body: dict[str, Any] = json.loads(bytes(mv[-12 - length : -12]))
+        body = json.loads(bytes(mv[end - length : end]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ChunkFormatError(f"chunk trailer is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ChunkFormatError("chunk trailer is not a JSON object")
     if body.get("format") != FORMAT_VERSION:
         raise ChunkFormatError(f"unsupported chunk format {body.get('format')!r}")
     return body
+
+
+def layout_of_trailer(trailer: dict[str, Any]) -> ChunkLayout:
+    """The layout a trailer describes; ChunkFormatError if it is incomplete or inconsistent."""
+    try:
+        layout = ChunkLayout(kind=str(trailer["kind"]), layer_start=int(trailer["layer_start"]),
+                             layer_end=int(trailer["layer_end"]),
+                             n_tokens=int(trailer["token_end"]) - int(trailer["token_start"]),
+                             num_kv_heads=int(trailer.get("num_kv_heads", 0)), head_dim=int(trailer.get("head_dim", 0)),
+                             dtype=str(trailer["dtype"]), quant=str(trailer.get("quant", "none")),
+                             hidden_size=int(trailer.get("hidden_size", 0)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ChunkFormatError(f"chunk trailer is incomplete: {exc!r}") from exc
+    ids = trailer.get("token_ids")
+    if not isinstance(ids, list) or len(ids) != layout.n_tokens:
+        raise ChunkFormatError("chunk trailer's token ids do not cover its token range")
+    return layout
+
+
+def _key_of(trailer: dict[str, Any]) -> ChunkKey:
+    try:
+        return ChunkKey(digest=bytes.fromhex(trailer["key"]), index=0, token_start=int(trailer["token_start"]),
+                        token_end=int(trailer["token_end"]))
+    except (KeyError, TypeError, ValueError, BadRequestError) as exc:
+        raise ChunkFormatError(f"chunk trailer has no valid key: {exc!r}") from exc
 
 
 def verify_section(buf: memoryview, *, layout: ChunkLayout, layer: int, key: ChunkKey) -> SectionCheck:
@@ -165,90 +284,103 @@ def verify_section(buf: memoryview, *, layout: ChunkLayout, layer: int, key: Chu
         return SectionCheck(False, "layer")
     if (t0, t1) != (key.token_start, key.token_end) or length != layout.payload_size:
         return SectionCheck(False, "tokens")
-    if zlib.crc32(buf[SECTION_HEADER_SIZE:]) != crc:
+    if zlib.crc32(buf[SECTION_HEADER_SIZE:]) != crc:  # releases the GIL on large buffers
         return SectionCheck(False, "crc")
     return OK
 
 
+def float32_to_bfloat16_bytes(x: np.ndarray) -> np.ndarray:
+    """float32 [..., D] -> bfloat16 bytes [..., D * 2], rounded to nearest even as torch's .to(bfloat16) does."""
+    return float32_to_bfloat16_bits(x).view(np.uint8)
+
+
 def _payload_bytes(payload: memoryview, layout: ChunkLayout) -> np.ndarray:
-    """A section payload as the target dtype's bytes: uint8 [2, Hkv, T, D * itemsize] (numpy only)."""
+    """A verified section payload as the target dtype's bytes: uint8 [2, Hkv, T, D * itemsize] (numpy only)."""
     h, t, d = layout.num_kv_heads, layout.n_tokens, layout.head_dim
     if layout.quant == "none":
         return np.frombuffer(payload, dtype=np.uint8).reshape(2, h, t, d * ITEMSIZE[layout.dtype])
-    q = np.frombuffer(payload, dtype=np.int8, count=2 * h * t * d).reshape(2, h, t, d)
-    scales = np.frombuffer(payload, dtype="<f4", offset=2 * h * t * d).reshape(2, h, t, 1)
-    x = q.astype(np.float32) * scales  # [2, Hkv, T, D]
-    if layout.dtype == "float32":
-        return x.view(np.uint8)
-    if layout.dtype == "float16":
-        return x.astype(np.float16).view(np.uint8)
-    return float32_to_bfloat16_bytes(x)
+    q = np.frombuffer(payload, dtype=np.int8, count=2 * h * t * d).reshape(2, h, t, d)  # [2, Hkv, T, D]
+    scales = np.frombuffer(payload, dtype="<f4", offset=2 * h * t * d).reshape(2, h, t)  # [2, Hkv, T]
+    return float32_to_dtype_bytes(dequantize_int8_np(q, scales), layout.dtype)  # [2, Hkv, T, D * itemsize]
 
 
-def float32_to_bfloat16_bytes(x: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even float32 -> bfloat16, as bytes [..., D * 2] (what torch's .to(bfloat16) does)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
-    return rounded.view(np.uint8)
+def _check_landing(layout: ChunkLayout, layers: range, dst: np.ndarray, dst_layer_start: int,
+                   token_start: int) -> None:
+    """BadRequestError when the caller's destination or layer range cannot take these sections."""
+    if layout.kind != "kv":
+        raise BadRequestError(f"only kv chunks land in a KV buffer, not {layout.kind!r}")
+    if layers.step != 1 or not layout.layer_start <= layers.start < layers.stop <= layout.layer_end:
+        raise BadRequestError(f"layers {layers} are not a non-empty run within [{layout.layer_start}, "
+                              f"{layout.layer_end})")
+    row = layout.head_dim * ITEMSIZE[layout.dtype]
+    if dst.dtype != np.uint8 or dst.ndim != 5 or dst.shape[1:3] != (2, layout.num_kv_heads) or dst.shape[4] != row:
+        raise BadRequestError(f"dst must be uint8 [layers, 2, {layout.num_kv_heads}, capacity, {row}], "
+                              f"got {dst.dtype} {dst.shape}")
+    if not (dst_layer_start <= layers.start and layers.stop - dst_layer_start <= dst.shape[0]
+            and 0 <= token_start <= dst.shape[3] - layout.n_tokens):
+        raise BadRequestError(f"layers {layers} / tokens [{token_start}, {token_start + layout.n_tokens}) fall "
+                              f"outside a buffer of layers from {dst_layer_start} with shape {dst.shape}")
 
 
 def land_kv_sections(buf: memoryview, *, layout: ChunkLayout, key: ChunkKey, layers: range, dst: np.ndarray,
                      dst_layer_start: int, token_start: int) -> SectionCheck:
-    """Verify every section of `layers` in `buf`, then copy them into `dst` (nothing is written on failure).
+    """Verify every section of `layers` in `buf`, then copy them into `dst`; nothing is written on failure.
 
-    buf: the contiguous sections of `layers` as read from `layout.section_offset(layers.start)`.
-    dst: uint8 view of a KV buffer, [n_buf_layers, 2, Hkv, capacity, D * itemsize].
+    buf: the contiguous sections of `layers` (absolute), as read from `layout.section_offset(layers.start)`.
+    dst: uint8 view of a KV buffer holding layers from `dst_layer_start`, [n_buf_layers, 2, Hkv, capacity,
+    D * itemsize] (`kv.data.view(torch.uint8).numpy()`). Tokens land at [token_start, token_start + T).
+    A bad section is a miss (the returned check); a destination that cannot fit is a BadRequestError.
+    numpy and zlib only: safe to run next to the forward pass.
     """
+    _check_landing(layout, layers, dst, dst_layer_start, token_start)
+    mv = memoryview(buf).cast("B")
     size = layout.section_size
-    if len(buf) != size * len(layers):
+    if len(mv) != size * len(layers):
         return SectionCheck(False, "truncated")
     for i, layer in enumerate(layers):
-        check = verify_section(buf[i * size : (i + 1) * size], layout=layout, layer=layer, key=key)
+        check = verify_section(mv[i * size : (i + 1) * size], layout=layout, layer=layer, key=key)
         if not check.ok:
             return check
     t1 = token_start + layout.n_tokens
     for i, layer in enumerate(layers):
-        payload = buf[i * size + SECTION_HEADER_SIZE : (i + 1) * size]
-        dst[layer - dst_layer_start, :, :, token_start:t1, :] = _payload_bytes(payload, layout)
+        payload = mv[i * size + SECTION_HEADER_SIZE : (i + 1) * size]
+        dst[layer - dst_layer_start, :, :, token_start:t1, :] = _payload_bytes(payload, layout)  # [2, Hkv, T, D*isz]
     return OK
 
 
-def _layout_of(trailer: dict[str, Any]) -> ChunkLayout:
-    return ChunkLayout(kind=trailer["kind"], layer_start=trailer["layer_start"], layer_end=trailer["layer_end"],
-                       n_tokens=trailer["token_end"] - trailer["token_start"],
-                       num_kv_heads=trailer.get("num_kv_heads", 0), head_dim=trailer.get("head_dim", 0),
-                       dtype=trailer["dtype"], quant=trailer.get("quant", "none"),
-                       hidden_size=trailer.get("hidden_size", 0))
+# ---------------------------------------------------------------------------------------------- decoding
 
 
-def _key_of(trailer: dict[str, Any]) -> ChunkKey:
-    return ChunkKey(digest=bytes.fromhex(trailer["key"]), index=0, token_start=trailer["token_start"],
-                    token_end=trailer["token_end"])
+def _parse(obj: bytes | memoryview, kind: str) -> tuple[dict[str, Any], ChunkLayout, ChunkKey, memoryview]:
+    """Trailer, layout, key and the sections of a whole object, checked for consistency with each other."""
+    mv = memoryview(obj).cast("B")
+    trailer = read_trailer(mv)
+    layout, key = layout_of_trailer(trailer), _key_of(trailer)
+    if layout.kind != kind:
+        raise ChunkFormatError(f"expected a {kind} chunk, got {layout.kind!r}")
+    if len(mv) != layout.sections_size + _trailer_span(mv) + TRAILER_TAIL.size:
+        raise ChunkFormatError(f"chunk object has {len(mv)} bytes, its trailer describes another size")
+    return trailer, layout, key, mv[: layout.sections_size]
 
 
 def decode_kv_chunk(obj: bytes | memoryview) -> tuple[dict[str, Any], torch.Tensor]:
-    """A whole kv object -> (trailer, [n_layers, 2, Hkv, T, D] tensor); ChunkFormatError on any failure."""
-    trailer = read_trailer(obj)
-    layout = _layout_of(trailer)
-    n_layers = layout.layer_end - layout.layer_start
-    itemsize = ITEMSIZE[layout.dtype]
-    out = np.zeros((n_layers, 2, layout.num_kv_heads, layout.n_tokens, layout.head_dim * itemsize), np.uint8)
-    check = land_kv_sections(memoryview(obj)[: layout.sections_size], layout=layout, key=_key_of(trailer),
-                             layers=range(layout.layer_start, layout.layer_end), dst=out,
-                             dst_layer_start=layout.layer_start, token_start=0)
+    """A whole kv object -> (trailer, [n_layers, 2, Hkv, T, D] tensor, dequantized); ChunkFormatError on any failure."""
+    trailer, layout, key, sections = _parse(obj, "kv")
+    out = np.zeros((layout.n_layers, 2, layout.num_kv_heads, layout.n_tokens,
+                    layout.head_dim * ITEMSIZE[layout.dtype]), np.uint8)  # [L, 2, Hkv, T, D * itemsize]
+    check = land_kv_sections(sections, layout=layout, key=key, layers=range(layout.layer_start, layout.layer_end),
+                             dst=out, dst_layer_start=layout.layer_start, token_start=0)
     if not check.ok:
         raise ChunkFormatError(f"chunk section invalid: {check.reason}")
-    return trailer, torch.from_numpy(out).view(TORCH_DTYPES[layout.dtype])
+    return trailer, torch.from_numpy(out).view(TORCH_DTYPES[layout.dtype])  # [L, 2, Hkv, T, D]
 
 
 def decode_hidden_chunk(obj: bytes | memoryview) -> tuple[dict[str, Any], torch.Tensor]:
     """A whole hidden object -> (trailer, [T, hidden_size] tensor); ChunkFormatError on any failure."""
-    trailer = read_trailer(obj)
-    layout = _layout_of(trailer)
-    section = memoryview(obj)[: layout.section_size]
-    check = verify_section(section, layout=layout, layer=layout.layer_start, key=_key_of(trailer))
+    trailer, layout, key, section = _parse(obj, "hidden")
+    check = verify_section(section, layout=layout, layer=layout.layer_start, key=key)
     if not check.ok:
         raise ChunkFormatError(f"hidden chunk invalid: {check.reason}")
-    raw = np.frombuffer(section[SECTION_HEADER_SIZE:], dtype=np.uint8).copy()
-    hidden = torch.from_numpy(raw).view(TORCH_DTYPES[layout.dtype])
-    return trailer, hidden.reshape(layout.n_tokens, layout.hidden_size)
+    raw = np.frombuffer(section[SECTION_HEADER_SIZE:], dtype=np.uint8).copy()  # [T * hidden * itemsize]
+    hidden = torch.from_numpy(raw).view(TORCH_DTYPES[layout.dtype])  # [T * hidden]
+    return trailer, hidden.reshape(layout.n_tokens, layout.hidden_size)  # [T, hidden]

@@ -98,46 +98,55 @@ class ModelConfig:
             raise ConfigError(f"unsupported model_type {family!r}; supported: {', '.join(FAMILIES)}")
         if d.get("use_sliding_window"):
             raise ConfigError(f"{family}: sliding-window attention (use_sliding_window=true) is not supported")
+        layer_types = d.get("layer_types") or ()  # transformers 5: one attention kind per layer
+        if any(kind != "full_attention" for kind in layer_types):
+            raise ConfigError(f"{family}: layer_types {sorted(set(layer_types))} are not supported "
+                              "(full_attention only)")
 
         if d.get("mlp_bias"):
             raise ConfigError(f"{family}: mlp_bias=true is not supported")
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{family}: hidden_act {d['hidden_act']!r} is not supported (SwiGLU with silu only)")
 
-        def need(key: str) -> Any:
+        def need(key: str) -> int:
             if key not in d or d[key] is None:
                 raise ConfigError(f"{family} config is missing required key {key!r}")
-            return d[key]
+            return _int(d, key)
 
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        kv_heads = int(d.get("num_key_value_heads") or heads)  # absent: plain multi-head attention
-        head_dim = int(d.get("head_dim") or hidden // heads)  # absent: the classic hidden / heads
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        if heads <= 0:
+            raise ConfigError(f"num_attention_heads must be positive, got {heads}")
+        kv_heads = _int(d, "num_key_value_heads", heads)  # absent: plain multi-head attention
+        head_dim = _int(d, "head_dim", hidden // heads)  # absent: the classic hidden / heads
         moe: MoeConfig | None = None
         if family == "qwen3_moe":
-            n_exp = d.get("num_experts", d.get("num_local_experts"))
-            if n_exp is None:
+            if d.get("num_experts", d.get("num_local_experts")) is None:
                 raise ConfigError("qwen3_moe config is missing required key 'num_experts'")
+            exp_key = "num_experts" if d.get("num_experts") is not None else "num_local_experts"
             moe = MoeConfig(
-                num_experts=int(n_exp),
-                experts_per_token=int(need("num_experts_per_tok")),
-                intermediate_size=int(need("moe_intermediate_size")),
+                num_experts=_int(d, exp_key),
+                experts_per_token=need("num_experts_per_tok"),
+                intermediate_size=need("moe_intermediate_size"),
                 norm_topk_prob=bool(d.get("norm_topk_prob", False)),  # transformers' default
-                sparse_step=int(d.get("decoder_sparse_step", 1)),  # transformers' default: every layer
-                mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+                sparse_step=_int(d, "decoder_sparse_step", 1),  # transformers' default: every layer
+                mlp_only_layers=_int_tuple(d, "mlp_only_layers"),
             )
+            if moe.sparse_step <= 0 or not 0 < moe.experts_per_token <= max(moe.num_experts, 1):
+                raise ConfigError(f"qwen3_moe: invalid decoder_sparse_step {moe.sparse_step} or "
+                                  f"num_experts_per_tok {moe.experts_per_token} (of {moe.num_experts} experts)")
         return cls(
             family=family,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=need("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),  # the Qwen/Llama default
+            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),  # the Qwen/Llama default
             rope=_rope_from_hf(d),
-            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),  # only informative here
+            max_position_embeddings=_int(d, "max_position_embeddings", 32768),  # only informative here
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),  # transformers' default
             attention_bias=True if family == "qwen2" else bool(d.get("attention_bias", False)),
             qk_norm=family in ("qwen3", "qwen3_moe"),
@@ -205,26 +214,62 @@ class ModelConfig:
         return layer not in moe.mlp_only_layers and (layer + 1) % moe.sparse_step == 0
 
 
+def _int(d: dict[str, Any], key: str, default: int | None = None) -> int:
+    """d[key] as an int (`default` when absent or null), or a ConfigError naming the key."""
+    value = d.get(key)
+    if value is None:
+        if default is None:
+            raise ConfigError(f"config is missing required key {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _float(d: dict[str, Any], key: str, default: float) -> float:
+    value = d.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def _int_tuple(d: dict[str, Any], key: str) -> tuple[int, ...]:
+    values = d.get(key) or []
+    if not isinstance(values, list | tuple):
+        raise ConfigError(f"config key {key!r} must be a list of integers, got {values!r}")
+    return tuple(_int({key: v}, key) for v in values)
+
+
 def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
     """Both styles: transformers-5 `rope_parameters` (theta inside) or `rope_theta` + optional `rope_scaling`."""
     params = d.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"rope_parameters must be an object, got {params!r}")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        raise ConfigError("rope_parameters nested per layer type are not supported (one RoPE for all layers)")
     if isinstance(params, dict) and "rope_theta" in params:
         theta = params["rope_theta"]
         scaling: dict[str, Any] = params
     else:
         theta = d.get("rope_theta", 10000.0)  # transformers' historical default
         scaling = d.get("rope_scaling") or (params if isinstance(params, dict) else {})
+    theta = _float({"rope_theta": theta}, "rope_theta", 10000.0)  # null: transformers' historical default
+    partial = scaling.get("partial_rotary_factor", d.get("partial_rotary_factor")) or 1.0
+    if partial != 1.0:
+        raise ConfigError(f"partial_rotary_factor {partial} is not supported (RoPE over the whole head only)")
     kind = str(scaling.get("rope_type", scaling.get("type", "default")))
     if kind not in ROPE_SCALINGS:
         raise ConfigError(f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_SCALINGS)}")
     if kind in ("linear", "llama3") and "factor" not in scaling:
         raise ConfigError(f"rope scaling {kind!r} needs a 'factor'")
     if kind == "default":  # the scaling fields mean nothing here: keep the defaults so configs compare equal
-        return RopeConfig(theta=float(theta), scaling=kind)
+        return RopeConfig(theta=theta, scaling=kind)
     if kind == "linear":
-        return RopeConfig(theta=float(theta), scaling=kind, factor=float(scaling["factor"]))
+        return RopeConfig(theta=theta, scaling=kind, factor=float(scaling["factor"]))
     return RopeConfig(
-        theta=float(theta),
+        theta=theta,
         scaling=kind,
         factor=float(scaling["factor"]),
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),  # llama3's published value

@@ -1,37 +1,54 @@
-"""The store interface: one value per chunk object, chosen by name in config.
+"""The store interface: one value per chunk object, backends chosen by name.
 
 Reads never raise for a miss: an absent, short or unreadable object is `False` / `None`, and the
-restore recomputes it. Writes raise `StoreError` when they cannot be made durable.
+restore recomputes it. Writes raise `StoreError` when they cannot be completed (durably, where the
+backend is durable). Names are checked by `cacheflow_common.kv.keys.valid_name`: a bad name given
+to `put` or `delete` is a `BadRequestError`; given to a read, it is simply a miss.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from cacheflow_common.errors import ConfigError
 
 
+@runtime_checkable
 class ChunkStore(Protocol):
-    name: str
+    name: str  # the backend, for logs and metrics
 
-    def put(self, name: str, data: bytes | memoryview) -> None: ...
+    def put(self, name: str, data: bytes | memoryview) -> None:
+        """Store (or replace) the object `name`; StoreError on failure."""
+        ...
 
     def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
         """Fill all of `buf` with bytes [offset, offset + len(buf)) of the object; False on a miss."""
         ...
 
-    def read(self, name: str) -> bytes | None: ...
+    def read(self, name: str) -> bytes | None:
+        """The whole object, or None on a miss."""
+        ...
 
-    def size(self, name: str) -> int | None: ...
+    def size(self, name: str) -> int | None:
+        """The object's size in bytes, or None when it is absent."""
+        ...
 
     def exists(self, name: str) -> bool: ...
 
-    def delete(self, name: str) -> None: ...
+    def delete(self, name: str) -> None:
+        """Remove the object; removing an absent one is not an error."""
+        ...
+
+
+def byte_view(buf: memoryview | bytearray) -> memoryview:
+    """`buf` as a flat writable view of bytes (format "B"), whatever its item format or shape."""
+    mv = memoryview(buf)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
 def open_store(spec: str) -> ChunkStore:
-    """`memory` or `filesystem:/a/dir`."""
+    """A store by name: "memory" or "filesystem:/path/to/dir"; ConfigError for anything else."""
     from cacheflow_common.store.filesystem import FilesystemStore
     from cacheflow_common.store.memory import MemoryStore
 

@@ -1,18 +1,30 @@
 """A durable filesystem store: each object is one file, written atomically and fsynced.
 
-Writes go to a temporary file in the target directory, are flushed and fsynced, then renamed over
-the final name, and the directory is fsynced: after `put` returns, the object survives a crash, and
-a reader never sees a half-written object. Objects are spread over 256 subdirectories by name.
+`put` writes a temporary file in the object's own directory, fsyncs it, renames it over the final
+name (`os.replace`, atomic) and fsyncs the directory: once `put` returns the object survives a
+crash, and a reader sees either the old object or the new one, never half of one. Objects are
+spread over subdirectories named by the first two characters of their names (256 for hex keys).
+
+`read_into` reads straight into the caller's buffer with `os.preadv` (no intermediate copy, no
+shared file offset, so any number of threads may read at once), looping over short reads.
+Temporary files start with a dot, which no object name may, so they never collide with objects.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from cacheflow_common.errors import BadRequestError, StoreError
 from cacheflow_common.kv.keys import valid_name
+from cacheflow_common.store.base import byte_view
+
+_TMP_PREFIX = ".tmp-"  # object names never start with a dot
+_SHARD_CHARS = 2  # 2 hex characters: 256 directories, a few thousand files each at a million objects
 
 
 class FilesystemStore:
@@ -20,37 +32,59 @@ class FilesystemStore:
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create store directory {self.root}: {exc}") from exc
 
     def _path(self, name: str) -> Path:
         if not valid_name(name):
             raise BadRequestError(f"invalid object name {name!r}")
-        return self.root / name[:2] / name
+        return self.root / name[:_SHARD_CHARS] / name
+
+    def _path_or_none(self, name: str) -> Path | None:
+        return self.root / name[:_SHARD_CHARS] / name if valid_name(name) else None
 
     def put(self, name: str, data: bytes | memoryview) -> None:
         path = self._path(name)
-        path.parent.mkdir(exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        src = memoryview(data).cast("B")  # [nbytes]
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            if not path.parent.is_dir():
+                path.parent.mkdir(exist_ok=True)
+                _fsync_dir(self.root)  # the new shard directory's entry must survive too
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX)
+        except OSError as exc:
+            raise StoreError(f"cannot store {name}: {exc}") from exc
+        try:
+            try:
+                done = 0
+                while done < len(src):
+                    done += os.write(fd, src[done:])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
             _fsync_dir(path.parent)
         except OSError as exc:
-            Path(tmp).unlink(missing_ok=True)
+            _unlink_quietly(tmp)
             raise StoreError(f"cannot store {name}: {exc}") from exc
+        except BaseException:  # interrupted (KeyboardInterrupt, ...): leave no temporary file behind
+            _unlink_quietly(tmp)
+            raise
 
     def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
+        path = self._path_or_none(name)
+        if path is None or offset < 0:
+            return False
+        out = byte_view(buf)
         try:
-            fd = os.open(self._path(name), os.O_RDONLY)
-        except (OSError, BadRequestError):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
             return False
         try:
             done = 0
-            while done < len(buf):
-                n = os.preadv(fd, [buf[done:]], offset + done)
+            while done < len(out):
+                n = os.preadv(fd, [out[done:]], offset + done)
                 if n <= 0:
                     return False  # the object is shorter than asked: a miss
                 done += n
@@ -61,27 +95,50 @@ class FilesystemStore:
             os.close(fd)
 
     def read(self, name: str) -> bytes | None:
+        path = self._path_or_none(name)
+        if path is None:
+            return None
         try:
-            return self._path(name).read_bytes()
-        except (OSError, BadRequestError):
+            return path.read_bytes()
+        except OSError:
             return None
 
     def size(self, name: str) -> int | None:
-        try:
-            return self._path(name).stat().st_size
-        except (OSError, BadRequestError):
+        path = self._path_or_none(name)
+        if path is None:
             return None
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def exists(self, name: str) -> bool:
         return self.size(name) is not None
 
     def delete(self, name: str) -> None:
-        self._path(name).unlink(missing_ok=True)
+        path = self._path(name)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot delete {name}: {exc}") from exc
+
+    def names(self) -> Iterator[str]:
+        """Every stored object's name (tools and tests; temporary files are skipped)."""
+        for shard in sorted(self.root.iterdir()):
+            if shard.is_dir():
+                yield from sorted(p.name for p in shard.iterdir() if valid_name(p.name))
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    """Remove a temporary file on the way out of a failed write (the write's own error is what matters)."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)

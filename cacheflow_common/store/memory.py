@@ -1,4 +1,4 @@
-"""An in-process store: a dict of immutable bytes (tests, benchmarks, and a cache tier)."""
+"""An in-process store: a dict of immutable bytes (tests, benchmarks, and a cache tier). Thread-safe."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import threading
 
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.kv.keys import valid_name
+from cacheflow_common.store.base import byte_view
 
 
 class MemoryStore:
@@ -18,15 +19,17 @@ class MemoryStore:
     def put(self, name: str, data: bytes | memoryview) -> None:
         if not valid_name(name):
             raise BadRequestError(f"invalid object name {name!r}")
+        obj = bytes(data)  # a private copy: later changes to the caller's buffer do not reach the store
         with self._lock:
-            self._objects[name] = bytes(data)
+            self._objects[name] = obj
 
     def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
         with self._lock:
             obj = self._objects.get(name)
-        if obj is None or offset < 0 or offset + len(buf) > len(obj):
+        out = byte_view(buf)
+        if obj is None or offset < 0 or offset + len(out) > len(obj):
             return False
-        buf[:] = memoryview(obj)[offset : offset + len(buf)]
+        out[:] = memoryview(obj)[offset : offset + len(out)]  # bytes are immutable: no lock needed to copy
         return True
 
     def read(self, name: str) -> bytes | None:
@@ -42,5 +45,12 @@ class MemoryStore:
             return name in self._objects
 
     def delete(self, name: str) -> None:
+        if not valid_name(name):
+            raise BadRequestError(f"invalid object name {name!r}")
         with self._lock:
             self._objects.pop(name, None)
+
+    def names(self) -> list[str]:
+        """Every stored name (tests and tools)."""
+        with self._lock:
+            return sorted(self._objects)

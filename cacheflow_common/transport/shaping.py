@@ -1,8 +1,12 @@
 """Bandwidth shaping: a FIFO token bucket in virtual time, to emulate 10/40/80 Gbit/s (or slower) links.
 
-`reserve(n)` books the link for `n` bytes after everything booked before, and returns the moment
-they will have arrived; readers sleep until then. Concurrent readers thus share the rate in arrival
-order, and a reader can do its real read while its emulated transfer is under way.
+`reserve(n)` books the link for `n` bytes after everything booked before and returns the monotonic
+moment they will have arrived; the reader sleeps until then (`wait`). So concurrent readers share
+the rate in the order they asked, the sum of what they book never exceeds the rate, and a reader can
+do its real read between `reserve` and `wait`, overlapping it with the emulated transfer.
+
+    start    = max(busy_until, now - burst / rate)     # an idle link credits at most one burst
+    deadline = busy_until = start + nbytes / rate
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import math
 import threading
 import time
+
+from cacheflow_common.errors import BadRequestError
 
 DEFAULT_BURST = 256 * 1024  # bytes that may pass at once after an idle spell, like a NIC's queue
 
@@ -20,29 +26,48 @@ def gbps(x: float) -> float:
 
 
 class TokenBucket:
+    """A link of `rate_bytes_per_s`; a rate <= 0 or infinite means unlimited (every deadline is now)."""
+
     def __init__(self, rate_bytes_per_s: float, burst_bytes: int = DEFAULT_BURST) -> None:
-        self.rate = rate_bytes_per_s
-        self.unlimited = rate_bytes_per_s <= 0 or math.isinf(rate_bytes_per_s)
-        self.burst_s = 0.0 if self.unlimited else burst_bytes / rate_bytes_per_s
-        self._busy_until = 0.0  # when the link finishes what is booked so far (monotonic seconds)
+        if math.isnan(rate_bytes_per_s) or burst_bytes < 0:
+            raise BadRequestError(f"bad link: rate {rate_bytes_per_s} B/s, burst {burst_bytes} B")
+        self.rate = float(rate_bytes_per_s)
+        self.burst_bytes = burst_bytes
+        self.unlimited = self.rate <= 0 or math.isinf(self.rate)
+        self.burst_s = 0.0 if self.unlimited else burst_bytes / self.rate
+        self._busy_until = -math.inf  # when the link finishes what is booked so far (monotonic seconds)
         self._lock = threading.Lock()
 
     def reserve(self, nbytes: int, now: float | None = None) -> float:
-        """Book `nbytes`; returns the monotonic time when they have passed the link."""
+        """Book `nbytes` behind every earlier booking; returns the monotonic time when they have passed.
+
+        `now` (default: time.monotonic()) lets tests check the arithmetic without a clock.
+        """
+        if nbytes < 0:
+            raise BadRequestError(f"cannot reserve {nbytes} bytes")
         now = time.monotonic() if now is None else now
         if self.unlimited:
             return now
         with self._lock:
-            # After an idle spell, up to `burst` worth of time is credited (the bucket was full).
             start = max(self._busy_until, now - self.burst_s)
             self._busy_until = start + nbytes / self.rate
             return self._busy_until
 
-    @staticmethod
-    def wait(deadline: float) -> None:
-        delay = deadline - time.monotonic()
-        if delay > 0:
+    def release(self, deadline: float, nbytes: int) -> bool:
+        """Give back a reservation that will not be used (a miss), if nothing was booked after it."""
+        if self.unlimited:
+            return True
+        with self._lock:
+            if self._busy_until != deadline:
+                return False  # later readers are queued behind it: they keep their deadlines
+            self._busy_until = deadline - nbytes / self.rate
+            return True
+
+    def wait(self, deadline: float) -> None:
+        """Sleep until the monotonic time `deadline` (no busy-wait)."""
+        while (delay := deadline - time.monotonic()) > 0:
             time.sleep(delay)
 
     def consume(self, nbytes: int) -> None:
+        """Reserve `nbytes` and wait until they have passed."""
         self.wait(self.reserve(nbytes))

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from cacheflow_common.model.config import RopeConfig
+from cacheflow_common.model.config import MoeConfig, RopeConfig
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span, Transformer
 from tests.factories import tiny_model
@@ -21,7 +21,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "llama-linear": {"rope": RopeConfig(theta=10000.0, scaling="linear", factor=4.0), "tie_word_embeddings": True},
     "qwen2": {},
     "qwen3": {},
+    "qwen3-bias": {"attention_bias": True},
     "qwen3_moe": {},
+    # Unnormalized top-k weights, MoE on every second layer only, top-1 of 3 experts.
+    "qwen3_moe-sparse": {"num_layers": 4, "moe": MoeConfig(num_experts=3, experts_per_token=1, intermediate_size=40,
+                                                           norm_topk_prob=False, sparse_step=2, mlp_only_layers=())},
 }
 TOL = 1e-4
 
@@ -60,3 +64,38 @@ def test_our_loader_reads_what_transformers_saves(tmp_path):
     loaded = Transformer.from_dir(tmp_path / "theirs")
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_sharded_checkpoint_loads_whole_and_in_part(tmp_path):
+    model = tiny_model("llama", seed=4, num_layers=4)
+    model.save(tmp_path / "ours")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    whole = Transformer.from_dir(tmp_path / "sharded")
+    assert whole.state_dict().keys() == model.state_dict().keys()
+    assert all(torch.equal(whole.state_dict()[n], t) for n, t in model.state_dict().items())
+    part = Transformer.from_dir(tmp_path / "sharded", layers=range(2, 4))
+    assert {n for n in part.state_dict() if n.startswith("model.layers.")} == {
+        n for n in model.state_dict() if n.startswith(("model.layers.2.", "model.layers.3."))}
+    assert part.fingerprint() == whole.fingerprint() == model.fingerprint()
+
+
+def test_bfloat16_stays_close_to_transformers(tmp_path):
+    """bf16 runs through the same ops order as transformers; only rounding differs (SDPA vs eager)."""
+    model = tiny_model("qwen3", seed=5)
+    model.save(tmp_path)
+    ours = Transformer.from_dir(tmp_path, dtype=torch.bfloat16)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
+                                                            attn_implementation="eager").eval()
+    ids = torch.randint(0, model.config.vocab_size, (37,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        out = ref(ids[None], use_cache=True)
+    logits, kv = _ours(ours, ids)
+    assert kv.data.dtype == torch.bfloat16
+    torch.testing.assert_close(logits, out.logits[0].float(), atol=2e-2, rtol=2e-2)
+    for layer in range(model.config.num_layers):  # |K| reaches ~4, where one bf16 step is 1/64
+        ref_k, ref_v = out.past_key_values.layers[layer].keys[0], out.past_key_values.layers[layer].values[0]
+        torch.testing.assert_close(kv.layer(layer)[0], ref_k, atol=1 / 16, rtol=2e-2)
+        torch.testing.assert_close(kv.layer(layer)[1], ref_v, atol=1 / 16, rtol=2e-2)

@@ -105,12 +105,33 @@ def test_fingerprints(tmp_path):
     ({"vocab_size": None}, "vocab_size"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope scaling"),
     ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]}, "layer_types"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"rope_parameters": {"full_attention": {"rope_theta": 1e4}, "sliding_attention": {"rope_theta": 1e4}}},
+     "nested"),
+    ({"hidden_size": "96"}, "'hidden_size' must be an integer"),
+    ({"num_hidden_layers": 2.5}, "'num_hidden_layers' must be an integer"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be positive"),
+    ({"num_key_value_heads": 3}, "not a multiple"),
+    ({"dtype": "float64"}, "unsupported dtype"),
 ])
 def test_bad_configs_are_rejected(change, message):
     d = tiny_model("qwen2").config.to_hf_dict()
     d.update(change)
     if change.get("vocab_size", 0) is None:
         del d["vocab_size"]
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict(d)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"num_experts": None}, "num_experts"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ({"mlp_only_layers": "1"}, "mlp_only_layers"),
+])
+def test_bad_moe_configs_are_rejected(change, message):
+    d = tiny_model("qwen3_moe").config.to_hf_dict() | change
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf_dict(d)
 
