@@ -249,6 +249,9 @@ def _plot(cells: Sequence[dict[str, Any]], path: Path) -> None:
         for j, n in enumerate(lengths):
             ax = axes[i][j]
             sel = sorted((c for c in cells if c["model"] == m and c["n_tokens"] == n), key=lambda c: c["ratio"])
+            if not sel:  # a length capped for this model
+                ax.set_visible(False)
+                continue
             for p in POLICIES:
                 ax.plot([c["ratio"] for c in sel], [c["ratio_to_bound"][p] for c in sel], marker="o", label=p)
             ax.axhline(1.15, color="grey", ls=":", lw=1)
