@@ -32,7 +32,7 @@ from cacheflow_bench.common import (
 )
 
 from cacheflow_common.model.kv_buffer import KVBuffer
-from cacheflow_common.model.sources import load_model, parse_dtype
+from cacheflow_common.model.sources import default_device, load_model, parse_dtype
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.costs import best_split
 from cacheflow_common.restore.executor import RestoreJob, RestoreResult, restore, run_restore
@@ -62,6 +62,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="runs per policy and cell (median)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: timings depend on it)")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on AMX CPUs and GPUs, else float32")
+    p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU) | cpu | cuda")
+    p.add_argument("--links-gbps", default="", help="fixed link speeds in Gbit/s instead of --ratios, e.g. 10,40,80")
+    p.add_argument("--stem", default="restore_single", help="result file names: STEM.json, STEM.md, STEM.png")
     p.add_argument("--out", default=str(RESULTS_DIR), help="output directory")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, short prefixes, one repeat")
     args = p.parse_args(argv)
@@ -83,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="cacheflow-bench-") as tmp:
         for name in args.models.split(","):
-            model = load_model(name, dtype=parse_dtype(args.dtype))
+            device = default_device() if args.device == "auto" else args.device
+            model = load_model(name, dtype=parse_dtype(args.dtype), device=device)
             profile = _profile(model, name, args, max(lengths))
             profiles[name] = profile.to_json()
             store = FilesystemStore(Path(tmp) / name)
@@ -93,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cells += _bench_length(model, name, profile, store, n, ratios, args)
                 _write(out, args, profiles, cells)  # partial results survive an interrupted run
     body = _write(out, args, profiles, cells)
-    _plot(cells, out / "restore_single.png")
+    _plot(cells, out / f"{args.stem}.png")
     print(render_markdown(body))
     return 0
 
@@ -102,8 +106,8 @@ def _write(out: Path, args: argparse.Namespace, profiles: dict[str, Any],
            cells: list[dict[str, Any]]) -> dict[str, Any]:
     body = {"summary": summarize(cells), "machine": machine_facts(), "command": command_line(),
             "settings": {k: v for k, v in vars(args).items() if k != "out"}, "profiles": profiles, "cells": cells}
-    write_json(out / "restore_single.json", body)
-    (out / "restore_single.md").write_text(render_markdown(body))
+    write_json(out / f"{args.stem}.json", body)
+    (out / f"{args.stem}.md").write_text(render_markdown(body))
     return body
 
 
@@ -128,13 +132,20 @@ def _bench_length(model: Transformer, name: str, profile: Profile, store: ChunkS
     t_comp = median([_forced(model, job, store, "token", len(job.keys)).elapsed_s for _ in range(args.repeats)])
     kv_bytes = n * len(job.layers) * model.kv_bytes_per_token_per_layer
     cells = []
-    for ratio in ratios:
-        rate = kv_bytes / (ratio * t_comp)
+    for ratio, rate in _links(kv_bytes, t_comp, ratios, args.links_gbps):
         cells.append(_bench_cell(model, name, profile, store, job, ratio, rate, comp_layer, args))
         c = cells[-1]
-        print(f"  Tio/Tcomp={ratio}: " + ", ".join(f"{p}={c['times_s'][p]:.3f}" for p in POLICIES)
-              + f", bound={c['bound_s']:.3f}", flush=True)
+        times = ", ".join(f"{p}={c['times_s'][p]:.3f}" for p in POLICIES)
+        print(f"  Tio/Tcomp={ratio:.3g} ({rate * 8 / 1e9:.3g} Gbit/s): {times}, bound={c['bound_s']:.3f}", flush=True)
     return cells
+
+
+def _links(kv_bytes: int, t_comp: float, ratios: Sequence[float], links_gbps: str) -> list[tuple[float, float]]:
+    """(Tio/Tcomp, link bytes/s) per cell: fixed link speeds if given, else the speeds that give `ratios`."""
+    if links_gbps:
+        rates = [float(x) * 1e9 / 8 for x in links_gbps.split(",")]
+        return [(kv_bytes / (rate * t_comp), rate) for rate in rates]
+    return [(ratio, kv_bytes / (ratio * t_comp)) for ratio in ratios]
 
 
 def _bench_cell(model: Transformer, name: str, profile: Profile, raw: ChunkStore, job: RestoreJob, ratio: float,
@@ -183,7 +194,7 @@ def _forced(model: Transformer, job: RestoreJob, store: ChunkStore, mode: str, s
 
 
 def _fresh_kv(model: Transformer, job: RestoreJob) -> KVBuffer:
-    return KVBuffer.for_model(model.config, layers=job.layers, capacity=len(job.token_ids), dtype=model.dtype)
+    return model.new_kv(job.layers, len(job.token_ids))
 
 
 def _require_complete(result: RestoreResult) -> None:

@@ -35,6 +35,6 @@ def tiny_config(family: str = "qwen3", **overrides: Any) -> ModelConfig:
     return replace(base, **overrides)
 
 
-def tiny_model(family: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32,
+def tiny_model(family: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
                **overrides: Any) -> Transformer:
-    return Transformer.random(tiny_config(family, **overrides), seed=seed, dtype=dtype)
+    return Transformer.random(tiny_config(family, **overrides), seed=seed, dtype=dtype, device=device)

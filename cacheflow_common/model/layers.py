@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from cacheflow_common.model.config import ModelConfig
 
@@ -53,6 +54,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> 
     end = k.shape[1]
     if start == 0:
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)
+    elif q.is_cuda:
+        # A bottom-right causal bias keeps the fused kernels (an explicit mask falls back to the
+        # O(T * end) math path); those kernels want K/V expanded to every query head.
+        group = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [H, end, D]
+        bias = causal_lower_right(q.shape[1], end)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias)
     else:
         q_pos = torch.arange(start, end, device=q.device)  # [T]
         mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]  # [T, end]

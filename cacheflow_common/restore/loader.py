@@ -1,7 +1,8 @@
 """The I/O side of a restore: read chunk objects (or one layer's section of each) and land them in the KV buffer.
 
 It moves bytes only (store reads into a reusable staging buffer, numpy copies into the buffer): no
-torch ops, so it does not fight the forward pass for torch's thread pool on the same cores.
+torch ops, so it does not fight the forward pass for torch's thread pool on the same cores. A KV
+buffer in GPU memory is filled through `DeviceLanding` (pinned host buffer, copy on its own stream).
 A load returns "" on success or the reason it missed; a miss writes nothing the compute side relies on.
 """
 
@@ -14,6 +15,7 @@ from cacheflow_common.errors import ConfigError
 from cacheflow_common.kv.chunk import ChunkLayout, land_kv_sections
 from cacheflow_common.kv.keys import ChunkKey, object_name
 from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.restore.device_landing import DeviceLanding
 from cacheflow_common.store.base import ChunkStore
 
 
@@ -30,8 +32,8 @@ class KVLoader:
         dtype: str,
         quant: str,
     ) -> None:
-        if kv.data.device.type != "cpu":
-            raise ConfigError(f"KV buffers on {kv.data.device} are not supported yet: restore into CPU memory")
+        if kv.data.device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"KV buffers on {kv.data.device} are not supported: restore into CPU or CUDA memory")
         self.store = store
         self.keys = keys
         self.layers = layers
@@ -49,10 +51,11 @@ class KVLoader:
             )
             for k in keys
         ]
-        # [n_buf_layers, 2, Hkv, capacity, D * itemsize] bytes, sharing memory with kv.data
-        self._dst: np.ndarray = kv.data.view(torch.uint8).numpy()
         largest = max((lay.sections_size for lay in self.layouts), default=0)
         self._staging = memoryview(bytearray(max(largest, sum(lay.section_size for lay in self.layouts))))
+        # CPU: land straight into kv.data, [n_buf_layers, 2, Hkv, capacity, D * itemsize] bytes sharing its memory.
+        # GPU: land in a pinned host buffer, then copy to the device.
+        self._device = DeviceLanding(kv, self._landed_bytes()) if kv.data.is_cuda else None
         self.bytes_read = 0
 
     def names(self, index: int) -> str:
@@ -65,15 +68,15 @@ class KVLoader:
         if not self.store.read_into(self.names(index), buf, 0):
             return "absent"
         self.bytes_read += len(buf)
-        check = land_kv_sections(
-            buf,
-            layout=layout,
-            key=self.keys[index],
-            layers=self.layers,
-            dst=self._dst,
-            dst_layer_start=self.kv.layer_start,
-            token_start=self.keys[index].token_start,
-        )
+        key = self.keys[index]
+        if self._device is None:
+            dst, token_start = self._host_kv(), key.token_start
+        else:
+            dst, token_start = self._device.tokens_target(layout.n_tokens), 0
+        check = land_kv_sections(buf, layout=layout, key=key, layers=self.layers, dst=dst,
+                                 dst_layer_start=self.kv.layer_start, token_start=token_start)
+        if check.ok and self._device is not None:
+            self._device.push_tokens(key.token_start, key.token_end)
         return "" if check.ok else check.reason
 
     def load_layer(self, layer: int) -> str:
@@ -87,19 +90,29 @@ class KVLoader:
             self.bytes_read += len(buf)
             spans.append((i, buf))
             offset += layout.section_size
+        n_tokens = self.keys[-1].token_end
+        dst, dst_layer_start = (self._host_kv(), self.kv.layer_start) if self._device is None else (
+            self._device.layer_target(n_tokens), layer)
         for i, buf in spans:
-            check = land_kv_sections(
-                buf,
-                layout=self.layouts[i],
-                key=self.keys[i],
-                layers=range(layer, layer + 1),
-                dst=self._dst,
-                dst_layer_start=self.kv.layer_start,
-                token_start=self.keys[i].token_start,
-            )
+            check = land_kv_sections(buf, layout=self.layouts[i], key=self.keys[i], layers=range(layer, layer + 1),
+                                     dst=dst, dst_layer_start=dst_layer_start, token_start=self.keys[i].token_start)
             if not check.ok:
                 return check.reason
+        if self._device is not None:
+            self._device.push_layer(layer, n_tokens)
         return ""
+
+    def _landed_bytes(self) -> int:
+        """The largest unit once dequantized: one chunk of every layer, or one layer of every chunk."""
+        _, _, heads, _, head_dim = self.kv.data.shape
+        per_token_layer = 2 * heads * head_dim * self.kv.data.element_size()
+        longest_chunk = max((k.token_end - k.token_start for k in self.keys), default=0)
+        n_tokens = self.keys[-1].token_end if self.keys else 0
+        return per_token_layer * max(len(self.layers) * longest_chunk, n_tokens)
+
+    def _host_kv(self) -> np.ndarray:
+        """uint8 [n_buf_layers, 2, Hkv, capacity, D * itemsize] sharing memory with a CPU `kv.data`."""
+        return self.kv.data.view(torch.uint8).numpy()
 
     def chunk_bytes(self, index: int) -> int:
         return self.layouts[index].sections_size

@@ -22,7 +22,6 @@ import torch
 
 from cacheflow_common.kv.chunk import encode_kv_chunk
 from cacheflow_common.kv.keys import ChunkKey
-from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 from cacheflow_common.restore.executor import RestoreJob, restore
@@ -34,6 +33,7 @@ from cacheflow_common.store.shaped import ShapedStore
 from cacheflow_common.transport.shaping import TokenBucket
 
 Progress = Callable[[str], None]
+NEVER_TOKEN_WISE = 2**31 - 1  # L_delta when layer-wise still wins at the longest profiled length
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,7 +96,7 @@ def _sample_layers(model: Transformer, settings: ProfileSettings) -> range:
 def _fit_chunk_compute(model: Transformer, settings: ProfileSettings) -> LinearCost:
     layers = _sample_layers(model, settings)
     c, n_max = settings.chunk_size, settings.max_tokens
-    kv = KVBuffer.for_model(model.config, layers=layers, capacity=n_max, dtype=model.dtype)
+    kv = model.new_kv(layers, n_max)
     ids = torch.randint(0, model.config.vocab_size, (n_max,))  # [N]
     spans = [(p, min(c, n_max - p)) for p in range(0, n_max, c)]
     spans += [(p, t) for p in (0, n_max // 2) for t in (max(1, c // 4), max(1, c // 2))]
@@ -112,7 +112,7 @@ def _fit_chunk_compute(model: Transformer, settings: ProfileSettings) -> LinearC
 def _fit_layer_compute(model: Transformer, settings: ProfileSettings) -> LinearCost:
     layers = _sample_layers(model, settings)
     c, n_max = settings.chunk_size, settings.max_tokens
-    kv = KVBuffer.for_model(model.config, layers=layers, capacity=n_max, dtype=model.dtype)
+    kv = model.new_kv(layers, n_max)
     lengths = sorted({max(1, c // 2), c, 2 * c, 4 * c, n_max // 2, n_max} & set(range(1, n_max + 1)))
     rows, times = [], []
     for n in lengths:
@@ -173,12 +173,18 @@ def _measure_crossover(model: Transformer, costs: CostModel, settings: ProfileSe
         }
         table.append({"n_tokens": float(len(job.token_ids)), "token_s": times["cacheflow-token"],
                       "layer_s": times["cacheflow-layer"]})
-    return Crossover(link_bytes_per_s=rate, l_delta=_crossover_length(table), table=tuple(table))
+    return Crossover(link_bytes_per_s=rate, l_delta=crossover_length(table), table=tuple(table))
 
 
-def _crossover_length(table: Sequence[dict[str, float]]) -> int:
-    """Shortest length from which token-wise is never slower than layer-wise; beyond the grid if none."""
-    l_delta = int(table[-1]["n_tokens"]) + 1
+def crossover_length(table: Sequence[dict[str, float]]) -> int:
+    """Shortest length from which token-wise is never slower than layer-wise.
+
+    Past the grid the winner at its longest length is assumed: if layer-wise still wins there, L_delta
+    is `NEVER_TOKEN_WISE` (a GPU with per-chunk launch overhead can make token-wise lose everywhere).
+    """
+    if table[-1]["token_s"] > table[-1]["layer_s"]:
+        return NEVER_TOKEN_WISE
+    l_delta = int(table[-1]["n_tokens"])
     for row in reversed(table):
         if row["token_s"] > row["layer_s"]:
             break

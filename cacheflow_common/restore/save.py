@@ -45,8 +45,7 @@ def make_job(
 
 def compute_prefix_kv(model: Transformer, job: RestoreJob) -> KVBuffer:
     """Chunked prefill of the job's prefix through its layers (stage 0 input: token embeddings)."""
-    kv = KVBuffer.for_model(model.config, layers=job.layers, capacity=max(1, len(job.token_ids)),
-                            dtype=model.dtype)
+    kv = model.new_kv(job.layers, max(1, len(job.token_ids)))
     ids = torch.tensor(job.token_ids, dtype=torch.long)  # [N]
     for key in job.keys:
         hidden = model.embed(ids[key.token_start : key.token_end])  # [T, hidden]

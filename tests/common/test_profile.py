@@ -1,4 +1,4 @@
-"""The profile file: round trip, validation, and L_delta chosen by the nearest profiled link rate."""
+"""The profile file: round trip, validation, L_delta from a crossover table and by the nearest profiled link rate."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 from cacheflow_common.restore.profile import Crossover, Profile
+from cacheflow_common.restore.profiler import NEVER_TOKEN_WISE, crossover_length
 
 COSTS = CostModel(chunk_compute=LinearCost(fixed_s=1e-3, per_token_s=1e-5, per_token_ctx_s=1e-9),
                   layer_compute=LinearCost(fixed_s=2e-3, per_token_s=1e-5, per_token_ctx_s=1e-9),
@@ -46,3 +47,20 @@ def test_bad_profiles_are_rejected_with_the_reason(tmp_path, damage):
         Profile.load(tmp_path / "p.json")
     with pytest.raises(ConfigError):
         Profile.load(tmp_path / "absent.json")
+
+
+def _rows(*winners: str) -> list[dict[str, float]]:
+    """A crossover table over lengths 256, 512, ... where each row's winner is `winners[i]`."""
+    return [{"n_tokens": 256.0 * (i + 1), "token_s": 1.0 if w == "token" else 2.0,
+             "layer_s": 1.0 if w == "layer" else 2.0} for i, w in enumerate(winners)]
+
+
+def test_crossover_is_where_token_wise_wins_from_on():
+    assert crossover_length(_rows("layer", "layer", "token", "token")) == 768
+    assert crossover_length(_rows("token", "layer", "token", "token")) == 768  # an early win does not count
+    assert crossover_length(_rows("token", "token")) == 256
+
+
+def test_crossover_never_switches_when_layer_wise_wins_at_the_longest_length():
+    assert crossover_length(_rows("token", "layer")) == NEVER_TOKEN_WISE
+    assert crossover_length(_rows("layer", "layer")) == NEVER_TOKEN_WISE

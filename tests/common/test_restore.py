@@ -40,9 +40,13 @@ COSTS = CostModel(
 )
 
 
-@pytest.fixture(scope="module")
-def model() -> Transformer:
-    return tiny_model("qwen3", seed=0, num_layers=4)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CI has none; run on a GPU machine)")
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=CUDA)])
+def model(request) -> Transformer:
+    """The tiny model on each device: on a GPU the loader lands KV through pinned memory and a copy stream."""
+    return tiny_model("qwen3", seed=0, num_layers=4, device=request.param)
 
 
 def _tokens(model: Transformer, n: int, seed: int) -> list[int]:
@@ -52,8 +56,7 @@ def _tokens(model: Transformer, n: int, seed: int) -> list[int]:
 
 def _reference(model: Transformer, ids: list[int], n: int) -> tuple[KVBuffer, torch.Tensor]:
     """One-pass prefill of prefix + suffix: its KV and the last position's logits."""
-    kv = KVBuffer.for_model(model.config, layers=range(model.config.num_layers), capacity=len(ids),
-                            dtype=model.dtype)
+    kv = model.new_kv(range(model.config.num_layers), len(ids))
     hidden = model.embed(torch.tensor(ids))  # [N + S, hidden]
     out = model.forward_layers(hidden, range(model.config.num_layers), [Span(kv, 0, len(ids))])
     return kv, model.logits(out[-1:])[0]
@@ -106,7 +109,7 @@ def _case(model: Transformer, n: int, seed: int, store: ChunkStore) -> Case:
     job = make_job(model, ids[:n], tenant="t", chunk_size=CHUNK)
     saved = save_prefix(model, job, store)
     ref, ref_logits = _reference(model, ids, n)
-    kv = KVBuffer.for_model(model.config, layers=job.layers, capacity=n + SUFFIX, dtype=model.dtype)
+    kv = model.new_kv(job.layers, n + SUFFIX)
     return Case(n, ids, job, saved, ref, ref_logits, kv)
 
 
@@ -186,14 +189,14 @@ def test_stage_restores_from_boundary_activation(model):
     full = make_job(model, ids[:n], tenant="t", chunk_size=CHUNK)
     full_kv = compute_prefix_kv(model, full)
     store = MemoryStore()
-    stage_kv = KVBuffer.for_model(model.config, layers=stage, capacity=n, dtype=model.dtype)
+    stage_kv = model.new_kv(stage, n)
     stage_kv.data.copy_(full_kv.data[2:4])
     save_chunks(stage_kv, job, store, model_fingerprint=model.fingerprint())
-    scratch = KVBuffer.for_model(model.config, layers=range(0, 2), capacity=n, dtype=model.dtype)
+    scratch = model.new_kv(range(0, 2), n)
     boundary = model.forward_layers(model.embed(torch.tensor(ids[:n])), range(0, 2), [Span(scratch, 0, n)])
     ref, _ = _reference(model, ids, n)
     for mode in ("token", "layer"):
-        kv = KVBuffer.for_model(model.config, layers=stage, capacity=n, dtype=model.dtype)
+        kv = model.new_kv(stage, n)
         loader = KVLoader(store=store, keys=job.keys, layers=stage, kv=kv, dtype=job.kv_dtype, quant="none")
         result = run_restore(job, model=model, loader=loader, mode=mode, planner=FixedSplitPlanner(1),
                              stage_input=lambda a, b: boundary[a:b])
@@ -217,7 +220,7 @@ def test_int8_chunks_restore_within_quantization_error(model):
     job = make_job(model, ids[:n], tenant="t", chunk_size=CHUNK, quant="int8")
     store = MemoryStore()
     saved = save_prefix(model, job, store)
-    kv = KVBuffer.for_model(model.config, layers=job.layers, capacity=n + SUFFIX, dtype=model.dtype)
+    kv = model.new_kv(job.layers, n + SUFFIX)
     result = restore(job, model=model, store=store, policy="load-only", kv=kv)
     assert set(result.sources()) == {"loaded"}
     err = (kv.data[..., :n, :] - saved.data[..., :n, :]).abs().max() / saved.data.abs().max()

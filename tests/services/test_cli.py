@@ -25,6 +25,6 @@ def test_profile_writes_a_profile(tmp_path):
 
 def test_bad_arguments_get_a_clear_error(tmp_path):
     run = _cacheflow("profile", "--model", str(tmp_path / "nowhere"))
-    assert run.returncode == 2 and "neither 'tiny', 'smollm2' nor a directory" in run.stderr
+    assert run.returncode == 2 and "neither 'tiny', 'qwen3-8b', 'smollm2' nor a directory" in run.stderr
     run = _cacheflow("profile", "--model", "tiny", "--store", "tape:x")
     assert run.returncode == 2 and "unknown store" in run.stderr
