@@ -22,3 +22,7 @@ class ChunkFormatError(CacheFlowError):
 
 class StoreError(CacheFlowError):
     """A store could not complete a write (a failed read is a miss, not an error)."""
+
+
+class UnauthorizedError(ConfigError):
+    """A service refused our credentials (a wrong or missing bearer token is a deployment mistake)."""

@@ -23,7 +23,7 @@ def _profile(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from cacheflow_common.model.sources import load_model, parse_dtype
-    from cacheflow_common.restore.profiler import ProfileSettings, profile_model
+    from cacheflow_common.restore.profiler import NEVER_TOKEN_WISE, ProfileSettings, profile_model
     from cacheflow_common.store.base import open_store
 
     torch.set_num_threads(args.threads)
@@ -42,14 +42,59 @@ def _profile(args: argparse.Namespace) -> int:
     profile.save(out)
     print(f"profile written to {out}")
     for c in profile.crossovers:
-        print(f"  link {c.link_bytes_per_s * 8 / 1e9:.3f} Gbit/s: L_delta = {c.l_delta} tokens")
+        never = c.l_delta == NEVER_TOKEN_WISE
+        l_delta = "never (layer-wise wins at the longest profiled length)" if never else f"{c.l_delta} tokens"
+        print(f"  link {c.link_bytes_per_s * 8 / 1e9:.3f} Gbit/s: L_delta = {l_delta}")
     return 0
 
 
-def _bench_restore(args: argparse.Namespace, rest: Sequence[str]) -> int:
+def _bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    if args.name == "storage":
+        from cacheflow_bench import storage
+
+        return storage.main(list(rest))
     from cacheflow_bench import restore_single
 
     return restore_single.main(list(rest))
+
+
+def _storage(args: argparse.Namespace) -> int:
+    from cacheflow_services.storage.config import StorageConfig, read_token_file
+    from cacheflow_services.storage.main import serve
+
+    from cacheflow_common.transport.shaping import gbps
+    from cacheflow_common.units import parse_bytes
+
+    config = StorageConfig(
+        backend=args.backend,
+        directory=Path(args.dir).expanduser() if args.dir else None,
+        redis_url=args.redis_url,
+        capacity_bytes=parse_bytes(args.capacity),
+        rate_bytes_per_s=gbps(args.rate_gbps),
+        transport=args.transport,
+        host=args.host,
+        data_port=args.data_port,
+        http_port=args.http_port,
+        tokens=read_token_file(Path(args.token_file)),
+        max_object_bytes=parse_bytes(args.max_object),
+    )
+    serve(config)
+    return 0
+
+
+def _add_storage_parser(sub: argparse._SubParsersAction) -> None:
+    st = sub.add_parser("storage", help="run a storage pod (chunk store + data plane)")
+    st.add_argument("--backend", default="filesystem", choices=["filesystem", "memory", "redis"])
+    st.add_argument("--dir", default="", help="filesystem backend: the directory chunks live in")
+    st.add_argument("--redis-url", default="", help="redis backend: redis://host:port/db")
+    st.add_argument("--capacity", default="0", help="evict LRU above this size, e.g. 100GiB (0: no limit)")
+    st.add_argument("--rate-gbps", type=float, default=0.0, help="shape outgoing bytes to this link rate (0: unshaped)")
+    st.add_argument("--transport", default="auto", choices=["auto", "tcp", "nixl"], help="auto: NIXL when available")
+    st.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    st.add_argument("--data-port", type=int, default=0, help="data-plane port (0: any free one)")
+    st.add_argument("--http-port", type=int, default=0, help="control API port (0: any free one)")
+    st.add_argument("--token-file", required=True, help="file of 'tenant token' lines (a mounted Secret)")
+    st.add_argument("--max-object", default="256MiB", help="largest object stored or read at once")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,8 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
     prof.add_argument("--out", default="", help="profile file (default: the cache directory)")
 
+    _add_storage_parser(sub)
+
     bench = sub.add_parser("bench", help="run a benchmark")
-    bench.add_argument("name", choices=["restore"], help="restore: single-request restore vs the bound")
+    bench.add_argument("name", choices=["restore", "storage"],
+                       help="restore: single-request restore vs the bound; storage: data-plane rates")
     return parser
 
 
@@ -80,7 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if rest:
                 build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
             return _profile(args)
-        return _bench_restore(args, rest)
+        if args.command == "storage":
+            if rest:
+                build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+            return _storage(args)
+        return _bench(args, rest)
     except CacheFlowError as exc:
         print(f"cacheflow: error: {exc}", file=sys.stderr)
         return 2

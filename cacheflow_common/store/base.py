@@ -48,7 +48,7 @@ def byte_view(buf: memoryview | bytearray) -> memoryview:
 
 
 def open_store(spec: str) -> ChunkStore:
-    """A store by name: "memory" or "filesystem:/path/to/dir"; ConfigError for anything else."""
+    """A store by name: "memory", "filesystem:/path/to/dir" or "redis://host:port/db"; ConfigError otherwise."""
     from cacheflow_common.store.filesystem import FilesystemStore
     from cacheflow_common.store.memory import MemoryStore
 
@@ -57,4 +57,8 @@ def open_store(spec: str) -> ChunkStore:
         return MemoryStore()
     if kind == "filesystem" and arg:
         return FilesystemStore(Path(arg).expanduser())
-    raise ConfigError(f"unknown store {spec!r}: use 'memory' or 'filesystem:/path/to/dir'")
+    if kind in ("redis", "rediss", "unix") and arg:
+        from cacheflow_common.store.redis_store import RedisStore  # the redis client is an optional dependency
+
+        return RedisStore(spec)
+    raise ConfigError(f"unknown store {spec!r}: use 'memory', 'filesystem:/path/to/dir' or 'redis://host:port/db'")

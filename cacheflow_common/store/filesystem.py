@@ -129,6 +129,15 @@ class FilesystemStore:
             if shard.is_dir():
                 yield from sorted(p.name for p in shard.iterdir() if valid_name(p.name))
 
+    def entries(self) -> list[tuple[str, int]]:
+        """(name, size) of every object, least recently written first: the order an LRU index starts from."""
+        found: list[tuple[float, str, int]] = []
+        for name in self.names():
+            with contextlib.suppress(OSError):  # removed since listed
+                st = (self.root / name[:_SHARD_CHARS] / name).stat()
+                found.append((st.st_mtime, name, st.st_size))
+        return [(name, size) for _, name, size in sorted(found)]
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

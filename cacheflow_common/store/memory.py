@@ -21,6 +21,7 @@ class MemoryStore:
             raise BadRequestError(f"invalid object name {name!r}")
         obj = bytes(data)  # a private copy: later changes to the caller's buffer do not reach the store
         with self._lock:
+            self._objects.pop(name, None)  # a replaced object counts as newest
             self._objects[name] = obj
 
     def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
@@ -49,6 +50,11 @@ class MemoryStore:
             raise BadRequestError(f"invalid object name {name!r}")
         with self._lock:
             self._objects.pop(name, None)
+
+    def entries(self) -> list[tuple[str, int]]:
+        """(name, size) of every object, oldest first."""
+        with self._lock:
+            return [(name, len(obj)) for name, obj in self._objects.items()]
 
     def names(self) -> list[str]:
         """Every stored name (tests and tools)."""

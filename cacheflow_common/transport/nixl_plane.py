@@ -1,0 +1,168 @@
+"""The NIXL data plane: the pod writes chunk bytes straight into the reader's registered memory.
+
+Requests and answers still travel over the pod's TCP connection (`wire`); only the bytes move by
+NIXL (UCX: shared memory on one host, RDMA or TCP across hosts). Metadata is exchanged over that same
+connection (NIXL_HELLO), so no NIXL listener port is needed:
+
+    client: register receive slots -> NIXL_HELLO(agent name, metadata) -> NIXL_GET(name, range, slot address)
+    pod:    add the client's agent once -> read + verify into a registered staging slab ->
+            WRITE slice by slice into the slot (each slice booked on the pod's token bucket) -> OK
+
+The client's slots are registered before its metadata is sent (remote keys travel in the metadata),
+so their number and size are fixed for the endpoint's life; a longer read is split into slot-sized
+pieces, each copied into the caller's buffer after it lands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import torch
+from nixl._api import nixl_agent, nixl_agent_config
+
+from cacheflow_common.errors import BadRequestError
+from cacheflow_common.transport import wire
+from cacheflow_common.transport.shaping import TokenBucket
+from cacheflow_common.transport.wire import Op, Status, WireError
+
+NIXL_SLICE_BYTES = 1024 * 1024  # shaping slice for NIXL writes (a transfer's fixed cost is tens of microseconds)
+_POLL_S = 20e-6  # between completion checks of a transfer in flight
+
+
+def _agent(name: str) -> nixl_agent:
+    # No listener thread: metadata goes over our own connection. The progress thread drives UCX.
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"]))
+
+
+class RegisteredBuffer:
+    """CPU memory registered with an agent: a uint8 tensor, its address and a writable byte view."""
+
+    def __init__(self, agent: nixl_agent, nbytes: int) -> None:
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)  # [nbytes]
+        self.agent = agent
+        self.registration = agent.register_memory([self.tensor])
+        self.nbytes = nbytes
+        self.address = int(self.tensor.data_ptr())
+        self.view = memoryview(self.tensor.numpy().data).cast("B")
+
+    def release(self) -> None:
+        self.agent.deregister_memory(self.registration)
+
+
+def _run_transfer(agent: nixl_agent, op: str, local: tuple[int, int], remote: tuple[int, int], peer: str) -> bool:
+    """One blocking NIXL transfer of `local` = (address, bytes) to/from `remote` on `peer`."""
+    local_descs = agent.get_xfer_descs([(local[0], local[1], 0)], "DRAM")
+    remote_descs = agent.get_xfer_descs([(remote[0], remote[1], 0)], "DRAM")
+    handle = agent.initialize_xfer(op, local_descs, remote_descs, peer)
+    try:
+        state = agent.transfer(handle)
+        while state == "PROC":
+            time.sleep(_POLL_S)
+            state = agent.check_xfer_state(handle)
+        return state == "DONE"
+    finally:
+        agent.release_xfer_handle(handle)
+
+
+class NixlPodEndpoint:
+    """The pod's side: one agent, known client agents (ref-counted by connection), staging slabs."""
+
+    def __init__(self, name: str) -> None:
+        self.agent = _agent(name)
+        self._peers: dict[str, int] = {}  # client agent name -> connections using it
+        self._free: list[RegisteredBuffer] = []
+        self._lock = threading.Lock()
+
+    def add_peer(self, agent_name: str, metadata: bytes) -> str:
+        with self._lock:
+            if agent_name not in self._peers:
+                try:
+                    added = self.agent.add_remote_agent(metadata)
+                except Exception as exc:  # nixl raises its own error types for bad metadata
+                    raise BadRequestError(f"bad NIXL metadata: {exc}") from exc
+                name = added.decode() if isinstance(added, bytes) else str(added)
+                if name != agent_name:
+                    self.agent.remove_remote_agent(name)
+                    raise BadRequestError(f"NIXL metadata is for agent {name!r}, not {agent_name!r}")
+                self._peers[agent_name] = 0
+            self._peers[agent_name] += 1
+        return agent_name
+
+    def forget(self, agent_name: str) -> None:
+        with self._lock:
+            self._peers[agent_name] -= 1
+            if self._peers[agent_name] == 0:
+                del self._peers[agent_name]
+                self.agent.remove_remote_agent(agent_name)
+
+    @contextlib.contextmanager
+    def staging(self, nbytes: int) -> Iterator[RegisteredBuffer]:
+        """A registered slab of at least `nbytes`, reused across requests (one per concurrent request)."""
+        with self._lock:
+            fits = [b for b in self._free if b.nbytes >= nbytes]
+            slab = min(fits, key=lambda b: b.nbytes) if fits else None
+            if slab is not None:
+                self._free.remove(slab)
+        if slab is None:
+            slab = RegisteredBuffer(self.agent, nbytes)
+        try:
+            yield slab
+        finally:
+            with self._lock:
+                self._free.append(slab)
+
+    def write_shaped(self, slab: RegisteredBuffer, nbytes: int, peer: str, address: int, shaper: TokenBucket) -> bool:
+        """WRITE the slab's first `nbytes` to `address` on `peer`, each slice once the link has room for it."""
+        step = nbytes if shaper.unlimited else NIXL_SLICE_BYTES
+        for start in range(0, nbytes, step):
+            n = min(step, nbytes - start)
+            shaper.wait(shaper.reserve(n))
+            if not _run_transfer(self.agent, "WRITE", (slab.address + start, n), (address + start, n), peer):
+                return False
+        return True
+
+
+class NixlClientEndpoint:
+    """The reader's side: one agent per process and a fixed pool of registered receive slots."""
+
+    def __init__(self, *, slots: int = 4, slot_bytes: int = 32 * 1024 * 1024) -> None:
+        self.name = f"cacheflow-client-{uuid.uuid4().hex[:12]}"
+        self.agent = _agent(self.name)
+        self._slots: queue.Queue[RegisteredBuffer] = queue.Queue()
+        for _ in range(slots):
+            self._slots.put(RegisteredBuffer(self.agent, slot_bytes))
+        self.slot_bytes = slot_bytes
+        self.metadata: bytes = self.agent.get_agent_metadata()  # after registering: it carries the slots' keys
+
+    def introduce(self, sock: socket.socket) -> None:
+        """Tell the pod on `sock` about this agent (once per connection)."""
+        sock.sendall(wire.pack_request(Op.NIXL_HELLO, self.name, length=len(self.metadata)) + self.metadata)
+        status, message, _ = wire.recv_response(sock)
+        if status is not Status.OK:
+            raise WireError(f"the pod refused NIXL: {status.name} {message}")
+
+    def reader(self, name: str, out: memoryview, offset: int) -> Callable[[socket.socket], bool]:
+        """An exchange (for `PodClient`) that reads bytes [offset, offset + len(out)) of `name` into `out`."""
+
+        def exchange(sock: socket.socket) -> bool:
+            slot = self._slots.get()
+            try:
+                for start in range(0, len(out), self.slot_bytes):
+                    n = min(self.slot_bytes, len(out) - start)
+                    sock.sendall(wire.pack_request(Op.NIXL_GET, name, offset=offset + start, length=n,
+                                                   extra=slot.address))
+                    status, _message, _ = wire.recv_response(sock)
+                    if status is not Status.OK:
+                        return False
+                    out[start : start + n] = slot.view[:n]
+                return True
+            finally:
+                self._slots.put(slot)
+
+        return exchange
