@@ -6,27 +6,14 @@ for the control API to answer, then hands out clients bound to the pod's tenants
 
 from __future__ import annotations
 
-import json
 import secrets
-import signal
-import socket
 import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from cacheflow_services.local_process import start_service, stop_process
 
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
-
-STARTUP_S = 90.0  # a pod imports torch and fastapi: seconds on a busy machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_tokens(path: Path, tenants: list[str]) -> dict[str, str]:
@@ -50,31 +37,10 @@ class LocalPod:
     def start(self) -> LocalPod:
         """Start (or restart, on the same ports) the pod and wait until it serves."""
         ports = ["--data-port", str(self.data_port), "--http-port", str(self.http_port)] if self.data_port else []
-        with open(self.log_path, "a") as log:  # stderr to a file: an unread pipe would block a chatty pod
-            self.proc = subprocess.Popen([sys.executable, "-m", "cacheflow_services.cli", "storage", *self.args,
-                                          *ports], stdout=subprocess.PIPE, stderr=log, text=True)
-        assert self.proc.stdout is not None
-        line = " "
-        while line and not line.startswith("{"):  # the ready line (a native library may print before it)
-            line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(STARTUP_S)
-            raise RuntimeError(f"storage pod failed to start: {self.log_path.read_text()[-2000:]}")
-        ready = json.loads(line)
+        self.proc, ready = start_service(["storage", *self.args, *ports], self.log_path)
         self.data_port, self.http_port = ready["data_port"], ready["http_port"]
         self.transport = ready["transport"]
-        self._wait_http()
         return self
-
-    def _wait_http(self) -> None:
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url("/healthz"), timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        raise RuntimeError("storage pod's control API did not answer")
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.http_port}{path}"
@@ -93,27 +59,25 @@ class LocalPod:
 
     def kill(self) -> None:
         """SIGKILL: no shutdown path runs, as when a node dies."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc, kill=True)
 
     def stop(self) -> None:
         for c in self.clients:
             c.close()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc)
 
 
 def launch_pod(workdir: Path, *extra: str, backend: str = "filesystem",
-               tenants: tuple[str, ...] = ("alpha", "beta"), transport: str = "tcp") -> LocalPod:
-    """A pod on loopback with a fresh token per tenant; the filesystem backend keeps chunks in workdir/chunks."""
+               tenants: tuple[str, ...] = ("alpha", "beta"), transport: str = "tcp",
+               tokens: dict[str, str] | None = None) -> LocalPod:
+    """A pod on loopback with a fresh token per tenant (or `tokens`, tenant -> token, shared by several
+    pods); the filesystem backend keeps chunks in workdir/chunks."""
     workdir.mkdir(parents=True, exist_ok=True)
     token_file = workdir / f"tokens-{secrets.token_hex(4)}"
-    tokens = write_tokens(token_file, list(tenants))
+    if tokens is None:
+        tokens = write_tokens(token_file, list(tenants))
+    else:
+        token_file.write_text("".join(f"{t} {tok}\n" for t, tok in tokens.items()))
     args = ["--backend", backend, "--token-file", str(token_file), "--transport", transport, *extra]
     if backend == "filesystem" and "--dir" not in extra:
         args += ["--dir", str(workdir / "chunks")]

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cacheflow_services.local_process import free_port
 from cacheflow_services.storage.launch import LocalPod as Pod
-from cacheflow_services.storage.launch import free_port
 from cacheflow_services.storage.launch import launch_pod as start_pod
 
 __all__ = ["Pod", "Redis", "redis_server", "start_pod"]
