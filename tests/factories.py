@@ -9,6 +9,14 @@ import torch
 
 from cacheflow_common.model.config import ModelConfig, MoeConfig, RopeConfig
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
+
+# Rough costs for the tiny model: good enough to plan with; correctness never depends on them.
+TINY_COSTS = CostModel(
+    chunk_compute=LinearCost(fixed_s=2e-4, per_token_s=2e-6, per_token_ctx_s=1e-9),
+    layer_compute=LinearCost(fixed_s=2e-4, per_token_s=2e-6, per_token_ctx_s=1e-9),
+    load=LoadCost(bytes_per_s=2e8, latency_s=5e-5),
+)
 
 
 def tiny_config(family: str = "qwen3", **overrides: Any) -> ModelConfig:

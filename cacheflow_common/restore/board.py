@@ -233,6 +233,11 @@ class TwoPointerBoard:
         rec.end_s = time.perf_counter() - self.t0
         return rec.end_s - rec.start_s
 
+    def wake(self) -> None:
+        """Make waiting claims re-check now: something a planner looks at outside the board changed."""
+        with self._cond:
+            self._cond.notify_all()
+
     def complete(self) -> bool:
         with self._cond:
             return all(s in _DONE for s in self.states)

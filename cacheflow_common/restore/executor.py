@@ -43,6 +43,9 @@ POLICIES = ("compute-only", "load-only", "cake", "cacheflow-token", "cacheflow-l
 
 # The hidden states entering the stage's first layer for prefix tokens [start, end): [T, hidden].
 StageInput = Callable[[int, int], torch.Tensor]
+# Told of each chunk the compute pointer finished (token mode): its index and the hidden state
+# leaving the stage for it, [T, hidden] (the next stage's input in a pipelined restore).
+ChunkComputed = Callable[[int, torch.Tensor], None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,18 +100,19 @@ def restore(
     l_delta: int = 0,
     kv: KVBuffer | None = None,
     stage_input: StageInput | None = None,
+    on_computed: ChunkComputed | None = None,
 ) -> RestoreResult:
     """Restore `job` into `kv` (allocated if None) with `policy`; returns what was done.
 
     `costs` (the profile's cost model behind the link in use) is required by the CacheFlow
-    policies; `stage_input` defaults to the token embeddings (stage 0).
+    policies; `stage_input` defaults to the token embeddings (stage 0); `on_computed` as in `run_restore`.
     """
     mode = choose_mode(policy, len(job.token_ids), l_delta)
     kv = kv if kv is not None else _kv_for(model, job)
     loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
     planner = _planner(policy, mode, job, loader, costs)
     return run_restore(job, model=model, loader=loader, mode=mode, planner=planner, policy=policy,
-                       stage_input=stage_input)
+                       stage_input=stage_input, on_computed=on_computed)
 
 
 def run_restore(
@@ -120,14 +124,24 @@ def run_restore(
     planner: Planner,
     policy: str = "custom",
     stage_input: StageInput | None = None,
+    on_computed: ChunkComputed | None = None,
+    on_board: Callable[[TwoPointerBoard], None] | None = None,
 ) -> RestoreResult:
-    """The restore loop: this thread is the compute pointer, a loader thread the I/O pointer."""
+    """The restore loop: this thread is the compute pointer, a loader thread the I/O pointer.
+
+    `on_computed` (token mode only) hears of every computed chunk; `on_board` gets the board before
+    the pointers start (to wake it when an outside input a planner waits for arrives).
+    """
     kv = loader.kv
+    if on_computed is not None and mode != "token":
+        raise ConfigError("only a token-wise restore can report its computed chunks")
     if not job.token_ids:
         return RestoreResult(policy=policy, mode=mode, kv=kv, units=[], elapsed_s=0.0)
     inputs = stage_input or _embedding_input(model, job.token_ids)
     n_units = len(job.keys) if mode == "token" else len(job.layers)
     board = TwoPointerBoard(n_units, planner=planner, compute_skips_loaded=mode == "token")
+    if on_board is not None:
+        on_board(board)
     load_unit = loader.load_chunk if mode == "token" else (lambda u: loader.load_layer(job.layers.start + u))
     loader_error: list[str] = []
     thread = threading.Thread(target=_run_loader, args=(board, load_unit, loader_error), daemon=True)
@@ -135,7 +149,7 @@ def run_restore(
     start = time.perf_counter()
     thread.start()
     if mode == "token":
-        _compute_chunks(board, model, job, kv, inputs)
+        _compute_chunks(board, model, job, kv, inputs, on_computed)
     else:
         _compute_layers(board, model, job, kv, inputs)
     thread.join()
@@ -160,13 +174,15 @@ def _embedding_input(model: Transformer, token_ids: Sequence[int]) -> StageInput
 
 
 def _compute_chunks(board: TwoPointerBoard, model: Transformer, job: RestoreJob, kv: KVBuffer,
-                    inputs: StageInput) -> None:
+                    inputs: StageInput, on_computed: ChunkComputed | None) -> None:
     """The compute pointer, token mode: run the stage's layers over each claimed chunk."""
     while (unit := board.claim_compute()) is not None:
         key = job.keys[unit]
         hidden = inputs(key.token_start, key.token_end)  # [T, hidden]
-        model.forward_layers(hidden, job.layers, [Span(kv, key.token_start, key.token_end - key.token_start)])
+        out = model.forward_layers(hidden, job.layers, [Span(kv, key.token_start, key.token_end - key.token_start)])
         board.compute_done(unit)
+        if on_computed is not None:
+            on_computed(unit, out)  # [T, hidden]
 
 
 def _compute_layers(board: TwoPointerBoard, model: Transformer, job: RestoreJob, kv: KVBuffer,

@@ -45,12 +45,22 @@ def make_job(
 
 def compute_prefix_kv(model: Transformer, job: RestoreJob) -> KVBuffer:
     """Chunked prefill of the job's prefix through its layers (stage 0 input: token embeddings)."""
-    kv = model.new_kv(job.layers, max(1, len(job.token_ids)))
     ids = torch.tensor(job.token_ids, dtype=torch.long)  # [N]
+    return prefill_stage(model, job, model.embed(ids))[0]
+
+
+def prefill_stage(model: Transformer, job: RestoreJob, hidden_in: torch.Tensor) -> tuple[KVBuffer, torch.Tensor]:
+    """Chunked prefill of the job's layers from hidden_in [N, hidden] entering `job.layers.start`.
+
+    Returns the stage's KV and the hidden state leaving it, [N, hidden] (the next stage's boundary).
+    """
+    kv = model.new_kv(job.layers, max(1, len(job.token_ids)))
+    out = torch.empty_like(hidden_in)  # [N, hidden]
     for key in job.keys:
-        hidden = model.embed(ids[key.token_start : key.token_end])  # [T, hidden]
-        model.forward_layers(hidden, job.layers, [Span(kv, key.token_start, key.token_end - key.token_start)])
-    return kv
+        rows = slice(key.token_start, key.token_end)
+        out[rows] = model.forward_layers(hidden_in[rows], job.layers,
+                                         [Span(kv, key.token_start, key.token_end - key.token_start)])
+    return kv, out
 
 
 def save_chunks(kv: KVBuffer, job: RestoreJob, store: ChunkStore, *, model_fingerprint: str,

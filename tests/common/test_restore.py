@@ -16,7 +16,6 @@ import torch
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span, Transformer
-from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 from cacheflow_common.restore.executor import POLICIES, RestoreJob, RestoreResult, restore, run_restore
 from cacheflow_common.restore.loader import KVLoader
 from cacheflow_common.restore.planner import FixedSplitPlanner
@@ -26,18 +25,13 @@ from cacheflow_common.store.filesystem import FilesystemStore
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_common.store.shaped import ShapedStore
 from cacheflow_common.transport.shaping import TokenBucket
-from tests.factories import tiny_model
+from tests.factories import TINY_COSTS, tiny_model
 
 CHUNK = 16
 SUFFIX = 3
 ATOL = 1e-4
 
-# Rough costs for the tiny model: good enough to plan with; correctness never depends on them.
-COSTS = CostModel(
-    chunk_compute=LinearCost(fixed_s=2e-4, per_token_s=2e-6, per_token_ctx_s=1e-9),
-    layer_compute=LinearCost(fixed_s=2e-4, per_token_s=2e-6, per_token_ctx_s=1e-9),
-    load=LoadCost(bytes_per_s=2e8, latency_s=5e-5),
-)
+COSTS = TINY_COSTS
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CI has none; run on a GPU machine)")

@@ -1,0 +1,158 @@
+"""Pipeline stages: the layer split, and boundary activations (the third dimension of the restore).
+
+Stage `s` owns layers `[a_s, b_s)`. Its restore's compute pointer needs, for every chunk it computes,
+the hidden state entering layer `a_s`:
+
+* stage 0: the token embeddings;
+* stage s > 0, with boundary activations saved: one `hidden` chunk object per chunk at layer `a_s`
+  (`BoundaryInput` reads them), so every stage restores at once, independently;
+* otherwise, the pipelined fallback: the hidden states stage s-1 produces, chunk by chunk.
+
+A boundary chunk is checked like any chunk (section checksum, key and token ids from its trailer);
+one that is missing or corrupt raises `BoundaryMissingError`, since that stage cannot compute the
+chunk without it: the caller falls back to the pipelined restore (or a fresh prefill).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from itertools import pairwise
+
+import torch
+
+from cacheflow_common.errors import CacheFlowError, ChunkFormatError, ConfigError
+from cacheflow_common.kv.chunk import decode_hidden_chunk, encode_hidden_chunk
+from cacheflow_common.kv.keys import ChunkKey, object_name
+from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.restore.executor import RestoreJob
+from cacheflow_common.restore.save import prefill_stage, save_chunks
+from cacheflow_common.store.base import ChunkStore
+
+
+class BoundaryMissingError(CacheFlowError):
+    """A stage's boundary activation for a chunk is absent or corrupt: that stage cannot compute it."""
+
+
+def balanced_split(n_layers: int, n_stages: int, *, layer_s: float = 1.0, first_extra_s: float = 0.0,
+                   last_extra_s: float = 0.0) -> list[range]:
+    """Contiguous layer ranges for `n_stages` stages minimising the slowest stage's cost.
+
+    Every layer costs `layer_s`; stage 0 also pays `first_extra_s` (embedding, reading boundary-free
+    input) and the last stage `last_extra_s` (final norm and LM head), so a split by measured cost can
+    give the ends fewer layers than a split by count. Exact, by dynamic programming over split points.
+    """
+    if not 1 <= n_stages <= n_layers:
+        raise ConfigError(f"cannot split {n_layers} layers into {n_stages} stages (each needs at least one)")
+
+    def cost(start: int, stop: int) -> float:
+        extra = (first_extra_s if start == 0 else 0.0) + (last_extra_s if stop == n_layers else 0.0)
+        return layer_s * (stop - start) + extra
+
+    # best[s][j]: (slowest stage cost, split points) covering layers [0, j) with s stages
+    best: list[dict[int, tuple[float, tuple[int, ...]]]] = [{0: (0.0, ())}]
+    for s in range(1, n_stages + 1):
+        row: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for j in range(s, n_layers - (n_stages - s) + 1):
+            row[j] = min((max(best[s - 1][i][0], cost(i, j)), (*best[s - 1][i][1], j))
+                         for i in best[s - 1] if i < j)
+        best.append(row)
+    bounds = (0, *best[n_stages][n_layers][1])
+    return [range(a, b) for a, b in pairwise(bounds)]
+
+
+def parse_split(text: str, n_layers: int) -> list[range]:
+    """"0:12,12:24" -> [range(0, 12), range(12, 24)]; must tile [0, n_layers) in order."""
+    try:
+        ranges = [range(int(a), int(b)) for a, b in (part.split(":") for part in text.split(","))]
+    except ValueError as exc:
+        raise ConfigError(f"layer split {text!r} is not like '0:12,12:24'") from exc
+    stops = [0] + [r.stop for r in ranges]
+    if any(r.start != prev or len(r) < 1 for r, prev in zip(ranges, stops, strict=False)) or stops[-1] != n_layers:
+        raise ConfigError(f"layer split {text!r} must tile layers [0, {n_layers}) in order, no stage empty")
+    return ranges
+
+
+def boundary_name(key: ChunkKey, layer: int) -> str:
+    """The store name of a chunk's boundary activation entering absolute `layer`."""
+    return object_name(key, "hidden", layer, layer + 1)
+
+
+def save_boundaries(job: RestoreJob, hidden: torch.Tensor, store: ChunkStore, *, model_fingerprint: str,
+                    keys: Sequence[ChunkKey] | None = None, first_row_token: int = 0) -> int:
+    """Store the hidden states entering `job.layers.start` for chunks `keys` (default all); returns bytes.
+
+    hidden: [R, hidden], row r holding token `first_row_token + r` (rows of other chunks are not read).
+    """
+    written = 0
+    for key in keys if keys is not None else job.keys:
+        rows = hidden[key.token_start - first_row_token : key.token_end - first_row_token]  # [T, hidden]
+        obj = encode_hidden_chunk(key=key, token_ids=job.token_ids[key.token_start : key.token_end],
+                                  model=model_fingerprint, layer=job.layers.start, hidden=rows, dtype=job.kv_dtype)
+        store.put(boundary_name(key, job.layers.start), obj)
+        written += len(obj)
+    return written
+
+
+class BoundaryInput:
+    """A restore's `stage_input` for stage s > 0: the boundary activations of the chunks asked for.
+
+    Called with a token range made of whole chunks (token mode asks for one chunk, layer mode for
+    the whole prefix); returns [T, hidden] on `device`, in the dtype the chunks were stored in.
+    """
+
+    def __init__(self, job: RestoreJob, store: ChunkStore, *, device: torch.device | str = "cpu") -> None:
+        self.job = job
+        self.store = store
+        self.device = torch.device(device)
+        self._chunk_at = {k.token_start: i for i, k in enumerate(job.keys)}
+        self.bytes_read = 0
+
+    def missing(self) -> list[int]:
+        """Chunks whose boundary activation the store does not hold (checked before choosing the mode)."""
+        layer = self.job.layers.start
+        return [i for i, k in enumerate(self.job.keys) if not self.store.exists(boundary_name(k, layer))]
+
+    def __call__(self, start: int, end: int) -> torch.Tensor:
+        parts = []
+        index = self._chunk_at.get(start)
+        while index is not None and start < end:
+            parts.append(self._read(self.job.keys[index]))  # [T_i, hidden]
+            start = self.job.keys[index].token_end
+            index = index + 1 if index + 1 < len(self.job.keys) else None
+        if start != end:
+            raise ConfigError(f"boundary input asked for tokens up to {end}, not on chunk boundaries")
+        return torch.cat(parts).to(self.device)  # [T, hidden]
+
+    def _read(self, key: ChunkKey) -> torch.Tensor:
+        name = boundary_name(key, self.job.layers.start)
+        obj = self.store.read(name)
+        if obj is None:
+            raise BoundaryMissingError(f"boundary activation {name} is not in the store")
+        try:
+            trailer, hidden = decode_hidden_chunk(obj)  # [T, hidden]
+        except ChunkFormatError as exc:
+            raise BoundaryMissingError(f"boundary activation {name} is corrupt: {exc}") from exc
+        expected = list(self.job.token_ids[key.token_start : key.token_end])
+        if trailer["key"] != key.hex or trailer["token_ids"] != expected:
+            raise BoundaryMissingError(f"boundary activation {name} belongs to other tokens")
+        self.bytes_read += len(obj)
+        return hidden
+
+
+def stage_jobs(job: RestoreJob, split: Sequence[range]) -> list[RestoreJob]:
+    """The whole-model job `job` cut into one job per stage (same chunks and keys, the stage's layers)."""
+    return [replace(job, layers=layers) for layers in split]
+
+
+def save_prefix_by_stage(model: Transformer, job: RestoreJob, split: Sequence[range], store: ChunkStore) -> list[int]:
+    """Prefill `job`'s prefix through every stage in turn, storing each stage's KV chunks and (for
+    stages after the first) its boundary activations. Returns the boundary bytes stored per stage."""
+    fingerprint = model.fingerprint()
+    hidden = model.embed(torch.tensor(job.token_ids, dtype=torch.long))  # [N, hidden]
+    boundary_bytes = []
+    for s, stage in enumerate(stage_jobs(job, split)):
+        boundary_bytes.append(save_boundaries(stage, hidden, store, model_fingerprint=fingerprint) if s else 0)
+        kv, hidden = prefill_stage(model, stage, hidden)
+        save_chunks(kv, stage, store, model_fingerprint=fingerprint)
+    return boundary_bytes
