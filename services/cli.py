@@ -49,13 +49,11 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
-    if args.name == "storage":
-        from cacheflow_bench import storage
+    import importlib
 
-        return storage.main(list(rest))
-    from cacheflow_bench import restore_single
-
-    return restore_single.main(list(rest))
+    module = {"restore": "restore_single", "storage": "storage", "stages": "stages"}[args.name]
+    bench_main = importlib.import_module(f"cacheflow_bench.{module}").main
+    return int(bench_main(list(rest)))
 
 
 def _storage(args: argparse.Namespace) -> int:
@@ -97,6 +95,57 @@ def _add_storage_parser(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--max-object", default="256MiB", help="largest object stored or read at once")
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from cacheflow_services.storage.config import read_token_file
+    from cacheflow_services.worker.config import WorkerConfig, parse_layers
+    from cacheflow_services.worker.main import serve
+
+    from cacheflow_common.transport.pod_client import PodAddress
+
+    torch.set_num_threads(args.threads)
+    config = WorkerConfig(
+        stage=args.stage,
+        layers=parse_layers(args.layers),
+        last_stage=not args.next_stage,
+        model=args.model,
+        dtype=args.dtype,
+        chunk_size=args.chunk_size,
+        pods=tuple(PodAddress.parse(p) for p in args.pods.split(",") if p),
+        pod_tokens={tenant: token for token, tenant in read_token_file(Path(args.pod_token_file)).items()},
+        replicas=args.replicas,
+        next_stage=args.next_stage,
+        policy=args.policy,
+        profile=Path(args.profile) if args.profile else None,
+        pool_tokens=args.pool_tokens,
+        upstream_timeout_s=args.upstream_timeout_s,
+        host=args.host,
+        http_port=args.http_port,
+    )
+    serve(config)
+    return 0
+
+
+def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
+    wk = sub.add_parser("worker", help="run a stage worker (restores and runs layers a:b of the model)")
+    wk.add_argument("--stage", type=int, required=True, help="pipeline stage, 0-based")
+    wk.add_argument("--layers", required=True, help="the stage's layers, a:b")
+    wk.add_argument("--model", default="tiny", help="tiny | smollm2 | qwen3-8b | a model directory")
+    wk.add_argument("--dtype", default="auto", help="compute dtype (auto: bfloat16 where fast, else float32)")
+    wk.add_argument("--chunk-size", type=int, default=256, help="restore chunk size in tokens (same on all stages)")
+    wk.add_argument("--pods", required=True, help="storage pods: [id=]host:port,... (their data-plane ports)")
+    wk.add_argument("--pod-token-file", required=True, help="'tenant token' lines for the storage pods")
+    wk.add_argument("--replicas", type=int, default=1, help="copies of each saved chunk")
+    wk.add_argument("--next-stage", default="", help="control URL of the next stage (none on the last)")
+    wk.add_argument("--policy", default="cacheflow", help="restore policy (the CacheFlow ones need --profile)")
+    wk.add_argument("--profile", default="", help="profile file from `cacheflow profile`")
+    wk.add_argument("--pool-tokens", type=int, default=1 << 17, help="KV pool capacity in tokens")
+    wk.add_argument("--upstream-timeout-s", type=float, default=30.0,
+                    help="pipelined restore: longest wait for the previous stage's next chunk")
+    wk.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
+    wk.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    wk.add_argument("--http-port", type=int, default=0, help="API port (0: any free one)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cacheflow", description="CacheFlow KV-cache restoration")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -112,10 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out", default="", help="profile file (default: the cache directory)")
 
     _add_storage_parser(sub)
+    _add_worker_parser(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark")
-    bench.add_argument("name", choices=["restore", "storage"],
-                       help="restore: single-request restore vs the bound; storage: data-plane rates")
+    bench.add_argument("name", choices=["restore", "storage", "stages"],
+                       help="restore: single-request restore vs the bound; storage: data-plane rates; "
+                            "stages: parallel stages from boundary activations vs pipelined")
     return parser
 
 
@@ -128,10 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if rest:
                 build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
             return _profile(args)
-        if args.command == "storage":
+        if args.command in ("storage", "worker"):
             if rest:
                 build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
-            return _storage(args)
+            return _storage(args) if args.command == "storage" else _worker(args)
         return _bench(args, rest)
     except CacheFlowError as exc:
         print(f"cacheflow: error: {exc}", file=sys.stderr)

@@ -1,0 +1,1 @@
+"""Stage workers: one process per pipeline stage, restoring and running its layers."""

@@ -1,0 +1,133 @@
+"""Driving a request through the stage workers: restore on every stage at once, then generate.
+
+This is what the coordinator does for one request (and what tests and benchmarks use directly):
+
+1. `restore`: `POST /v1/restore` to every stage concurrently. With `input="auto"` it asks for the
+   boundary-activation restore and, if any stage lacks its boundary activations, releases and
+   restores pipelined instead.
+2. `generate`: the suffix goes to stage 0, which forwards hidden states stage to stage; the last
+   stage answers with the next token (TTFT); then one token at a time.
+3. `release`: every stage frees the request's KV (also done on any failure).
+
+A stage that dies or fails makes the call raise `ChainError` naming the stage and the reason; the
+time that takes is bounded by the HTTP timeout (and, pipelined, by the workers' upstream timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from cacheflow_common.errors import CacheFlowError
+from cacheflow_common.transport import frames
+
+
+class ChainError(CacheFlowError):
+    """A stage failed or could not be reached; `status` is its HTTP status (0 when unreachable)."""
+
+    def __init__(self, stage: int, message: str, status: int = 0, error: str = "") -> None:
+        super().__init__(f"stage {stage}: {message}")
+        self.stage = stage
+        self.status = status
+        self.error = error  # the worker's error type, e.g. "BoundaryMissingError"
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    ttft_s: float  # suffix sent -> first token back
+    total_s: float
+    restore: list[dict[str, Any]] = field(default_factory=list)  # per stage, when the prefix was restored
+
+
+class StageChain:
+    def __init__(self, urls: Sequence[str], *, timeout_s: float = 120.0) -> None:
+        self.urls = [u.rstrip("/") for u in urls]
+        self._http = httpx.Client(timeout=timeout_s)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="chain")
+
+    # ------------------------------------------------------------------------------------ restore
+    def restore(self, request_id: str, token_ids: Sequence[int], *, tenant: str, input: str = "auto",
+                reserve_tokens: int = 0, policy: str = "") -> list[dict[str, Any]]:
+        """Restore the prefix on every stage at once; per-stage summaries in stage order."""
+        if input == "auto":
+            try:
+                return self.restore(request_id, token_ids, tenant=tenant, input="boundary",
+                                    reserve_tokens=reserve_tokens, policy=policy)
+            except ChainError as exc:
+                if exc.error != "BoundaryMissingError":
+                    raise
+            input = "pipelined"
+        body = {"request_id": request_id, "tenant": tenant, "token_ids": list(token_ids), "input": input,
+                "reserve_tokens": reserve_tokens, "policy": policy}
+        futures = [self._pool.submit(self._call, s, "POST", "/v1/restore", json=body) for s in range(len(self.urls))]
+        results, errors = [], []
+        for future in futures:  # wait for every stage (each bounded), so none is left holding KV
+            try:
+                results.append(future.result())
+            except ChainError as exc:
+                errors.append(exc)
+        if errors:
+            self.release(request_id)
+            raise min(errors, key=_root_cause_first)
+        return results
+
+    # ------------------------------------------------------------------------------------ generate
+    def generate(self, request_id: str, new_token_ids: Sequence[int], *, start: int, tenant: str,
+                 max_new_tokens: int, temperature: float = 0.0, seed: int = 0, save: bool = True,
+                 reserve_tokens: int = 0) -> Generation:
+        """Prefill `new_token_ids` at position `start` (after a restored prefix, or 0), then decode."""
+        meta = {"request_id": request_id, "tenant": tenant, "temperature": temperature, "seed": seed, "save": save,
+                "reserve_tokens": reserve_tokens or len(new_token_ids) + max_new_tokens}
+        began = time.perf_counter()
+        tokens = [self._forward(dict(meta, start=start, token_ids=list(new_token_ids)))]
+        ttft = time.perf_counter() - began
+        position = start + len(new_token_ids)
+        while len(tokens) < max_new_tokens:
+            tokens.append(self._forward(dict(meta, start=position, token_ids=[tokens[-1]])))
+            position += 1
+        return Generation(tokens=tokens, ttft_s=ttft, total_s=time.perf_counter() - began)
+
+    def _forward(self, meta: dict[str, Any]) -> int:
+        result = self._call(0, "POST", "/v1/forward", content=frames.pack(meta),
+                            headers={"Content-Type": frames.CONTENT_TYPE})
+        return int(result["token"])
+
+    # ------------------------------------------------------------------------------------ release
+    def release(self, request_id: str) -> None:
+        """Free the request on every stage; stages that cannot be reached are skipped (they lost it anyway)."""
+        for stage in range(len(self.urls)):
+            with contextlib.suppress(ChainError):
+                self._call(stage, "DELETE", f"/v1/requests/{request_id}")
+
+    def info(self) -> list[dict[str, Any]]:
+        return [self._call(s, "GET", "/v1/info") for s in range(len(self.urls))]
+
+    def close(self) -> None:
+        self._http.close()
+        self._pool.shutdown()
+
+    def _call(self, stage: int, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        try:
+            response = self._http.request(method, self.urls[stage] + path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise ChainError(stage, f"unreachable ({type(exc).__name__}: {exc})") from exc
+        if response.status_code >= 400:
+            try:
+                body = response.json()
+            except ValueError:
+                body = {"detail": response.text[:500]}
+            raise ChainError(stage, str(body.get("detail")), response.status_code, str(body.get("error", "")))
+        result: dict[str, Any] = response.json()
+        return result
+
+
+def _root_cause_first(error: ChainError) -> tuple[int, int]:
+    """Among several stage failures, report an unreachable stage first (the others follow from it)."""
+    return (0 if error.status == 0 else 1, error.stage)

@@ -1,0 +1,55 @@
+"""A stage worker's configuration (frozen; from the command line or the cluster spec)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cacheflow_common.errors import ConfigError
+from cacheflow_common.restore.executor import POLICIES
+from cacheflow_common.transport.pod_client import PodAddress
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    stage: int  # this worker's pipeline stage, 0-based
+    layers: range  # the layers it owns, [a_s, b_s)
+    last_stage: bool  # owns the final norm and LM head (samples the next token)
+    model: str = "tiny"  # tiny | smollm2 | qwen3-8b | a model directory (same on every stage)
+    dtype: str = "auto"
+    chunk_size: int = 256  # the restore's chunk size (DESIGN.md default); the same on every stage
+    pods: tuple[PodAddress, ...] = ()  # storage pods (placement by rendezvous hashing over them)
+    pod_tokens: dict[str, str] = field(default_factory=dict)  # tenant -> bearer token for the pods
+    replicas: int = 1  # copies of each saved chunk
+    next_stage: str = ""  # control URL of stage s+1 ("" on the last stage)
+    policy: str = "cacheflow"  # restore policy; the CacheFlow ones need a profile
+    profile: Path | None = None  # from `cacheflow profile`; without it the policy falls back to cake
+    pool_tokens: int = 1 << 17  # KV pool capacity, tokens of this stage's layers
+    block_tokens: int = 16  # the pool's allocation unit
+    upstream_timeout_s: float = 30.0  # pipelined restore: longest wait for the previous stage's next chunk
+    next_stage_timeout_s: float = 60.0  # a forward or delivery to the next stage
+    host: str = "127.0.0.1"
+    http_port: int = 0
+    max_request_tokens: int = 1 << 17  # longest prefix + suffix + new tokens one request may hold
+
+    def __post_init__(self) -> None:
+        if self.stage < 0 or not len(self.layers) or self.layers.step != 1:
+            raise ConfigError(f"stage {self.stage} with layers {self.layers}: need stage >= 0 and layers a:b, a < b")
+        if self.last_stage == bool(self.next_stage):
+            raise ConfigError("every stage but the last needs --next-stage (the last must not have one)")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.chunk_size <= 0 or self.block_tokens <= 0 or self.pool_tokens < self.block_tokens:
+            raise ConfigError("chunk size, block size and pool size must be positive (pool >= one block)")
+        if not self.pods or not self.pod_tokens:
+            raise ConfigError("a worker needs storage pods (--pods) and their tokens (--pod-token-file)")
+        if not 1 <= self.replicas <= len(self.pods):
+            raise ConfigError(f"{self.replicas} replicas over {len(self.pods)} storage pods")
+
+
+def parse_layers(text: str) -> range:
+    """"4:8" -> range(4, 8)."""
+    start, sep, stop = text.partition(":")
+    if not sep or not start.isdigit() or not stop.isdigit() or int(start) >= int(stop):
+        raise ConfigError(f"layers {text!r}: expected a:b with a < b")
+    return range(int(start), int(stop))

@@ -1,0 +1,69 @@
+"""Start stage workers as local processes: for tests, benchmarks and one-machine runs.
+
+`launch_stages` starts the last stage first, so that each worker is given the URL of the one after it.
+With `cores`, each worker is pinned to its own CPU cores (taskset) and runs that many torch threads.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cacheflow_services.local_process import start_service, stop_process
+
+
+@dataclass
+class LocalWorker:
+    stage: int
+    args: list[str]
+    log_path: Path
+    cpus: str = ""  # taskset CPU list, e.g. "0" or "2,3"
+    proc: subprocess.Popen[str] | None = None
+    http_port: int = 0
+
+    def start(self) -> LocalWorker:
+        """Start (or restart, on the same port) the worker and wait until it serves."""
+        port = ["--http-port", str(self.http_port)] if self.http_port else []
+        pin = ["taskset", "-c", self.cpus] if self.cpus and shutil.which("taskset") else []
+        self.proc, ready = start_service(["worker", *self.args, *port], self.log_path, prefix=pin)
+        self.http_port = ready["http_port"]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def kill(self) -> None:
+        stop_process(self.proc, kill=True)
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+def launch_stages(workdir: Path, *, split: Sequence[range], pods: Sequence[str], pod_token_file: Path,
+                  model: str = "tiny", chunk_size: int = 256, dtype: str = "float32", policy: str = "cake",
+                  profile: str = "", cpus: Sequence[str] = (), threads: int = 1,
+                  extra: Sequence[str] = ()) -> list[LocalWorker]:
+    """One worker per stage of `split`, chained; returns them in stage order."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    workers: list[LocalWorker] = []
+    next_url = ""
+    try:
+        for stage in reversed(range(len(split))):
+            layers = split[stage]
+            args = ["--stage", str(stage), "--layers", f"{layers.start}:{layers.stop}", "--model", model,
+                    "--dtype", dtype, "--chunk-size", str(chunk_size), "--pods", ",".join(pods),
+                    "--pod-token-file", str(pod_token_file), "--policy", policy, "--threads", str(threads), *extra]
+            args += ["--next-stage", next_url] if next_url else []
+            args += ["--profile", profile] if profile else []
+            worker = LocalWorker(stage, args, workdir / f"worker-{stage}.log", cpus=cpus[stage] if cpus else "")
+            workers.insert(0, worker.start())
+            next_url = worker.url
+    except BaseException:
+        for w in workers:
+            w.stop()
+        raise
+    return workers

@@ -1,0 +1,117 @@
+"""Talking to the next stage: forwarding hidden states (suffix prefill, decode) and, in a pipelined
+restore, delivering each computed chunk's output as soon as it exists.
+
+Hidden states travel as tensor frames (`cacheflow_common.transport.frames`) over HTTP on the
+stage-to-stage link. Deliveries go through a queue and a sender thread, so the restore's compute
+pointer never waits for the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any
+
+import httpx
+import torch
+
+from cacheflow_common.errors import BadRequestError, CacheFlowError
+from cacheflow_common.transport import frames
+
+log = logging.getLogger(__name__)
+
+
+class NextStageError(CacheFlowError):
+    """The next stage failed or could not be reached (HTTP 502 to our caller, with its reason)."""
+
+
+class NextStage:
+    def __init__(self, url: str, *, timeout_s: float) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(timeout=timeout_s)
+
+    def forward(self, meta: dict[str, Any], hidden: torch.Tensor) -> dict[str, Any]:
+        return self._post("/v1/forward", frames.pack(meta, hidden))
+
+    def deliver(self, request_id: str, index: int, hidden: torch.Tensor) -> None:
+        self._post("/v1/deliver", frames.pack({"request_id": request_id, "index": index}, hidden))
+
+    def finish(self, request_id: str, failure: str = "") -> None:
+        self._post("/v1/deliver", frames.pack({"request_id": request_id, "finished": True, "failure": failure}))
+
+    def _post(self, path: str, body: bytes) -> dict[str, Any]:
+        try:
+            response = self._http.post(self.url + path, content=body,
+                                       headers={"Content-Type": frames.CONTENT_TYPE})
+        except httpx.HTTPError as exc:
+            raise NextStageError(f"next stage {self.url} unreachable: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 400:
+            detail = _detail(response)
+            if response.status_code < 500:
+                raise BadRequestError(f"next stage refused: {detail}")
+            raise NextStageError(f"next stage {self.url} failed: {detail}")
+        result: dict[str, Any] = response.json()
+        return result
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        return str(response.json().get("detail", response.text))
+    except ValueError:
+        return response.text[:500]
+
+
+class DeliverySender:
+    """Sends one pipelined restore's chunks to the next stage in order, from a thread of its own.
+
+    With `hold`, nothing is sent before `finish`: the next stage starts computing only once this one
+    is done, as when a pipeline-parallel engine runs a prefill stage after stage (the `sequential`
+    baseline of the stage benchmark).
+    """
+
+    def __init__(self, next_stage: NextStage, request_id: str, *, hold: bool = False) -> None:
+        self.next_stage = next_stage
+        self.request_id = request_id
+        self.hold = hold
+        self._held: list[tuple[int, torch.Tensor]] = []
+        self._queue: queue.Queue[tuple[int, torch.Tensor] | str | None] = queue.Queue()
+        self._error = ""
+        self._thread = threading.Thread(target=self._run, name=f"deliver-{request_id}", daemon=True)
+        self._thread.start()
+
+    def deliver(self, index: int, hidden: torch.Tensor) -> None:
+        item = (index, hidden.detach().clone())  # [T, hidden]; the caller's buffer moves on
+        if self.hold:
+            self._held.append(item)
+        else:
+            self._queue.put(item)
+
+    def finish(self) -> None:
+        for item in self._held:
+            self._queue.put(item)
+        self._queue.put(None)
+        self._thread.join()
+
+    def fail(self, reason: str) -> None:
+        self._queue.put(reason)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if isinstance(item, tuple):
+                    if not self._error:
+                        self.next_stage.deliver(self.request_id, *item)
+                    continue
+                self.next_stage.finish(self.request_id, item or self._error)
+            except CacheFlowError as exc:
+                log.warning("delivery of %s to the next stage failed: %s", self.request_id, exc)
+                self._error = str(exc)
+                if isinstance(item, tuple):
+                    continue
+            return
