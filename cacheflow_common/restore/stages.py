@@ -15,9 +15,10 @@ chunk without it: the caller falls back to the pipelined restore (or a fresh pre
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from itertools import pairwise
 
 import torch
 
@@ -32,45 +33,6 @@ from cacheflow_common.store.base import ChunkStore
 
 class BoundaryMissingError(CacheFlowError):
     """A stage's boundary activation for a chunk is absent or corrupt: that stage cannot compute it."""
-
-
-def balanced_split(n_layers: int, n_stages: int, *, layer_s: float = 1.0, first_extra_s: float = 0.0,
-                   last_extra_s: float = 0.0) -> list[range]:
-    """Contiguous layer ranges for `n_stages` stages minimising the slowest stage's cost.
-
-    Every layer costs `layer_s`; stage 0 also pays `first_extra_s` (embedding, reading boundary-free
-    input) and the last stage `last_extra_s` (final norm and LM head), so a split by measured cost can
-    give the ends fewer layers than a split by count. Exact, by dynamic programming over split points.
-    """
-    if not 1 <= n_stages <= n_layers:
-        raise ConfigError(f"cannot split {n_layers} layers into {n_stages} stages (each needs at least one)")
-
-    def cost(start: int, stop: int) -> float:
-        extra = (first_extra_s if start == 0 else 0.0) + (last_extra_s if stop == n_layers else 0.0)
-        return layer_s * (stop - start) + extra
-
-    # best[s][j]: (slowest stage cost, split points) covering layers [0, j) with s stages
-    best: list[dict[int, tuple[float, tuple[int, ...]]]] = [{0: (0.0, ())}]
-    for s in range(1, n_stages + 1):
-        row: dict[int, tuple[float, tuple[int, ...]]] = {}
-        for j in range(s, n_layers - (n_stages - s) + 1):
-            row[j] = min((max(best[s - 1][i][0], cost(i, j)), (*best[s - 1][i][1], j))
-                         for i in best[s - 1] if i < j)
-        best.append(row)
-    bounds = (0, *best[n_stages][n_layers][1])
-    return [range(a, b) for a, b in pairwise(bounds)]
-
-
-def parse_split(text: str, n_layers: int) -> list[range]:
-    """"0:12,12:24" -> [range(0, 12), range(12, 24)]; must tile [0, n_layers) in order."""
-    try:
-        ranges = [range(int(a), int(b)) for a, b in (part.split(":") for part in text.split(","))]
-    except ValueError as exc:
-        raise ConfigError(f"layer split {text!r} is not like '0:12,12:24'") from exc
-    stops = [0] + [r.stop for r in ranges]
-    if any(r.start != prev or len(r) < 1 for r, prev in zip(ranges, stops, strict=False)) or stops[-1] != n_layers:
-        raise ConfigError(f"layer split {text!r} must tile layers [0, {n_layers}) in order, no stage empty")
-    return ranges
 
 
 def boundary_name(key: ChunkKey, layer: int) -> str:
@@ -99,14 +61,37 @@ class BoundaryInput:
 
     Called with a token range made of whole chunks (token mode asks for one chunk, layer mode for
     the whole prefix); returns [T, hidden] on `device`, in the dtype the chunks were stored in.
+
+    Token mode computes chunk after chunk, so after serving chunk `i` it reads chunks `i+1 ..
+    i+prefetch` in the background while chunk `i` computes: the read leaves the compute pointer's
+    critical path. A prefetched chunk the loader takes instead is read for nothing (at most
+    `prefetch` chunks, at the meeting point; counted in `bytes_read`). Call `close()` when done.
     """
 
-    def __init__(self, job: RestoreJob, store: ChunkStore, *, device: torch.device | str = "cpu") -> None:
+    def __init__(self, job: RestoreJob, store: ChunkStore, *, device: torch.device | str = "cpu",
+                 prefetch: int = 1) -> None:
         self.job = job
         self.store = store
         self.device = torch.device(device)
+        self.prefetch = prefetch
         self._chunk_at = {k.token_start: i for i, k in enumerate(job.keys)}
+        self._ahead: dict[int, Future[torch.Tensor]] = {}  # chunk index -> its read in flight
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="boundary") if prefetch > 0 else None
+        self._lock = threading.Lock()
         self.bytes_read = 0
+
+    def close(self) -> None:
+        """Stop reading ahead (reads in flight finish); later calls read synchronously."""
+        with self._lock:
+            reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> BoundaryInput:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
     def missing(self) -> list[int]:
         """Chunks whose boundary activation the store does not hold (checked before choosing the mode)."""
@@ -117,12 +102,30 @@ class BoundaryInput:
         parts = []
         index = self._chunk_at.get(start)
         while index is not None and start < end:
-            parts.append(self._read(self.job.keys[index]))  # [T_i, hidden]
+            parts.append(self._take(index))  # [T_i, hidden]
             start = self.job.keys[index].token_end
             index = index + 1 if index + 1 < len(self.job.keys) else None
         if start != end:
             raise ConfigError(f"boundary input asked for tokens up to {end}, not on chunk boundaries")
+        if index is not None:
+            self._read_ahead(index)
         return torch.cat(parts).to(self.device)  # [T, hidden]
+
+    def _take(self, index: int) -> torch.Tensor:
+        """Chunk `index`'s boundary [T, hidden]: from its prefetch if one was started, else read now."""
+        with self._lock:
+            pending = self._ahead.pop(index, None)
+        if pending is None or pending.cancelled():  # never read ahead, or cancelled by close()
+            return self._read(self.job.keys[index])
+        return pending.result()
+
+    def _read_ahead(self, first: int) -> None:
+        with self._lock:
+            if self._reader is None:
+                return
+            for index in range(first, min(first + self.prefetch, len(self.job.keys))):
+                if index not in self._ahead:
+                    self._ahead[index] = self._reader.submit(self._read, self.job.keys[index])
 
     def _read(self, key: ChunkKey) -> torch.Tensor:
         name = boundary_name(key, self.job.layers.start)
@@ -136,7 +139,8 @@ class BoundaryInput:
         expected = list(self.job.token_ids[key.token_start : key.token_end])
         if trailer["key"] != key.hex or trailer["token_ids"] != expected:
             raise BoundaryMissingError(f"boundary activation {name} belongs to other tokens")
-        self.bytes_read += len(obj)
+        with self._lock:
+            self.bytes_read += len(obj)
         return hidden
 
 

@@ -127,14 +127,17 @@ class StageEngine:
             upstream = self._attach_upstream(request_id, job)
             return restore_from_upstream(job, model=self.model, store=store, upstream=upstream, kv=kv,
                                          on_computed=deliver)
-        inputs = BoundaryInput(job, store, device=self.model.device) if self.config.stage > 0 else None
-        if inputs is not None and (missing := inputs.missing()):
-            raise BoundaryMissingError(f"boundary activations missing for chunks "
-                                       f"{missing[:8]}{'...' if len(missing) > 8 else ''}; restore pipelined")
         policy, costs, l_delta = self._policy(policy, token_wise=deliver is not None)
-        result = restore(job, model=self.model, store=store, policy=policy, costs=costs, l_delta=l_delta, kv=kv,
-                         stage_input=inputs, on_computed=deliver)
-        self._boundary_bytes[request_id] = inputs.bytes_read if inputs is not None else 0
+        if self.config.stage == 0:
+            return restore(job, model=self.model, store=store, policy=policy, costs=costs, l_delta=l_delta, kv=kv,
+                           on_computed=deliver)
+        with BoundaryInput(job, store, device=self.model.device) as inputs:
+            if missing := inputs.missing():
+                raise BoundaryMissingError(f"boundary activations missing for chunks "
+                                           f"{missing[:8]}{'...' if len(missing) > 8 else ''}; restore pipelined")
+            result = restore(job, model=self.model, store=store, policy=policy, costs=costs, l_delta=l_delta,
+                             kv=kv, stage_input=inputs, on_computed=deliver)
+        self._boundary_bytes[request_id] = inputs.bytes_read
         return result
 
     def _policy(self, policy: str, *, token_wise: bool) -> tuple[str, Any, int]:

@@ -11,14 +11,13 @@ import torch
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.kv.chunk import encode_hidden_chunk
 from cacheflow_common.kv.keys import object_name
+from cacheflow_common.layer_split import balanced_split, parse_split
 from cacheflow_common.restore.executor import RestoreResult, restore
 from cacheflow_common.restore.save import compute_prefix_kv, make_job
 from cacheflow_common.restore.stages import (
     BoundaryInput,
     BoundaryMissingError,
-    balanced_split,
     boundary_name,
-    parse_split,
     save_prefix_by_stage,
     stage_jobs,
 )
@@ -87,6 +86,32 @@ def test_each_stage_restores_its_layers_from_its_boundary_activations(model, pol
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
         if policy == "compute-only" and inputs is not None:
             assert inputs.bytes_read == boundary_bytes[split.index(stage.layers)]
+        if inputs is not None:
+            inputs.close()
+
+
+class CountingStore(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def read(self, name: str) -> bytes | None:
+        self.reads.append(name)
+        return super().read(name)
+
+
+def test_the_next_chunks_boundary_is_read_while_this_one_computes(model):
+    split = [range(0, 2), range(2, 4)]
+    job, saved, _ = _saved(model, 3 * CHUNK, split)
+    store = CountingStore()
+    for name in saved.names():
+        store.put(name, saved.read(name) or b"")
+    stage = stage_jobs(job, split)[1]
+    names = [boundary_name(k, 2) for k in job.keys]
+    with BoundaryInput(stage, store, prefetch=1) as inputs:
+        first = inputs(0, CHUNK)  # [CHUNK, hidden]
+    assert store.reads == names[:2]  # chunk 1 was read ahead, chunk 2 not yet
+    assert inputs(CHUNK, 2 * CHUNK).shape == first.shape and store.reads == names[:2]  # served from the read ahead
 
 
 def test_a_missing_boundary_activation_is_reported_before_and_during_a_restore(model):
@@ -94,7 +119,7 @@ def test_a_missing_boundary_activation_is_reported_before_and_during_a_restore(m
     job, store, _ = _saved(model, 3 * CHUNK, split)
     stage = stage_jobs(job, split)[1]
     store.delete(boundary_name(job.keys[1], 2))
-    inputs = BoundaryInput(stage, store)
+    inputs = BoundaryInput(stage, store, prefetch=0)
     assert inputs.missing() == [1]
     with pytest.raises(BoundaryMissingError, match="not in the store"):
         restore(stage, model=model, store=MemoryStore(), policy="compute-only", stage_input=inputs)
@@ -108,15 +133,15 @@ def test_a_corrupt_or_foreign_boundary_activation_is_never_used(model):
     damaged = bytearray(store.read(name) or b"")
     damaged[100] ^= 0xFF  # inside the payload
     store.put(name, bytes(damaged))
-    with pytest.raises(BoundaryMissingError, match="corrupt"):
-        BoundaryInput(stage, store)(0, CHUNK)
+    with pytest.raises(BoundaryMissingError, match="corrupt"), BoundaryInput(stage, store) as inputs:
+        inputs(0, CHUNK)
     # a valid object for other tokens stored under this chunk's name
     other = make_job(model, [1] * (2 * CHUNK), tenant="t", chunk_size=CHUNK)
     foreign = encode_hidden_chunk(key=other.keys[0], token_ids=other.token_ids[:CHUNK], model=model.fingerprint(),
                                   layer=2, hidden=torch.zeros(CHUNK, model.config.hidden_size), dtype="float32")
     store.put(name, foreign)
-    with pytest.raises(BoundaryMissingError, match="other tokens"):
-        BoundaryInput(stage, store)(0, CHUNK)
+    with pytest.raises(BoundaryMissingError, match="other tokens"), BoundaryInput(stage, store) as inputs:
+        inputs(0, CHUNK)
 
 
 
