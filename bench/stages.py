@@ -36,11 +36,11 @@ from cacheflow_services.worker.chain import StageChain
 from cacheflow_services.worker.launch import LocalWorker, launch_stages
 
 from cacheflow_common.kv.keys import object_name
-from cacheflow_common.model.config import ModelConfig
+from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import RANDOM_SHAPES, load_model
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.save import make_job
-from cacheflow_common.restore.stages import balanced_split, boundary_name
+from cacheflow_common.restore.stages import boundary_name
 from cacheflow_common.store.placement import ClusterStore
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
 
@@ -50,7 +50,8 @@ INPUTS = ("boundary", "pipelined", "sequential")
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cacheflow bench stages", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", choices=sorted(RANDOM_SHAPES), help="random-weight model shape")
+    p.add_argument("--model", default="smollm2", choices=["smollm2", *sorted(RANDOM_SHAPES)],
+                   help="the real SmolLM2-135M (its boundary/KV byte ratio is a real model's), or a random shape")
     p.add_argument("--tokens", type=int, default=4096, help="prefix length")
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--stages", default="", help="stage counts (default: 1, 2 and 4 where the cores allow)")
@@ -70,8 +71,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 class Cluster:
     """S pods shaped to `rate_gbps` (one token for all) and S workers pinned to cores 0..S-1."""
 
-    def __init__(self, workdir: Path, args: argparse.Namespace, n_stages: int, rate_gbps: float) -> None:
-        n_layers = ModelConfig.from_hf_dict(RANDOM_SHAPES[args.model]).num_layers
+    def __init__(self, workdir: Path, args: argparse.Namespace, n_stages: int, rate_gbps: float,
+                 n_layers: int) -> None:
         tokens = {"bench": secrets.token_urlsafe(24)}
         shaping = ["--rate-gbps", str(rate_gbps)] if rate_gbps else []
         self.pods: list[LocalPod] = []
@@ -135,7 +136,7 @@ def timed_restore(chain: StageChain, ids: list[int], input_mode: str, policy: st
 
 def calibrate(workdir: Path, args: argparse.Namespace, ids: list[int], model: Transformer) -> tuple[float, int]:
     """(S = 1 compute-only restore seconds, KV bytes of the prompt): the link rate giving Tio/Tcomp = 1."""
-    cluster = Cluster(workdir, args, 1, 0.0)
+    cluster = Cluster(workdir, args, 1, 0.0, model.config.num_layers)
     try:
         save_prompt(cluster.chain, ids)
         times = [timed_restore(cluster.chain, ids, "boundary", "compute-only", f"cal{r}")["elapsed_s"]
@@ -147,7 +148,7 @@ def calibrate(workdir: Path, args: argparse.Namespace, ids: list[int], model: Tr
 
 def run_stage_count(workdir: Path, args: argparse.Namespace, ids: list[int], model: Transformer, n_stages: int,
                     rate_gbps: float) -> dict[str, Any]:
-    cluster = Cluster(workdir, args, n_stages, rate_gbps)
+    cluster = Cluster(workdir, args, n_stages, rate_gbps, model.config.num_layers)
     try:
         save_prompt(cluster.chain, ids)
         stored = cluster.stored_bytes(model, ids)
@@ -205,7 +206,7 @@ def write_markdown(path: Path, summary: dict[str, Any], rows: Sequence[dict[str,
         "# Stages: parallel restore from boundary activations vs restoring from the previous stage\n\n"
         f"Machine: {facts['cpu']}, {facts['cpus']} CPUs, torch {facts['torch']}; each worker pinned to one core, "
         f"one torch thread; git {facts['git']}.\n"
-        f"Command: `{command_line()}`. Model `{setup['model']}` (random weights), prefix {setup['tokens']} tokens, "
+        f"Command: `{command_line()}`. Model `{setup['model']}`, prefix {setup['tokens']} tokens, "
         f"chunks of {setup['chunk_size']}, policy `{setup['policy']}`; S pods each shaped to "
         f"{setup['rate_gbps']:.4f} Gbit/s (Tio/Tcomp = 1 per stage: S = 1 compute-only "
         f"{setup['compute_only_s']:.3f} s for {setup['kv_bytes']} KV bytes). Times: median of {setup['repeats']}.\n\n"
