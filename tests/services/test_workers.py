@@ -20,10 +20,11 @@ import torch
 from cacheflow_services.worker.chain import ChainError, StageChain
 from cacheflow_services.worker.launch import LocalWorker, launch_stages
 
+from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import load_model
 from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.restore.save import make_job
-from cacheflow_common.restore.stages import balanced_split, boundary_name
+from cacheflow_common.restore.stages import boundary_name
 from cacheflow_common.transport import frames
 from tests.services.procs import Pod, start_pod
 
