@@ -1,10 +1,11 @@
-"""The two-pointer board: which restore units (token chunks or layers) are computed, which loaded.
+"""The two-pointer board: a compute thread and a loader thread share the claims of one restore.
 
-The overlap protocol, as implemented here:
+The overlap protocol (the rules themselves live in `pointers.TwoPointers`; this board runs them
+under a lock and adds timing and a planner):
 
 1. The compute side claims units from the front (`claim_compute`), the I/O side from the back
-   (`claim_load`). Before each claim a `Planner` may decline it: it predicts where the two sides will
-   meet from their busy times and the cost of the units still pending.
+   (`claim_load`). Before each claim of a pending unit a `Planner` may decline it: it predicts where
+   the two sides will meet from their busy times and the cost of the units still pending.
 2. A unit is claimed exactly once; the pointers never cross. They meet where they actually meet.
 3. A load that misses (absent, corrupt, unreachable) hands its unit back: it becomes `MISSED` and the
    compute side must compute it, after every unit below it is done.
@@ -16,24 +17,16 @@ The overlap protocol, as implemented here:
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from cacheflow_common.restore.pointers import WAIT, TwoPointers, Unit
 
-class Unit(enum.Enum):
-    PENDING = "pending"
-    COMPUTING = "computing"
-    LOADING = "loading"
-    LOADED = "loaded"
-    COMPUTED = "computed"
-    MISSED = "missed"
+__all__ = ["BoardView", "Planner", "TwoPointerBoard", "Unit", "UnitRecord"]
 
-
-_DONE = (Unit.LOADED, Unit.COMPUTED)
-_WAIT = -1  # claim_compute: nothing to take yet, but loads in flight may still miss
 # Every state change notifies the board's condition, so waits for events need no timeout; this is
 # only a safety net. Re-planning waits never sleep less than _MIN_REPLAN_S: a tighter loop would take
 # the GIL from the compute thread often enough to slow the forward pass.
@@ -87,67 +80,41 @@ class TwoPointerBoard:
         self.n = n
         self.planner = planner
         self.compute_skips_loaded = compute_skips_loaded
-        self.states = [Unit.PENDING] * n
+        self.pointers = TwoPointers(n, compute_skips_loaded=compute_skips_loaded)
         self.records = [UnitRecord() for _ in range(n)]
         self.t0 = time.perf_counter()
         self._cond = threading.Condition()
-        self._compute_front = 0  # layer mode: next layer the compute side must pass through
         self._compute_free_at = self.t0
         self._load_free_at = self.t0
         self._load_active = True
+
+    @property
+    def states(self) -> Sequence[Unit]:
+        return self.pointers.states
 
     # -- the compute side ---------------------------------------------------------------------
     def claim_compute(self) -> int | None:
         """The next unit to compute, blocking while the loader may still cover it; None when done."""
         with self._cond:
             while True:
-                unit = self._compute_candidate()
+                unit = self.pointers.next_compute()
                 if unit is None:
                     return None
-                if unit == _WAIT:
+                if unit == WAIT:
                     self._cond.wait(timeout=_EVENT_WAIT_S)
                     continue
-                if self.states[unit] is Unit.PENDING:
-                    if not self.planner.compute_may_take(self._view()):
-                        self._cond.wait(timeout=self._replan_wait_s(self._load_free_at))
-                        continue
-                elif not self._ready_for_fallback(unit):
-                    self._cond.wait(timeout=_EVENT_WAIT_S)
+                if self.states[unit] is Unit.PENDING and not self.planner.compute_may_take(self._view()):
+                    self._cond.wait(timeout=self._replan_wait_s(self._load_free_at))
                     continue
-                self._start(unit, Unit.COMPUTING)
+                self.pointers.claim_compute(unit)
+                self._started(unit)
                 self._compute_free_at = time.perf_counter() + self.planner.predicted_s(unit, "compute")
                 return unit
 
-    def _compute_candidate(self) -> int | None:
-        """The unit the compute side would take next, `_WAIT` if it must wait, None if it is done."""
-        if self.compute_skips_loaded:
-            for i, s in enumerate(self.states):
-                if s in (Unit.PENDING, Unit.MISSED):
-                    return i
-            return _WAIT if Unit.LOADING in self.states else None
-        # Layer mode: walk contiguously; pass through loaded layers only to reach a missed one above.
-        rest = self.states[self._compute_front :]
-        if not rest or all(s in _DONE for s in rest):
-            return None
-        if rest[0] in (Unit.PENDING, Unit.MISSED) or Unit.MISSED in rest:
-            return self._compute_front
-        return _WAIT  # only loads in flight above: wait for them to land (or miss)
-
-    def _lower_units_done(self, unit: int) -> bool:
-        if not self.compute_skips_loaded:
-            return True  # layer mode: the front itself is the dependency
-        return all(s in _DONE for s in self.states[:unit])
-
-    def _ready_for_fallback(self, unit: int) -> bool:
-        """A missed unit (token mode) or a loaded one we must pass through (layer mode) may start now."""
-        if self.states[unit] is Unit.LOADING:
-            return False  # never overwrite a buffer the loader is writing
-        return self._lower_units_done(unit)
-
     def compute_done(self, unit: int) -> None:
         with self._cond:
-            seconds = self._finish(unit, Unit.COMPUTED, "computed")
-            self._compute_front = max(self._compute_front, unit + 1)
+            self.pointers.computed(unit)
+            seconds = self._finished(unit, "computed")
             self._compute_free_at = time.perf_counter()
             self.planner.observe(unit, "compute", seconds)
             self._cond.notify_all()
@@ -161,13 +128,13 @@ class TwoPointerBoard:
         """
         with self._cond:
             while self._load_active:
-                pending = self._pending()
-                if not pending:
+                unit = self.pointers.highest_pending()
+                if unit is None:
                     self._retire_loader()
                     return None
                 if self.planner.load_may_take(self._view()):
-                    unit = pending[-1]
-                    self._start(unit, Unit.LOADING)
+                    self.pointers.claim_load(unit)
+                    self._started(unit)
                     self._load_free_at = time.perf_counter() + self.planner.predicted_s(unit, "load")
                     return unit
                 self._cond.wait(timeout=self._replan_wait_s(self._compute_free_at))
@@ -175,7 +142,8 @@ class TwoPointerBoard:
 
     def load_done(self, unit: int) -> None:
         with self._cond:
-            seconds = self._finish(unit, Unit.LOADED, "loaded")
+            self.pointers.loaded(unit)
+            seconds = self._finished(unit, "loaded")
             self._load_free_at = time.perf_counter()
             self.planner.observe(unit, "load", seconds)
             self._cond.notify_all()
@@ -183,7 +151,7 @@ class TwoPointerBoard:
     def load_missed(self, unit: int, reason: str) -> None:
         """The load of `unit` failed: hand it back to the compute side."""
         with self._cond:
-            self.states[unit] = Unit.MISSED
+            self.pointers.missed(unit)
             self.records[unit].miss_reason = reason
             self._load_free_at = time.perf_counter()
             self._cond.notify_all()
@@ -191,10 +159,8 @@ class TwoPointerBoard:
     def abort_loader(self, reason: str) -> None:
         """The loader died: whatever it held goes back to compute; it claims nothing more."""
         with self._cond:
-            for i, s in enumerate(self.states):
-                if s is Unit.LOADING:
-                    self.states[i] = Unit.MISSED
-                    self.records[i].miss_reason = reason
+            for unit in self.pointers.abort_loads():
+                self.records[unit].miss_reason = reason
             self._retire_loader()
 
     # -- shared ----------------------------------------------------------------------------
@@ -202,14 +168,9 @@ class TwoPointerBoard:
         self._load_active = False
         self._cond.notify_all()
 
-    def _pending(self) -> range:
-        """The contiguous run of PENDING units between the pointers (empty if none)."""
-        idx = [i for i, s in enumerate(self.states) if s is Unit.PENDING]
-        return range(idx[0], idx[-1] + 1) if idx else range(0)
-
     def _view(self) -> BoardView:
         return BoardView(
-            pending=self._pending(),
+            pending=self.pointers.pending_span(),
             now=time.perf_counter(),
             compute_free_at=self._compute_free_at,
             load_free_at=self._load_free_at,
@@ -222,12 +183,10 @@ class TwoPointerBoard:
             return _EVENT_WAIT_S
         return min(_EVENT_WAIT_S, max(_MIN_REPLAN_S, other_side_free_at - time.perf_counter()))
 
-    def _start(self, unit: int, state: Unit) -> None:
-        self.states[unit] = state
+    def _started(self, unit: int) -> None:
         self.records[unit].start_s = time.perf_counter() - self.t0
 
-    def _finish(self, unit: int, state: Unit, source: str) -> float:
-        self.states[unit] = state
+    def _finished(self, unit: int, source: str) -> float:
         rec = self.records[unit]
         rec.source = source
         rec.end_s = time.perf_counter() - self.t0
@@ -240,4 +199,4 @@ class TwoPointerBoard:
 
     def complete(self) -> bool:
         with self._cond:
-            return all(s in _DONE for s in self.states)
+            return self.pointers.complete()
