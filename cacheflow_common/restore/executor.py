@@ -35,6 +35,7 @@ from cacheflow_common.restore.board import Planner, TwoPointerBoard, UnitRecord
 from cacheflow_common.restore.costs import CostModel
 from cacheflow_common.restore.loader import KVLoader
 from cacheflow_common.restore.planner import FixedSplitPlanner, GreedyPlanner, PredictivePlanner
+from cacheflow_common.sched.plan import choose_mode as crossover_mode
 from cacheflow_common.store.base import ChunkStore
 
 log = logging.getLogger(__name__)
@@ -85,9 +86,9 @@ def choose_mode(policy: str, n_tokens: int, l_delta: int) -> str:
     """Token-wise or layer-wise for `policy`; `cacheflow` picks token-wise when N >= L_delta."""
     if policy not in POLICIES:
         raise ConfigError(f"unknown restore policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    if policy == "cacheflow-layer" or (policy == "cacheflow" and n_tokens < l_delta):
-        return "layer"
-    return "token"
+    if policy == "cacheflow":
+        return crossover_mode(n_tokens, l_delta)
+    return "layer" if policy == "cacheflow-layer" else "token"
 
 
 def restore(

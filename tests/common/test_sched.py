@@ -1,0 +1,175 @@
+"""The batch scheduler: the priority rule by example, plans from the cost model, and properties under
+random interleavings of decisions and events (misses, lost channels, lost stages)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cacheflow_common.errors import BadRequestError, ConfigError
+from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
+from cacheflow_common.restore.pointers import InvalidTransitionError, Unit
+from cacheflow_common.sched import NOT_STORED, BatchScheduler, RequestPlan, StagePlan, build_plan, make_policy
+from cacheflow_common.sched.scheduler import ComputeTask, LoadTask
+
+COSTS = CostModel(chunk_compute=LinearCost(fixed_s=1e-3, per_token_s=1e-5, per_token_ctx_s=1e-8),
+                  layer_compute=LinearCost(fixed_s=2e-3, per_token_s=1e-5, per_token_ctx_s=1e-8),
+                  load=LoadCost(bytes_per_s=1e9, latency_s=1e-4))
+
+
+def stage(compute: list[float], channels: list[int] | None = None, *, load: float = 1.0, tokens: int = 1) -> StagePlan:
+    n = len(compute)
+    return StagePlan(n_layers=1, compute_s=tuple(compute), fixed_s=(0.0,) * n, load_s=(load,) * n,
+                     load_channel=tuple(channels if channels is not None else [0] * n), tokens=(tokens,) * n)
+
+
+def plan(rid: str, *stages: StagePlan, arrival: float = 0.0, mode: str = "token") -> RequestPlan:
+    n_tokens = sum(stages[0].tokens) if mode == "token" else stages[0].tokens[0] if stages[0].tokens else 0
+    return RequestPlan(request_id=rid, arrival_s=arrival, mode=mode, n_tokens=n_tokens, stages=stages)
+
+
+def scheduler(policy: str, *plans: RequestPlan) -> BatchScheduler:
+    s = BatchScheduler(policy, n_stages=len(plans[0].stages))
+    for p in plans:
+        s.arrive(p)
+    return s
+
+
+# -- the priority rule ------------------------------------------------------------------------------
+def test_cacheflow_serves_the_largest_remaining_recomputation_cost_cake_the_oldest():
+    short = plan("short", stage([1.0, 1.0, 1.0]), arrival=0.0)
+    long = plan("long", stage([1.0, 2.0, 3.0, 4.0, 5.0]), arrival=1.0)
+    assert scheduler("cacheflow", short, long).next_load(0) == LoadTask("long", 0, 4)
+    assert scheduler("cake", short, long).next_load(0) == LoadTask("short", 0, 2)
+    assert scheduler("load-only", short, long).next_load(0) == LoadTask("short", 0, 2)
+    assert scheduler("compute-only", short, long).next_load(0) is None
+
+
+def test_priority_is_re_evaluated_at_every_decision():
+    a = plan("a", stage([5.0, 5.0]))  # remaining 10
+    b = plan("b", stage([3.0, 3.0, 3.0]), arrival=1.0)  # remaining 9
+    s = scheduler("cacheflow", a, b)
+    assert s.next_load(0) == LoadTask("a", 0, 1)  # a drops to 5 (a unit in flight is no longer open work)
+    assert s.remaining_s("a") == 5.0
+    assert s.next_load(0) == LoadTask("b", 0, 2)  # b (9) now leads; then b has 6
+    assert s.next_load(0) == LoadTask("b", 0, 1)  # b (6) still leads a (5)
+    assert s.next_load(0) == LoadTask("a", 0, 0)
+
+
+def test_a_miss_puts_the_work_back_into_the_remaining_cost():
+    s = scheduler("cacheflow", plan("a", stage([5.0, 5.0])))
+    task = s.next_load(0)
+    assert task is not None and s.remaining_s("a") == 5.0
+    assert s.load_missed(task.stage, task.request_id, task.unit, "absent")
+    assert s.remaining_s("a") == 10.0 and s.misses["absent"] == 1
+
+
+def test_each_channel_takes_its_highest_pending_unit():
+    s = scheduler("cacheflow", plan("a", stage([1.0] * 5, [0, 1, 0, 1, NOT_STORED])))
+    assert s.next_load(0) == LoadTask("a", 0, 2)
+    assert s.next_load(1) == LoadTask("a", 0, 3)
+    assert s.next_load(0) == LoadTask("a", 0, 0)
+    assert s.next_load(1) == LoadTask("a", 0, 1)
+    assert s.next_load(0) is None
+    assert s.unit_states("a", 0)[4] is Unit.MISSED  # not stored: compute work from the start
+
+
+def test_a_channel_serves_the_stage_with_the_most_open_work():
+    s = scheduler("cacheflow", plan("a", stage([1.0, 1.0]), stage([3.0, 3.0]), stage([2.0, 2.0])))
+    assert s.next_load(0) == LoadTask("a", 1, 1)
+    assert s.next_load(0) == LoadTask("a", 2, 1)  # stage 1 has 3 left, stage 2 has 4
+
+
+def test_compute_batch_advances_every_active_request_oldest_first():
+    a = plan("a", stage([1.0] * 3, tokens=100))
+    b = plan("b", stage([1.0] * 3, tokens=100), arrival=1.0)
+    c = plan("c", stage([1.0] * 3, tokens=100), arrival=2.0)
+    s = scheduler("cake", a, b, c)
+    assert s.next_compute_batch(0) == [ComputeTask("a", 0), ComputeTask("b", 0), ComputeTask("c", 0)]
+    assert s.next_compute_batch(0) == []  # each request's unit 0 is still computing
+    for rid in "abc":
+        s.computed(0, rid, 0)
+    assert s.next_compute_batch(0, max_tokens=150) == [ComputeTask("a", 1)]
+    assert s.next_compute_batch(0, max_tokens=50) == [ComputeTask("b", 1)]  # the oldest one always fits
+
+
+def test_load_only_computes_only_what_storage_cannot_deliver():
+    s = scheduler("load-only", plan("a", stage([1.0] * 3, [0, NOT_STORED, 0])))
+    assert s.next_compute_batch(0) == []
+    assert s.next_load(0) == LoadTask("a", 0, 2)
+    assert s.next_load(0) == LoadTask("a", 0, 0)
+    s.loaded(0, "a", 0)
+    assert s.next_compute_batch(0) == [ComputeTask("a", 1)]  # the unstored unit, once unit 0 is in
+    s.computed(0, "a", 1)
+    s.loaded(0, "a", 2)
+    assert s.finished() == ["a"] and s.active() == []
+
+
+def test_a_lost_channel_turns_pending_and_in_flight_loads_into_compute_work():
+    s = scheduler("load-only", plan("a", stage([1.0] * 4, [0, 1, 0, 1])))
+    assert s.next_load(1) == LoadTask("a", 0, 3)
+    s.channel_lost(1)
+    assert s.next_load(1) is None
+    assert not s.loaded(0, "a", 3)  # stale: that load's channel is gone
+    assert s.unit_states("a", 0) == [Unit.PENDING, Unit.MISSED, Unit.PENDING, Unit.MISSED]
+    s2 = scheduler("load-only", plan("b", stage([1.0] * 2, [1, 1])))
+    s2.channel_lost(1)
+    s2.arrive(plan("c", stage([1.0], [1])))  # arriving after the loss: its units are compute work
+    assert s2.unit_states("c", 0) == [Unit.MISSED]
+
+
+def test_a_lost_stage_fails_its_requests_instead_of_hanging():
+    s = scheduler("cacheflow", plan("a", stage([1.0] * 2), stage([1.0] * 2)))
+    batch = s.next_compute_batch(1)
+    s.stage_lost(0)
+    assert s.failed() == {"a": "stage 0 lost"} and s.active() == []
+    assert not s.computed(1, "a", batch[0].unit)  # stale
+    assert s.next_compute_batch(0) == [] and s.next_load(0) is None
+    s.arrive(plan("b", stage([1.0]), stage([1.0])))
+    assert s.failed()["b"] == "stage 0 lost"
+
+
+def test_protocol_violations_are_errors_not_silently_ignored():
+    s = scheduler("cacheflow", plan("a", stage([1.0] * 2)))
+    with pytest.raises(InvalidTransitionError):
+        s.computed(0, "a", 0)  # never claimed
+    with pytest.raises(InvalidTransitionError):
+        s.computed(0, "nobody", 0)
+    with pytest.raises(BadRequestError):
+        s.arrive(plan("a", stage([1.0])))
+    with pytest.raises(BadRequestError):
+        s.arrive(plan("b", stage([1.0]), stage([1.0])))  # wrong number of stages
+    with pytest.raises(ConfigError):
+        make_policy("fastest")
+
+
+def test_an_empty_prefix_is_finished_on_arrival():
+    s = scheduler("cacheflow", plan("a", stage([]), stage([])))
+    assert s.finished() == ["a"]
+
+
+# -- plans from the cost model -------------------------------------------------------------------------
+def _build(n_tokens: int, l_delta: int) -> RequestPlan:
+    return build_plan(request_id="r", arrival_s=0.0, n_tokens=n_tokens, costs=COSTS, stage_layers=[3, 2],
+                      chunk_size=256, l_delta=l_delta, kv_bytes_per_token_layer=100,
+                      place=lambda s, u: NOT_STORED if (s, u) == (1, 0) else (s + u) % 2)
+
+
+def test_token_wise_plan_has_one_unit_per_chunk_with_the_cost_models_prices():
+    p = _build(600, l_delta=512)
+    assert p.mode == "token" and [st.n_units for st in p.stages] == [3, 3]
+    first = p.stages[0]
+    assert first.tokens == (256, 256, 88)
+    assert first.compute_s[2] == COSTS.chunk_compute_s(512, 600, 3)
+    assert first.fixed_s[0] == 3 * COSTS.chunk_compute.fixed_s
+    assert first.load_s[1] == COSTS.chunk_load_s(256 * 3 * 100)
+    assert first.load_channel == (0, 1, 0) and p.stages[1].load_channel == (NOT_STORED, 0, 1)
+    assert sum(p.unit_tokens(s, u) for s in range(2) for u in range(3)) == pytest.approx(600)
+
+
+def test_layer_wise_plan_below_l_delta_has_one_unit_per_layer():
+    p = _build(300, l_delta=512)
+    assert p.mode == "layer" and [st.n_units for st in p.stages] == [3, 2]
+    assert p.stages[1].compute_s == (COSTS.layer_compute_s(300),) * 2
+    assert p.stages[0].load_s[0] == COSTS.layer_load_s(300 * 100, 2)
+    assert p.stages[0].tokens == (300, 300, 300)
+    assert sum(p.unit_tokens(s, u) for s in range(2) for u in range(p.stages[s].n_units)) == pytest.approx(300)
