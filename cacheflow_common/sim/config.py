@@ -1,0 +1,80 @@
+"""What a simulation runs: the model's shape, the cluster (stages, channels, link) and the policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cacheflow_common.errors import ConfigError
+from cacheflow_common.layer_split import balanced_split
+from cacheflow_common.restore.costs import CostModel
+from cacheflow_common.restore.profile import Profile
+from cacheflow_common.sched.policies import POLICIES
+
+if TYPE_CHECKING:  # importing the model package loads torch; the simulator needs only the numbers
+    from cacheflow_common.model.config import ModelConfig
+
+PLACEMENTS = ("round-robin", "hash")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The numbers of a model the simulator needs: its depth and its KV bytes per token per layer."""
+
+    num_layers: int
+    kv_bytes_per_token_layer: int  # 2 (K and V) * kv_heads * head_dim * dtype bytes
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> ModelShape:
+        from cacheflow_common.model.config import DTYPE_BYTES
+
+        per_token = 2 * config.num_kv_heads * config.head_dim * DTYPE_BYTES[config.dtype]
+        return cls(num_layers=config.num_layers, kv_bytes_per_token_layer=per_token)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    model: ModelShape
+    costs: CostModel  # per-layer compute costs and the store's own load rate (a profile's `costs`)
+    policy: str = "cacheflow"
+    n_stages: int = 1
+    n_channels: int = 1  # storage pods; each serves one load at a time
+    link_gbps: float | None = 10.0  # per channel; None: the cost model's load rate alone
+    chunk_size: int = 256  # tokens per restore chunk (DESIGN.md's default)
+    l_delta: int = 0  # token-wise iff the prefix has >= l_delta tokens (adaptive policies only)
+    max_batch: int = 64  # requests restoring at once; later arrivals queue in arrival order
+    max_batch_tokens: int | None = None  # cap on one compute batch (the oldest request always fits)
+    placement: str = "round-robin"  # which channel holds a unit: "round-robin" (even) or "hash"
+    stage_layers: tuple[int, ...] = field(default=())  # layers per stage; () = an even split
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"unknown placement {self.placement!r}; choose one of {', '.join(PLACEMENTS)}")
+        if min(self.n_stages, self.n_channels, self.max_batch, self.chunk_size) <= 0:
+            raise ConfigError("stages, channels, max batch and chunk size must be positive")
+        if not 1 <= self.n_stages <= self.model.num_layers:
+            raise ConfigError(f"cannot split {self.model.num_layers} layers into {self.n_stages} stages")
+        if self.stage_layers and (len(self.stage_layers) != self.n_stages or min(self.stage_layers) <= 0
+                                  or sum(self.stage_layers) != self.model.num_layers):
+            raise ConfigError(f"stage_layers {self.stage_layers} must give each of {self.n_stages} stages "
+                              f"at least one of the {self.model.num_layers} layers")
+
+    @classmethod
+    def from_profile(cls, profile: Profile, *, model: ModelShape, link_gbps: float | None = 10.0,
+                     **options: Any) -> SimConfig:
+        """The profile's costs and the L_delta it measured nearest this link rate."""
+        rate = None if link_gbps is None else link_gbps * 1e9 / 8
+        return cls(model=model, costs=profile.costs, link_gbps=link_gbps, l_delta=profile.l_delta_for(rate),
+                   **options)
+
+    def link_costs(self) -> CostModel:
+        """The cost model with each channel's link limit applied."""
+        return self.costs.with_link(None if self.link_gbps is None else self.link_gbps * 1e9 / 8)
+
+    def layer_split(self) -> tuple[int, ...]:
+        """Layers per stage: as given, or the split the stage workers use (as even as possible)."""
+        if self.stage_layers:
+            return self.stage_layers
+        return tuple(len(r) for r in balanced_split(self.model.num_layers, self.n_stages))

@@ -1,0 +1,253 @@
+"""The discrete-event simulator: the batch scheduler drives simulated stages and storage channels.
+
+Resources: S stages, each running one compute batch at a time, and M storage channels, each serving
+one load at a time (`latency + bytes / rate`). Time is simulated only: events wait in a heap. The loop
+reads like the worker's:
+
+    pop the next events (arrivals, batches done, loads done: all at that instant), report them
+    -> admit queued requests into free restore slots (max batch, arrival order)
+    -> start every idle stage and channel on what the scheduler decides
+
+A stage's compute batch holds the restore units the scheduler chose plus one suffix-prefill chunk of
+every request waiting at that stage (chunked prefill, `chunk_size` tokens). It costs the batch-shared
+fixed part once (the largest among its items: per-layer launch costs) plus each item's own per-token
+and attention terms. A request's suffix enters stage 0 when its restore is done, chunk by chunk; each
+chunk moves on to the next stage after it (a pipeline), and the first token is out when the last
+chunk leaves the last stage. Costs are the cost model's predictions, so the plan the policy ranks by
+is exact here.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import heapq
+import itertools
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from cacheflow_common.errors import CacheFlowError, ConfigError
+from cacheflow_common.sched.plan import Placement, RequestPlan, build_plan, chunk_costs
+from cacheflow_common.sched.policies import make_policy
+from cacheflow_common.sched.scheduler import BatchScheduler, ComputeTask, LoadTask
+from cacheflow_common.sim.config import SimConfig
+from cacheflow_common.sim.result import RequestResult, SimResult
+from cacheflow_common.sim.trace import TraceRequest
+
+
+class SimulationStalledError(CacheFlowError):
+    """The event heap ran dry with requests unfinished: a scheduling bug, never a slow policy."""
+
+
+def simulate(trace: Sequence[TraceRequest], config: SimConfig) -> SimResult:
+    """Replay `trace` on the cluster `config` describes; every request is restored and prefilled."""
+    return _Simulation(trace, config).run()
+
+
+class _PrefillChunk(NamedTuple):
+    request_id: str
+    start: int  # token range of the suffix chunk
+    end: int
+
+
+@dataclass
+class _Batch:
+    tasks: list[ComputeTask]
+    prefills: list[_PrefillChunk]
+
+
+class _Simulation:
+    def __init__(self, trace: Sequence[TraceRequest], config: SimConfig) -> None:
+        self.config = config
+        self.costs = config.link_costs()
+        self.layers = config.layer_split()
+        self.policy = make_policy(config.policy)
+        self.scheduler = BatchScheduler(self.policy, n_stages=len(self.layers))
+        self.trace = {r.request_id: r for r in trace}
+        if len(self.trace) != len(trace):
+            raise ConfigError("the trace holds a request id twice")
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._queue: deque[str] = deque()  # arrived, waiting for a restore slot
+        self._restoring: set[str] = set()
+        self._plans: dict[str, RequestPlan] = {}
+        self._admitted_s: dict[str, float] = {}
+        self._restored_s: dict[str, float] = {}
+        self._first_token_s: dict[str, float] = {}
+        self._computed: defaultdict[str, float] = defaultdict(float)
+        self._loaded: defaultdict[str, float] = defaultdict(float)
+        self._batches: list[_Batch | None] = [None] * len(self.layers)
+        self._prefills: list[dict[str, deque[_PrefillChunk]]] = [{} for _ in self.layers]  # chunks waiting
+        self._loads: list[LoadTask | None] = [None] * config.n_channels
+        self._stage_busy = [0.0] * len(self.layers)
+        self._channel_busy = [0.0] * config.n_channels
+        # Idle resources an event may have given work to (the others have none: no need to ask).
+        self._wake_stages: set[int] = set()
+        self._wake_channels: set[int] = set()
+
+    def run(self) -> SimResult:
+        for request in self.trace.values():
+            self._at(request.arrival_s, functools.partial(self._queue.append, request.request_id))
+        while self._events:
+            self.now = self._events[0][0]
+            while self._events and self._events[0][0] == self.now:  # everything that happens at this instant
+                heapq.heappop(self._events)[2]()
+            self._admit()
+            self._dispatch()
+        return self._result()
+
+    def _at(self, time_s: float, handle: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (time_s, next(self._seq), handle))
+
+    # -- admission and completion ---------------------------------------------------------------
+    def _admit(self) -> None:
+        while self._queue and len(self._restoring) < self.config.max_batch:
+            rid = self._queue.popleft()
+            self._plans[rid] = plan = self._plan(self.trace[rid], order=len(self._plans))
+            self._admitted_s[rid] = self.now
+            self._restoring.add(rid)
+            self.scheduler.arrive(plan)
+            self._wake_stages.update(range(len(self.layers)))
+            self._wake_channels.update(range(self.config.n_channels))
+            self._check_restored(rid)  # an empty prefix is restored at once
+
+    def _plan(self, request: TraceRequest, *, order: int) -> RequestPlan:
+        return build_plan(
+            request_id=request.request_id,
+            arrival_s=request.arrival_s,
+            n_tokens=request.cached_tokens,
+            costs=self.costs,
+            stage_layers=self.layers,
+            chunk_size=self.config.chunk_size,
+            l_delta=self.config.l_delta if self.policy.adaptive_mode else 0,
+            kv_bytes_per_token_layer=self.config.model.kv_bytes_per_token_layer,
+            place=self._placement(request.request_id, order),
+        )
+
+    def _placement(self, request_id: str, order: int) -> Placement:
+        m = self.config.n_channels
+        if self.config.placement == "hash":
+            return lambda s, u: _stable_hash(f"{request_id}/{s}/{u}") % m
+        return lambda s, u: (order + s + u) % m
+
+    def _check_restored(self, rid: str) -> None:
+        if rid in self._restoring and self.scheduler.is_finished(rid):
+            self._restoring.discard(rid)
+            self._restored_s[rid] = self.now
+            request = self.trace[rid]
+            if request.input_length == request.cached_tokens:
+                self._first_token_s[rid] = self.now
+            for start in range(request.cached_tokens, request.input_length, self.config.chunk_size):
+                end = min(start + self.config.chunk_size, request.input_length)
+                self._queue_prefill(0, _PrefillChunk(rid, start, end))
+
+    # -- stages ----------------------------------------------------------------------------------
+    def _start_batch(self, stage: int) -> None:
+        prefills = self._take_prefill_chunks(stage)
+        cap = self.config.max_batch_tokens
+        room = None if cap is None else max(0, cap - sum(c.end - c.start for c in prefills))
+        tasks = self.scheduler.next_compute_batch(stage, room)
+        if not tasks and not prefills:
+            return
+        items = [self._unit_costs(stage, t) for t in tasks] + [self._prefill_costs(stage, c) for c in prefills]
+        seconds = max(fixed for _, fixed in items) + sum(total - fixed for total, fixed in items)
+        batch = self._batches[stage] = _Batch(tasks, prefills)
+        self._stage_busy[stage] += seconds
+        self._at(self.now + seconds, lambda: self._batch_done(stage, batch))
+
+    def _unit_costs(self, stage: int, task: ComputeTask) -> tuple[float, float]:
+        plan = self._plans[task.request_id].stages[stage]
+        return plan.compute_s[task.unit], plan.fixed_s[task.unit]
+
+    def _prefill_costs(self, stage: int, chunk: _PrefillChunk) -> tuple[float, float]:
+        return chunk_costs(self.costs, chunk.start, chunk.end, self.layers[stage])
+
+    def _queue_prefill(self, stage: int, chunk: _PrefillChunk) -> None:
+        self._prefills[stage].setdefault(chunk.request_id, deque()).append(chunk)
+        self._wake_stages.add(stage)
+
+    def _take_prefill_chunks(self, stage: int) -> list[_PrefillChunk]:
+        """The next suffix chunk of every request waiting at `stage` (its earlier chunks ran before)."""
+        waiting = self._prefills[stage]
+        chunks = [queue.popleft() for queue in waiting.values()]
+        for rid in [rid for rid, queue in waiting.items() if not queue]:
+            del waiting[rid]
+        return chunks
+
+    def _batch_done(self, stage: int, batch: _Batch) -> None:
+        self._batches[stage] = None
+        self._wake_stages.add(stage)
+        for task in batch.tasks:
+            if self.scheduler.computed(stage, task.request_id, task.unit):
+                self._computed[task.request_id] += self._plans[task.request_id].unit_tokens(stage, task.unit)
+                self._check_restored(task.request_id)
+        for chunk in batch.prefills:
+            if stage + 1 < len(self.layers):
+                self._queue_prefill(stage + 1, chunk)
+            elif chunk.end == self.trace[chunk.request_id].input_length:
+                self._first_token_s[chunk.request_id] = self.now
+
+    # -- channels --------------------------------------------------------------------------------
+    def _start_load(self, channel: int) -> None:
+        task = self.scheduler.next_load(channel)
+        if task is None:
+            return
+        seconds = self._plans[task.request_id].stages[task.stage].load_s[task.unit]
+        self._loads[channel] = task
+        self._channel_busy[channel] += seconds
+        self._at(self.now + seconds, lambda: self._load_done(channel, task))
+
+    def _load_done(self, channel: int, task: LoadTask) -> None:
+        self._loads[channel] = None
+        self._wake_channels.add(channel)
+        self._wake_stages.add(task.stage)  # a landed unit may unblock that stage's compute pointer
+        if self.scheduler.loaded(task.stage, task.request_id, task.unit):
+            self._loaded[task.request_id] += self._plans[task.request_id].unit_tokens(task.stage, task.unit)
+            self._check_restored(task.request_id)
+
+    def _dispatch(self) -> None:
+        """Start every woken idle stage and channel on what the scheduler decides."""
+        for stage in sorted(self._wake_stages):
+            if self._batches[stage] is None:
+                self._start_batch(stage)
+        for channel in sorted(self._wake_channels):
+            if self._loads[channel] is None:
+                self._start_load(channel)
+        self._wake_stages.clear()
+        self._wake_channels.clear()
+
+    # -- the report ------------------------------------------------------------------------------
+    def _result(self) -> SimResult:
+        unfinished = sorted(set(self.trace) - set(self._first_token_s))
+        if unfinished:
+            raise SimulationStalledError(f"{len(unfinished)} requests never finished, e.g. {unfinished[:5]}")
+        t0 = min((r.arrival_s for r in self.trace.values()), default=0.0)
+        return SimResult(
+            policy=self.config.policy,
+            requests=tuple(self._request_result(rid) for rid in self.trace),
+            stage_busy_s=tuple(self._stage_busy),
+            channel_busy_s=tuple(self._channel_busy),
+            makespan_s=self.now - t0,
+        )
+
+    def _request_result(self, rid: str) -> RequestResult:
+        request = self.trace[rid]
+        admitted = self._admitted_s[rid]
+        return RequestResult(
+            request_id=rid,
+            mode=self._plans[rid].mode,
+            arrival_s=request.arrival_s,
+            queue_s=admitted - request.arrival_s,
+            restore_s=self._restored_s[rid] - admitted,
+            ttft_s=self._first_token_s[rid] - request.arrival_s,
+            cached_tokens=request.cached_tokens,
+            tokens_computed=self._computed[rid],
+            tokens_loaded=self._loaded[rid],
+        )
+
+
+def _stable_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
