@@ -31,7 +31,6 @@ from cacheflow_common.transport import wire
 from cacheflow_common.transport.shaping import TokenBucket
 from cacheflow_common.transport.wire import Op, Status, WireError
 
-NIXL_SLICE_BYTES = 1024 * 1024  # shaping slice for NIXL writes (a transfer's fixed cost is tens of microseconds)
 _POLL_S = 20e-6  # between completion checks of a transfer in flight
 
 
@@ -117,12 +116,11 @@ class NixlPodEndpoint:
             with self._lock:
                 self._free.append(slab)
 
-    def write_shaped(self, slab: RegisteredBuffer, nbytes: int, peer: str, address: int, shaper: TokenBucket) -> bool:
-        """WRITE the slab's first `nbytes` to `address` on `peer`, each slice once the link has room for it."""
-        step = nbytes if shaper.unlimited else NIXL_SLICE_BYTES
-        for start in range(0, nbytes, step):
-            n = min(step, nbytes - start)
-            shaper.wait(shaper.reserve(n))
+    def write_shaped(self, slab: RegisteredBuffer, peer: str, address: int, shaper: TokenBucket,
+                     slices: list[tuple[int, int, float]]) -> bool:
+        """WRITE the slab to `address` on `peer` slice by slice, each at its booked deadline."""
+        for start, n, deadline in slices:
+            shaper.wait(deadline)
             if not _run_transfer(self.agent, "WRITE", (slab.address + start, n), (address + start, n), peer):
                 return False
         return True

@@ -36,7 +36,7 @@ class TokenBucket:
         self.unlimited = self.rate <= 0 or math.isinf(self.rate)
         self.burst_s = 0.0 if self.unlimited else burst_bytes / self.rate
         self._busy_until = -math.inf  # when the link finishes what is booked so far (monotonic seconds)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # book_slices reserves under it
 
     def reserve(self, nbytes: int, now: float | None = None) -> float:
         """Book `nbytes` behind every earlier booking; returns the monotonic time when they have passed.
@@ -52,6 +52,19 @@ class TokenBucket:
             start = max(self._busy_until, now - self.burst_s)
             self._busy_until = start + nbytes / self.rate
             return self._busy_until
+
+    def book_slices(self, nbytes: int, slice_bytes: int) -> list[tuple[int, int, float]]:
+        """Book `nbytes` at once as consecutive slices: (offset, length, deadline) each.
+
+        A pod books a read before it fetches and checks the object, so that work overlaps the
+        object's time on the link, as a real server's storage read overlaps its network send.
+        """
+        if self.unlimited or nbytes <= 0:
+            return [(0, nbytes, time.monotonic())]
+        with self._lock:  # one booking: no other reader's slice lands between this object's slices
+            now = time.monotonic()
+            return [(start, n, self.reserve(n, now)) for start in range(0, nbytes, slice_bytes)
+                    for n in (min(slice_bytes, nbytes - start),)]
 
     def release(self, deadline: float, nbytes: int) -> bool:
         """Give back a reservation that will not be used (a miss), if nothing was booked after it."""

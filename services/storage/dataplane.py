@@ -26,18 +26,16 @@ from cacheflow_common.transport.wire import Op, Status, WireError
 
 log = logging.getLogger(__name__)
 SLICE_BYTES = 256 * 1024  # shaping granularity: 2 ms at 1 Gbit/s, fine enough for fair turns between readers
+NIXL_SLICE_BYTES = 1024 * 1024  # for NIXL writes (a transfer's fixed cost is tens of microseconds)
 MAX_NIXL_METADATA = 1 << 20  # bytes of a client agent's NIXL metadata
 
 
-def send_shaped(sock: socket.socket, data: memoryview, shaper: TokenBucket) -> None:
-    """Send `data`, each slice once the link has room for it (the real send overlaps the next booking)."""
-    if shaper.unlimited:
-        sock.sendall(data)
-        return
-    for start in range(0, len(data), SLICE_BYTES):
-        part = data[start : start + SLICE_BYTES]
-        shaper.wait(shaper.reserve(len(part)))
-        sock.sendall(part)
+def send_shaped(sock: socket.socket, data: memoryview, shaper: TokenBucket,
+                slices: list[tuple[int, int, float]]) -> None:
+    """Send `data` slice by slice, each at its booked deadline (`TokenBucket.book_slices`)."""
+    for start, n, deadline in slices:
+        shaper.wait(deadline)
+        sock.sendall(data[start : start + n])
 
 
 class _Connection(socketserver.BaseRequestHandler):
@@ -118,12 +116,14 @@ class _Connection(socketserver.BaseRequestHandler):
         if op is Op.GET:
             pod.check_length(length, "a read")
             out = self._buffer(length)
+            slices = self.server.shaper.book_slices(length, SLICE_BYTES)
             status, reason = pod.read(tenant, name, offset, out)
             if status is not Status.OK:
+                self.server.shaper.release(slices[-1][2], length)
                 wire.send_response(self.sock, status, reason)
                 return True
             wire.send_response(self.sock, Status.OK, "", length)
-            send_shaped(self.sock, out, self.server.shaper)
+            send_shaped(self.sock, out, self.server.shaper, slices)
         elif op is Op.PUT:
             pod.check_length(length, "an object")
             body = self._buffer(length)
@@ -162,9 +162,12 @@ class _Connection(socketserver.BaseRequestHandler):
             raise BadRequestError("NIXL_GET before NIXL_HELLO (or NIXL is off on this pod)")
         self.server.pod.check_length(length, "a read")
         with nixl.staging(length) as slab:
+            slices = self.server.shaper.book_slices(length, NIXL_SLICE_BYTES)
             status, reason = self.server.pod.read(tenant, name, offset, slab.view[:length])
-            if status is Status.OK:
-                ok = nixl.write_shaped(slab, length, self.nixl_peer, address, self.server.shaper)
+            if status is not Status.OK:
+                self.server.shaper.release(slices[-1][2], length)
+            else:
+                ok = nixl.write_shaped(slab, self.nixl_peer, address, self.server.shaper, slices)
                 status, reason = (Status.OK, "") if ok else (Status.UNAVAILABLE, "NIXL transfer failed")
         wire.send_response(self.sock, status, reason)
 
