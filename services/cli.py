@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from cacheflow_services import up
 
 from cacheflow_common.errors import CacheFlowError
 
@@ -146,6 +147,51 @@ def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
     wk.add_argument("--http-port", type=int, default=0, help="API port (0: any free one)")
 
 
+def _coordinator(args: argparse.Namespace) -> int:
+    from cacheflow_services.coordinator.config import CoordinatorConfig
+    from cacheflow_services.coordinator.main import serve
+    from cacheflow_services.coordinator.tokenizer import tokenizer_dir
+    from cacheflow_services.storage.config import read_token_file
+
+    from cacheflow_common.transport.pod_client import PodAddress
+
+    tokenizer = Path(args.tokenizer) if args.tokenizer not in ("", "auto", "none") else None
+    config = CoordinatorConfig(
+        stages=tuple(u for u in args.stages.split(",") if u),
+        pods=tuple(PodAddress.parse(p) for p in args.pods.split(",") if p),
+        pod_tokens={tenant: token for token, tenant in read_token_file(Path(args.pod_token_file)).items()},
+        api_tokens=read_token_file(Path(args.token_file)),
+        model_name=args.model,
+        tokenizer=tokenizer_dir(args.model) if args.tokenizer == "auto" else tokenizer,
+        profile=Path(args.profile) if args.profile else None,
+        replicas=args.replicas,
+        batch_window_s=args.batch_window_ms / 1e3,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        host=args.host,
+        http_port=args.http_port,
+    )
+    serve(config)
+    return 0
+
+
+def _add_coordinator_parser(sub: argparse._SubParsersAction) -> None:
+    co = sub.add_parser("coordinator", help="run the restore coordinator (OpenAI-compatible API, batching)")
+    co.add_argument("--stages", required=True, help="stage workers' URLs, in stage order, comma-separated")
+    co.add_argument("--pods", required=True, help="storage pods: [id=]host:port,... (as the workers have them)")
+    co.add_argument("--pod-token-file", required=True, help="'tenant token' lines for the storage pods")
+    co.add_argument("--token-file", required=True, help="'tenant token' lines: the clients' bearer tokens")
+    co.add_argument("--model", default="tiny", help="the model the workers serve (clients name it)")
+    co.add_argument("--tokenizer", default="auto", help="tokenizer directory; auto: the model's own; none")
+    co.add_argument("--profile", default="", help="profile from `cacheflow profile`: L_delta for the mode choice")
+    co.add_argument("--replicas", type=int, default=1, help="copies of each chunk (as the workers store them)")
+    co.add_argument("--batch-window-ms", type=float, default=20.0, help="a batch forms within this window ...")
+    co.add_argument("--max-batch", type=int, default=8, help="... or at this many requests (the most at once)")
+    co.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
+    co.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    co.add_argument("--http-port", type=int, default=0, help="API port (0: any free one)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cacheflow", description="CacheFlow KV-cache restoration")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -162,12 +208,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_storage_parser(sub)
     _add_worker_parser(sub)
+    _add_coordinator_parser(sub)
+    up.add_parser(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark")
     bench.add_argument("name", choices=["restore", "storage", "stages"],
                        help="restore: single-request restore vs the bound; storage: data-plane rates; "
                             "stages: parallel stages from boundary activations vs pipelined")
     return parser
+
+
+def _up(args: argparse.Namespace) -> int:
+    return up.run(args, default_cache_dir())
+
+
+SERVICES = {"storage": _storage, "worker": _worker, "coordinator": _coordinator, "up": _up}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,10 +234,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if rest:
                 build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
             return _profile(args)
-        if args.command in ("storage", "worker"):
+        if args.command in SERVICES:
             if rest:
                 build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
-            return _storage(args) if args.command == "storage" else _worker(args)
+            return SERVICES[args.command](args)
         return _bench(args, rest)
     except CacheFlowError as exc:
         print(f"cacheflow: error: {exc}", file=sys.stderr)

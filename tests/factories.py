@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from cacheflow_common.model.config import ModelConfig, MoeConfig, RopeConfig
-from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 
 # Rough costs for the tiny model: good enough to plan with; correctness never depends on them.
@@ -46,3 +46,14 @@ def tiny_config(family: str = "qwen3", **overrides: Any) -> ModelConfig:
 def tiny_model(family: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
                **overrides: Any) -> Transformer:
     return Transformer.random(tiny_config(family, **overrides), seed=seed, dtype=dtype, device=device)
+
+
+def greedy_reference(model: Transformer, ids: list[int], n_new: int) -> tuple[torch.Tensor, list[int]]:
+    """One-process greedy generation: the prompt's KV [L, 2, Hkv, P, D] and the `n_new` tokens generated."""
+    kv = model.new_kv(range(model.config.num_layers), len(ids) + n_new)
+    hidden = model.forward_layers(model.embed(torch.tensor(ids)), model.layers, [Span(kv, 0, len(ids))])
+    tokens = [int(model.logits(hidden[-1:]).argmax())]
+    for position in range(len(ids), len(ids) + n_new - 1):
+        hidden = model.forward_layers(model.embed(torch.tensor(tokens[-1:])), model.layers, [Span(kv, position, 1)])
+        tokens.append(int(model.logits(hidden).argmax()))
+    return kv.data[:, :, :, : len(ids)], tokens

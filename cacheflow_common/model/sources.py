@@ -84,8 +84,19 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.bfloat16, layers: range 
         from cacheflow_common.model.smollm2 import smollm2_dir
 
         return Transformer.from_dir(smollm2_dir(), dtype=dtype, layers=layers, device=device)
-    path = Path(spec)
-    if not (path / "config.json").is_file():
+    model_config(spec)  # a clear error for anything else
+    return Transformer.from_dir(Path(spec), dtype=dtype, layers=layers, device=device)
+
+
+def model_config(spec: str) -> ModelConfig:
+    """The shape of the model `spec` names (as `load_model` takes it), without loading its weights."""
+    if spec in RANDOM_SHAPES:
+        return ModelConfig.from_hf_dict(RANDOM_SHAPES[spec])
+    if spec == "smollm2":
+        from cacheflow_common.model.smollm2 import smollm2_dir
+
+        return ModelConfig.from_dir(smollm2_dir())
+    if not (Path(spec) / "config.json").is_file():
         raise ConfigError(f"model {spec!r} is neither {', '.join(map(repr, RANDOM_SHAPES))}, 'smollm2' "
                           "nor a directory with a config.json")
-    return Transformer.from_dir(path, dtype=dtype, layers=layers, device=device)
+    return ModelConfig.from_dir(spec)

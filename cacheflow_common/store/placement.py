@@ -16,6 +16,7 @@ from typing import Protocol
 
 from cacheflow_common.errors import ConfigError, StoreError
 from cacheflow_common.store.base import ChunkStore
+from cacheflow_common.transport.pod_client import PodAddress, PodClient
 
 
 class PodStore(ChunkStore, Protocol):
@@ -96,3 +97,10 @@ class ClusterStore:
 
     def close(self) -> None:
         self._readers.shutdown(wait=False)
+
+
+def tenant_stores(pods: Sequence[PodAddress], pod_tokens: dict[str, str], *,
+                  replicas: int = 1) -> dict[str, ClusterStore]:
+    """One placement over all `pods` per tenant, each authenticating with that tenant's token."""
+    return {tenant: ClusterStore({a.pod_id: PodClient(a, token) for a in pods}, replicas=replicas)
+            for tenant, token in pod_tokens.items()}

@@ -106,7 +106,9 @@ def create_app(engine: StageEngine, *, max_body_bytes: int) -> FastAPI:
         c = engine.config
         return {"stage": c.stage, "layers": [c.layers.start, c.layers.stop], "last_stage": c.last_stage,
                 "model": engine.model.fingerprint(), "chunk_size": c.chunk_size, "dtype": str(engine.model.dtype),
-                "pool_blocks": engine.pool.capacity_blocks, "block_tokens": c.block_tokens}
+                "pool_blocks": engine.pool.capacity_blocks, "block_tokens": c.block_tokens,
+                "vocab_size": engine.model.config.vocab_size,
+                "max_tokens": min(engine.model.config.max_position_embeddings, c.max_request_tokens)}
 
     @app.post("/v1/restore")
     def restore(body: RestoreBody) -> dict[str, Any]:

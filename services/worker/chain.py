@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,16 +83,29 @@ class StageChain:
                  max_new_tokens: int, temperature: float = 0.0, seed: int = 0, save: bool = True,
                  reserve_tokens: int = 0) -> Generation:
         """Prefill `new_token_ids` at position `start` (after a restored prefix, or 0), then decode."""
+        began = time.perf_counter()
+        tokens: list[int] = []
+        ttft = 0.0
+        for token in self.stream(request_id, new_token_ids, start=start, tenant=tenant, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, seed=seed, save=save, reserve_tokens=reserve_tokens):
+            tokens.append(token)
+            ttft = ttft or time.perf_counter() - began
+        return Generation(tokens=tokens, ttft_s=ttft, total_s=time.perf_counter() - began)
+
+    def stream(self, request_id: str, new_token_ids: Sequence[int], *, start: int, tenant: str,
+               max_new_tokens: int, temperature: float = 0.0, seed: int = 0, save: bool = True,
+               reserve_tokens: int = 0, stop_ids: frozenset[int] = frozenset()) -> Iterator[int]:
+        """`generate`, one token at a time as each comes back; ends early after a token in `stop_ids`."""
         meta = {"request_id": request_id, "tenant": tenant, "temperature": temperature, "seed": seed, "save": save,
                 "reserve_tokens": reserve_tokens or len(new_token_ids) + max_new_tokens}
-        began = time.perf_counter()
-        tokens = [self._forward(dict(meta, start=start, token_ids=list(new_token_ids)))]
-        ttft = time.perf_counter() - began
+        token = self._forward(dict(meta, start=start, token_ids=list(new_token_ids)))
         position = start + len(new_token_ids)
-        while len(tokens) < max_new_tokens:
-            tokens.append(self._forward(dict(meta, start=position, token_ids=[tokens[-1]])))
+        for produced in range(1, max_new_tokens + 1):
+            yield token
+            if produced == max_new_tokens or token in stop_ids:
+                return
+            token = self._forward(dict(meta, start=position, token_ids=[token]))
             position += 1
-        return Generation(tokens=tokens, ttft_s=ttft, total_s=time.perf_counter() - began)
 
     def _forward(self, meta: dict[str, Any]) -> int:
         result = self._call(0, "POST", "/v1/forward", content=frames.pack(meta),

@@ -16,26 +16,18 @@ from cacheflow_services.worker.next_stage import NextStage
 from cacheflow_common.model.sources import load_model, parse_dtype
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.store.base import ChunkStore
-from cacheflow_common.store.placement import ClusterStore
-from cacheflow_common.transport.pod_client import PodClient
+from cacheflow_common.store.placement import tenant_stores
 
 log = logging.getLogger(__name__)
 FRAME_SLACK_BYTES = 8 << 20  # metadata (token ids) beside the hidden states
-
-
-def tenant_stores(config: WorkerConfig) -> dict[str, ChunkStore]:
-    """One placement over all pods per tenant, each authenticating with that tenant's token."""
-    return {
-        tenant: ClusterStore({a.pod_id: PodClient(a, token) for a in config.pods}, replicas=config.replicas)
-        for tenant, token in config.pod_tokens.items()
-    }
 
 
 def serve(config: WorkerConfig) -> None:
     model = load_model(config.model, dtype=parse_dtype(config.dtype), layers=config.layers)
     profile = Profile.load(config.profile) if config.profile else None
     next_stage = NextStage(config.next_stage, timeout_s=config.next_stage_timeout_s) if config.next_stage else None
-    engine = StageEngine(config, model, tenant_stores(config), profile, next_stage)
+    stores: dict[str, ChunkStore] = dict(tenant_stores(config.pods, config.pod_tokens, replicas=config.replicas))
+    engine = StageEngine(config, model, stores, profile, next_stage)
     engine.metrics.pool_capacity_blocks.set(engine.pool.capacity_blocks)
     max_body = config.max_request_tokens * model.config.hidden_size * 4 + FRAME_SLACK_BYTES
     http = socket.create_server((config.host, config.http_port))

@@ -22,10 +22,11 @@ from cacheflow_services.worker.launch import LocalWorker, launch_stages
 
 from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import load_model
-from cacheflow_common.model.transformer import Span, Transformer
+from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.save import make_job
 from cacheflow_common.restore.stages import boundary_name
 from cacheflow_common.transport import frames
+from tests.factories import greedy_reference
 from tests.services.procs import Pod, start_pod
 
 CHUNK = 32
@@ -100,17 +101,6 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(4096) for _ in range(n)]
 
 
-def _reference_run(model: Transformer, ids: list[int], n_new: int) -> tuple[torch.Tensor, list[int]]:
-    """One-process greedy generation: the prompt's KV [L, 2, Hkv, P, D] and the tokens generated."""
-    kv = model.new_kv(range(model.config.num_layers), len(ids) + n_new)
-    hidden = model.forward_layers(model.embed(torch.tensor(ids)), model.layers, [Span(kv, 0, len(ids))])
-    tokens = [int(model.logits(hidden[-1:]).argmax())]
-    for position in range(len(ids), len(ids) + n_new - 1):
-        hidden = model.forward_layers(model.embed(torch.tensor(tokens[-1:])), model.layers, [Span(kv, position, 1)])
-        tokens.append(int(model.logits(hidden).argmax()))
-    return kv.data[:, :, :, : len(ids)], tokens
-
-
 def _stage_kv(url: str, request_id: str) -> torch.Tensor:
     _, kv = frames.unpack(httpx.get(f"{url}/v1/requests/{request_id}/kv", timeout=30).content)
     assert kv is not None
@@ -130,7 +120,7 @@ def test_restored_kv_and_generated_tokens_equal_a_single_process_run(staged, inp
     chain, reference = staged.chain, staged.reference
     ids = _prompt(PREFIX + SUFFIX, seed=len(chain.urls) * 10 + len(input_mode))
     _save_prompt(chain, ids[:PREFIX], f"save-{input_mode}")
-    want_kv, want_tokens = _reference_run(reference, ids, NEW)
+    want_kv, want_tokens = greedy_reference(reference, ids, NEW)
 
     request = f"restore-{input_mode}"
     summaries = chain.restore(request, ids[:PREFIX], tenant="alpha", input=input_mode, reserve_tokens=SUFFIX + NEW)
@@ -147,7 +137,7 @@ def test_restored_kv_and_generated_tokens_equal_a_single_process_run(staged, inp
 def test_fresh_prefill_generates_like_a_single_process_run(staged):
     chain, reference = staged.chain, staged.reference
     ids = _prompt(2 * CHUNK + 3, seed=7)
-    _, want_tokens = _reference_run(reference, ids, NEW)
+    _, want_tokens = greedy_reference(reference, ids, NEW)
     generation = chain.generate("fresh", ids, start=0, tenant="alpha", max_new_tokens=NEW)
     assert generation.tokens == want_tokens and generation.ttft_s > 0
     chain.release("fresh")
@@ -166,7 +156,7 @@ def test_missing_boundary_activations_fall_back_to_the_pipelined_restore(staged,
     pod.client().delete(boundary_name(job.keys[1], last_layers[0]))
     summaries = chain.restore("fallback", ids, tenant="alpha", input="auto")
     assert {s["input"] for s in summaries} == {"pipelined"}
-    want_kv, _ = _reference_run(reference, ids, 1)
+    want_kv, _ = greedy_reference(reference, ids, 1)
     a, b = last_layers
     torch.testing.assert_close(_stage_kv(chain.urls[-1], "fallback"), want_kv[a:b], atol=ATOL, rtol=0)
     chain.release("fallback")
@@ -213,7 +203,7 @@ def test_a_worker_killed_mid_restore_fails_that_request_and_later_ones_succeed(r
         assert isinstance(failure[0], ChainError) and failure[0].stage == 0 and failure[0].status == 0, failure
         assert time.monotonic() - killed < 15  # bounded: stage 1 gives up on its input after 5 s
         workers[0].start()  # back on the same port
-        _, want_tokens = _reference_run(reference, ids, 2)
+        _, want_tokens = greedy_reference(reference, ids, 2)
         chain.restore("after", ids, tenant="alpha", input="boundary", reserve_tokens=2)
         assert chain.generate("after", [want_tokens[0]], start=len(ids), tenant="alpha",
                               max_new_tokens=1).tokens == want_tokens[1:]

@@ -1,0 +1,42 @@
+"""The restore coordinator's configuration (frozen; from the command line or the cluster spec)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from cacheflow_common.errors import ConfigError
+from cacheflow_common.transport.pod_client import PodAddress
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    stages: tuple[str, ...]  # control URLs of the stage workers, in stage order
+    pods: tuple[PodAddress, ...]  # storage pods' data planes (the workers' placement, to look prefixes up)
+    pod_tokens: dict[str, str]  # tenant -> bearer token for the storage pods
+    api_tokens: dict[str, str]  # client bearer token -> tenant
+    model_name: str = "tiny"  # the name clients pass as "model"
+    tokenizer: Path | None = None  # a directory with tokenizer.json (and chat template); None: token ids only
+    profile: Path | None = None  # from `cacheflow profile`: L_delta for the mode choice
+    replicas: int = 1  # as the workers store chunks
+    batch_window_s: float = 0.02  # a batch forms within this window after its first request ...
+    max_batch: int = 8  # ... or once this many wait; also the most restoring at once
+    max_queue: int = 64  # requests waiting beyond the running batch; more are answered 429
+    max_new_tokens: int = 4096  # the largest max_tokens a request may ask for
+    stage_timeout_s: float = 300.0  # one call to a stage worker (a restore of a long prefix included)
+    health_interval_s: float = 2.0  # how often workers and pods are probed
+    held_restore_s: float = 60.0  # a restore's KV held on the workers for a later completion, then freed
+    host: str = "127.0.0.1"
+    http_port: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise ConfigError("the coordinator needs the stage workers' URLs (--stages)")
+        if not self.pods or not self.pod_tokens:
+            raise ConfigError("the coordinator needs the storage pods (--pods) and their tokens (--pod-token-file)")
+        if not self.api_tokens:
+            raise ConfigError("the coordinator needs client tokens (--token-file): it serves no request without one")
+        if min(self.max_batch, self.max_new_tokens) <= 0 or self.max_queue < 0 or self.batch_window_s < 0:
+            raise ConfigError("max batch and max new tokens must be positive, queue and window not negative")
+        if not 1 <= self.replicas <= len(self.pods):
+            raise ConfigError(f"{self.replicas} replicas over {len(self.pods)} storage pods")
