@@ -52,7 +52,7 @@ def _profile(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
     import importlib
 
-    module = {"restore": "restore_single", "storage": "storage", "stages": "stages"}[args.name]
+    module = {"restore": "restore_single", "storage": "storage", "stages": "stages", "batch": "batch"}[args.name]
     bench_main = importlib.import_module(f"cacheflow_bench.{module}").main
     return int(bench_main(list(rest)))
 
@@ -212,9 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_parser(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark")
-    bench.add_argument("name", choices=["restore", "storage", "stages"],
+    bench.add_argument("name", choices=["restore", "storage", "stages", "batch"],
                        help="restore: single-request restore vs the bound; storage: data-plane rates; "
-                            "stages: parallel stages from boundary activations vs pipelined")
+                            "stages: parallel stages from boundary activations vs pipelined; "
+                            "batch: trace replay per policy and batch size, and the simulator")
     return parser
 
 

@@ -133,7 +133,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
         stop_ids = frozenset(body.stop_token_ids) | (codec.eos_ids if codec and not body.ignore_eos else frozenset())
         request = coordinator.admit(prompt, who, prefix_limit=len(prompt) - 1, policy=body.policy, kind="cmpl")
         tokens = coordinator.complete(request, max_new_tokens=max_new, temperature=body.temperature,
-                                      seed=body.seed, stop_ids=stop_ids)
+                                      seed=body.seed, stop_ids=stop_ids, save=body.save)
         deltas = _decoded(tokens, codec, stops, stop_ids, request.arrived)
         created = now()
         endpoint = "chat" if kind == "chat" else "completions"

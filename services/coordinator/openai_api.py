@@ -1,7 +1,7 @@
 """The OpenAI-compatible request bodies and responses (completions and chat completions).
 
 CacheFlow extensions, all optional: `policy` (the restore policy: compute-only, load-only, cake,
-cacheflow, ...), `ignore_eos`, `stop_token_ids`; every response carries a `cacheflow` object with
+cacheflow, ...), `save`, `ignore_eos`, `stop_token_ids`; every response carries a `cacheflow` object with
 the request's TTFT, how many prompt tokens were restored from storage, its batch and per-stage restores.
 """
 
@@ -31,6 +31,7 @@ class SamplingBody(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     policy: str = ""
+    save: bool = True  # store the new chunks (off: leave storage as it is, e.g. to replay a trace per policy)
 
 
 class CompletionBody(SamplingBody):

@@ -163,7 +163,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------------ completions
     def complete(self, request: Request, *, max_new_tokens: int, temperature: float, seed: int,
-                 stop_ids: frozenset[int]) -> Iterator[int]:
+                 stop_ids: frozenset[int], save: bool = True) -> Iterator[int]:
         """The new tokens, the first once the prefix is restored and the prompt prefilled."""
         chain = self.cluster.chain
         prompt = request.token_ids
@@ -173,7 +173,8 @@ class Coordinator:
                 self._restore(request, reserve_tokens=len(prompt) - request.cached_tokens + max_new_tokens)
                 tokens = chain.stream(request.id, prompt[request.cached_tokens :], start=request.cached_tokens,
                                       tenant=request.tenant, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      seed=seed, reserve_tokens=len(prompt) + max_new_tokens, stop_ids=stop_ids)
+                                      seed=seed, reserve_tokens=len(prompt) + max_new_tokens, stop_ids=stop_ids,
+                                      save=save)
                 first = next(tokens)
             finally:
                 self.admission.done(request.ticket)

@@ -1,0 +1,260 @@
+"""Batch benchmark: a slice of the Mooncake conversation trace replayed on the local cluster, per policy
+and batch size, and the simulator's prediction of the same runs and of a cluster-scale deployment.
+
+Real part: `cacheflow` processes on loopback (tiny model, 2 stage workers with one torch thread each,
+2 filesystem storage pods shaped so that Tio/Tcomp = 1 for a stage, one coordinator per batch size).
+The cached prefixes are stored once (a warm-up); each run replays the same requests at their (scaled)
+arrival times with `save: false`, so every policy meets the same storage. Policies: compute-only,
+load-only, cake (per-request token-wise two pointers) and cacheflow (mode by L_delta). TTFT is the
+coordinator's (arrival to first token: queue + restore + suffix prefill).
+
+Simulator part: the same requests, batch sizes and link, with the costs `cacheflow profile` measured
+on this machine (restore times per request vs measured: `sim_max_rel_error`), then a cluster of 8
+stages and 8 storage channels with batches up to 64 at Tio/Tcomp of 2, 1 and 0.5.
+
+Writes bench/results/batch.{json,md,png}; the JSON's `summary` holds p99_ratio_vs_cake_b8,
+mean_speedup_vs_compute_only_b8 (both measured on the local cluster) and sim_max_rel_error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+from cacheflow_bench.batch_trace import TRACE, ReplayRequest, select_requests
+from cacheflow_bench.common import RESULTS_DIR, command_line, machine_facts, markdown_table, write_json
+from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
+from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
+
+from cacheflow_common.restore.profile import Profile
+from cacheflow_common.sim import ModelShape, SimConfig, percentile, simulate
+
+POLICIES = ("compute-only", "load-only", "cake", "cacheflow")
+MODEL, DTYPE_BYTES, N_STAGES, N_PODS = "tiny", 4, 2, 2
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cacheflow bench batch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", default=str(TRACE))
+    p.add_argument("--start", type=int, default=3000, help="first trace line considered")
+    p.add_argument("--requests", type=int, default=24, help="requests replayed per run")
+    p.add_argument("--token-scale", type=int, default=8, help="trace lengths are divided by this")
+    p.add_argument("--max-tokens", type=int, default=2048, help="longer (scaled) requests are skipped")
+    p.add_argument("--time-scale", type=float, default=0.05, help="trace arrival times are multiplied by this")
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--batches", default="2,4,8")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--out", default=str(RESULTS_DIR))
+    p.add_argument("--quick", action="store_true", help="smoke run: few short requests, batch 2 and 8")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests, args.max_tokens, args.batches = 4, 512, "2,8"
+    args.batch_sizes = [int(b) for b in args.batches.split(",")]
+    args.policy_names = args.policies.split(",")
+    return args
+
+
+# -- calibration ------------------------------------------------------------------------------------
+def profile_machine(workdir: Path, chunk_size: int, max_tokens: int) -> Profile:
+    """`cacheflow profile` with one torch thread, as each worker runs."""
+    out = workdir / "profile.json"
+    subprocess.run([sys.executable, "-m", "cacheflow_services.cli", "profile", "--model", MODEL, "--dtype", "float32",
+                    "--threads", "1", "--chunk-size", str(chunk_size), "--max-tokens", str(max_tokens),
+                    "--out", str(out)], check=True, capture_output=True)
+    return Profile.load(out)
+
+
+def model_shape() -> ModelShape:
+    from cacheflow_common.model.sources import model_config
+
+    config = model_config(MODEL)
+    return ModelShape(num_layers=config.num_layers,
+                      kv_bytes_per_token_layer=2 * config.num_kv_heads * config.head_dim * DTYPE_BYTES)
+
+
+def balanced_link_gbps(profile: Profile, shape: ModelShape, *, n_stages: int, n_channels: int, tokens: int,
+                       ratio: float = 1.0) -> float:
+    """Per-channel rate at which a stage's loads take `ratio` times its compute (all stages loading at once)."""
+    layers = shape.num_layers // n_stages
+    compute_s = profile.costs.chunk_compute_s(0, tokens, layers)
+    stage_bytes = tokens * layers * shape.kv_bytes_per_token_layer
+    return stage_bytes * n_stages / n_channels / (compute_s * ratio) * 8 / 1e9
+
+
+# -- the real cluster ---------------------------------------------------------------------------------
+def start(workdir: Path, args: argparse.Namespace, profile_path: Path, rate_gbps: float) -> LocalCluster:
+    spec = ClusterSpec(model=MODEL, stages=N_STAGES, pods=N_PODS, chunk_size=args.chunk_size, dtype="float32",
+                       policy="cake", profile=str(profile_path), rate_gbps=rate_gbps, transport="tcp", port=0,
+                       threads_per_stage=1, max_batch=max(args.batch_sizes), directory=str(workdir))
+    return start_cluster(spec, workdir)
+
+
+def coordinator_for(cluster: LocalCluster, workdir: Path, batch: int, profile_path: Path) -> LocalCoordinator:
+    pods = [f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(cluster.pods)]
+    return launch_coordinator(workdir / f"coordinator-b{batch}", stages=[w.url for w in cluster.workers], pods=pods,
+                              pod_token_file=workdir / "pod-tokens", token_file=workdir / "api-tokens", model=MODEL,
+                              extra=["--max-batch", str(batch), "--max-queue", "1000", "--profile", str(profile_path)])
+
+
+def warm_up(url: str, token: str, requests: list[ReplayRequest], workers: list[str]) -> None:
+    """Store every request's cached prefix (prefill it once), then wait until the workers stored it all."""
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=600) as client:
+        for r in requests:
+            prefix = r.token_ids[: r.trace.cached_tokens + 1]
+            client.post("/v1/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1}).raise_for_status()
+    for worker in workers:
+        httpx.post(f"{worker}/v1/flush", timeout=600).raise_for_status()
+
+
+def replay(url: str, token: str, requests: list[ReplayRequest], policy: str) -> list[dict[str, Any]]:
+    """Send each request at its arrival time (one thread each); the coordinator's timings per request."""
+    results: list[dict[str, Any]] = [{} for _ in requests]
+    began = time.monotonic()
+
+    def send(i: int, r: ReplayRequest) -> None:
+        time.sleep(max(0.0, began + r.trace.arrival_s - time.monotonic()))
+        body = {"model": MODEL, "prompt": r.token_ids, "max_tokens": 1, "policy": policy, "save": False}
+        resp = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {token}"},
+                          timeout=600)
+        resp.raise_for_status()
+        extra = resp.json()["cacheflow"]
+        results[i] = {"request": r.trace.request_id, "arrival_s": r.trace.arrival_s, "tokens": r.trace.input_length,
+                      "restored": extra["prompt_tokens_restored"], "ttft_s": extra["ttft_s"],
+                      "restore_s": extra["restore_s"], "queue_s": extra["queue_s"], "batch": extra["batch"]}
+
+    threads = [threading.Thread(target=send, args=(i, r)) for i, r in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def ttft_stats(ttfts: Sequence[float]) -> dict[str, float]:
+    xs = sorted(ttfts)
+    return {"mean_s": sum(xs) / len(xs), "p50_s": percentile(xs, 50), "p90_s": percentile(xs, 90),
+            "p99_s": percentile(xs, 99)}
+
+
+# -- the simulator ------------------------------------------------------------------------------------
+def sim_config(profile: Profile, shape: ModelShape, *, policy: str, batch: int, n_stages: int, n_channels: int,
+               link_gbps: float, chunk_size: int) -> SimConfig:
+    return SimConfig.from_profile(profile, model=shape, link_gbps=link_gbps, policy=policy, n_stages=n_stages,
+                                  n_channels=n_channels, max_batch=batch, chunk_size=chunk_size)
+
+
+def predicted_restore(config: SimConfig, requests: list[ReplayRequest], measured: list[dict[str, Any]]
+                      ) -> dict[str, float]:
+    """Per request id: the simulated restore time, with the prefix the real run found in storage."""
+    trace = [replace(r.trace, cached_tokens=m["restored"]) for r, m in zip(requests, measured, strict=True)]
+    return {res.request_id: res.restore_s for res in simulate(trace, config).requests}
+
+
+def cluster_scale(profile: Profile, shape: ModelShape, requests: list[ReplayRequest], policies: list[str],
+                  chunk_size: int) -> list[dict[str, Any]]:
+    """8 stages (one layer each: the tiny model has 8), 8 channels, batches 8-64, Tio/Tcomp 2, 1, 0.5."""
+    rows = []
+    trace = [r.trace for r in requests]
+    for ratio in (2.0, 1.0, 0.5):
+        link = balanced_link_gbps(profile, shape, n_stages=8, n_channels=8, tokens=1024, ratio=ratio)
+        for batch in (8, 16, 32, 64):
+            for policy in policies:
+                config = sim_config(profile, shape, policy=policy, batch=batch, n_stages=8, n_channels=8,
+                                    link_gbps=link, chunk_size=chunk_size)
+                summary = simulate(trace, config).summary()
+                rows.append({"tio_over_tcomp": ratio, "link_gbps": link, "batch": batch, "policy": policy,
+                             **{k: summary[f"ttft_{k}"] for k in ("mean_s", "p50_s", "p90_s", "p99_s")}})
+    return rows
+
+
+# -- main ---------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    requests = select_requests(Path(args.trace), start=args.start, count=args.requests, token_scale=args.token_scale,
+                               max_tokens=args.max_tokens, time_scale=args.time_scale)
+    shape = model_shape()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        print(f"{len(requests)} requests, {sum(r.trace.input_length for r in requests)} tokens; profiling ...",
+              flush=True)
+        profile = profile_machine(work, args.chunk_size, args.max_tokens)
+        link = balanced_link_gbps(profile, shape, n_stages=N_STAGES, n_channels=N_PODS, tokens=1024)
+        print(f"link {link:.4f} Gbit/s per pod (Tio/Tcomp = 1); starting the cluster ...", flush=True)
+        runs = real_runs(work, args, requests, link)
+    errors = sim_errors(profile, shape, requests, runs, link, args.chunk_size)
+    scale = cluster_scale(profile, shape, requests, args.policy_names, args.chunk_size)
+    report(args, requests, link, runs, errors, scale)
+    return 0
+
+
+def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest],
+              link: float) -> list[dict[str, Any]]:
+    cluster = start(work, args, work / "profile.json", link)
+    runs = []
+    try:
+        coordinators = {b: coordinator_for(cluster, work, b, work / "profile.json") for b in args.batch_sizes}
+        try:
+            first = coordinators[args.batch_sizes[0]]
+            print("warm-up: storing the cached prefixes ...", flush=True)
+            warm_up(first.url, cluster.token, requests, [w.url for w in cluster.workers])
+            for batch, coordinator in coordinators.items():
+                for policy in args.policy_names:
+                    per_request = replay(coordinator.url, cluster.token, requests, policy)
+                    stats = ttft_stats([r["ttft_s"] for r in per_request])
+                    runs.append({"batch": batch, "policy": policy, **stats, "requests": per_request})
+                    print(f"  batch {batch} {policy:>12}: TTFT mean {stats['mean_s']:.3f} s, "
+                          f"p99 {stats['p99_s']:.3f} s", flush=True)
+        finally:
+            for c in coordinators.values():
+                c.stop()
+    finally:
+        cluster.stop()
+    return runs
+
+
+def sim_errors(profile: Profile, shape: ModelShape, requests: list[ReplayRequest], runs: list[dict[str, Any]],
+               link: float, chunk_size: int) -> list[dict[str, Any]]:
+    """Per run: the simulator's restore time per request against the measured one."""
+    out = []
+    for run in runs:
+        config = sim_config(profile, shape, policy=run["policy"], batch=run["batch"], n_stages=N_STAGES,
+                            n_channels=N_PODS, link_gbps=link, chunk_size=chunk_size)
+        predicted = predicted_restore(config, requests, run["requests"])
+        errors = [abs(predicted[m["request"]] - m["restore_s"]) / m["restore_s"]
+                  for m in run["requests"] if m["restored"] and m["restore_s"] > 0]
+        sim_mean = sum(predicted.values()) / len(predicted)
+        real_mean = sum(m["restore_s"] for m in run["requests"]) / len(run["requests"])
+        out.append({"batch": run["batch"], "policy": run["policy"], "max_rel_error": max(errors, default=0.0),
+                    "median_rel_error": sorted(errors)[len(errors) // 2] if errors else 0.0,
+                    "mean_restore_real_s": real_mean, "mean_restore_sim_s": sim_mean})
+    return out
+
+
+def report(args: argparse.Namespace, requests: list[ReplayRequest], link: float, runs: list[dict[str, Any]],
+           errors: list[dict[str, Any]], scale: list[dict[str, Any]]) -> None:
+    from cacheflow_bench.batch_report import summary_of, write_markdown, write_plot
+
+    summary = summary_of(runs, errors)
+    out = Path(args.out)
+    body = {"summary": summary, "machine": machine_facts(), "command": command_line(), "link_gbps_per_pod": link,
+            "requests": [{"id": r.trace.request_id, "arrival_s": r.trace.arrival_s, "tokens": r.trace.input_length,
+                          "cached": r.trace.cached_tokens} for r in requests],
+            "runs": runs, "sim_validation": errors, "cluster_scale": scale}
+    write_json(out / "batch.json", body)
+    write_markdown(out / "batch.md", body, markdown_table)
+    write_plot(out / "batch.png", runs, scale)
+    print(f"summary: {summary}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
