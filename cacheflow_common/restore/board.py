@@ -25,13 +25,14 @@ from typing import Protocol
 
 from cacheflow_common.restore.pointers import WAIT, TwoPointers, Unit
 
-__all__ = ["BoardView", "Planner", "TwoPointerBoard", "Unit", "UnitRecord"]
+__all__ = ["LOAD_DECLINED", "BoardView", "Planner", "TwoPointerBoard", "Unit", "UnitRecord"]
 
 # Every state change notifies the board's condition, so waits for events need no timeout; this is
 # only a safety net. Re-planning waits never sleep less than _MIN_REPLAN_S: a tighter loop would take
 # the GIL from the compute thread often enough to slow the forward pass.
 _EVENT_WAIT_S = 1.0
 _MIN_REPLAN_S = 0.005
+LOAD_DECLINED = -1  # claim_load(wait=False): the planner wants compute to take the pending units for now
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,12 @@ class TwoPointerBoard:
             self._cond.notify_all()
 
     # -- the I/O side --------------------------------------------------------------------------
-    def claim_load(self) -> int | None:
+    def claim_load(self, *, wait: bool = True) -> int | None:
         """The next unit to load (highest pending), or None once nothing is left for the loader.
 
         When the planner says compute should take the rest, the loader waits and re-plans at the next
-        event (its predictions improve as units finish) instead of giving up for good.
+        event (its predictions improve as units finish) instead of giving up for good; with `wait`
+        False it gets LOAD_DECLINED at once instead (to give back a shared link slot meanwhile).
         """
         with self._cond:
             while self._load_active:
@@ -137,6 +139,8 @@ class TwoPointerBoard:
                     self._started(unit)
                     self._load_free_at = time.perf_counter() + self.planner.predicted_s(unit, "load")
                     return unit
+                if not wait:
+                    return LOAD_DECLINED
                 self._cond.wait(timeout=self._replan_wait_s(self._compute_free_at))
             return None
 
@@ -200,3 +204,8 @@ class TwoPointerBoard:
     def complete(self) -> bool:
         with self._cond:
             return self.pointers.complete()
+
+    def loadable_units(self) -> int:
+        """Units neither side has claimed while the loader is active: what a load could still save."""
+        with self._cond:
+            return self.pointers.count(Unit.PENDING) if self._load_active else 0

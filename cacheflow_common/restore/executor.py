@@ -31,7 +31,8 @@ from cacheflow_common.errors import BadRequestError, ConfigError
 from cacheflow_common.kv.keys import ChunkKey
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span, Transformer
-from cacheflow_common.restore.board import Planner, TwoPointerBoard, UnitRecord
+from cacheflow_common.restore.arbiter import Lane, LoadArbiter
+from cacheflow_common.restore.board import LOAD_DECLINED, Planner, TwoPointerBoard, UnitRecord
 from cacheflow_common.restore.costs import CostModel
 from cacheflow_common.restore.loader import KVLoader
 from cacheflow_common.restore.planner import FixedSplitPlanner, GreedyPlanner, PredictivePlanner
@@ -40,6 +41,7 @@ from cacheflow_common.store.base import ChunkStore
 
 log = logging.getLogger(__name__)
 
+LINK_REPLAN_S = 0.005  # a loader declined by its planner asks again for a link slot after this
 POLICIES = ("compute-only", "load-only", "cake", "cacheflow-token", "cacheflow-layer", "cacheflow")
 
 # The hidden states entering the stage's first layer for prefix tokens [start, end): [T, hidden].
@@ -102,18 +104,21 @@ def restore(
     kv: KVBuffer | None = None,
     stage_input: StageInput | None = None,
     on_computed: ChunkComputed | None = None,
+    links: LoadArbiter | None = None,
 ) -> RestoreResult:
     """Restore `job` into `kv` (allocated if None) with `policy`; returns what was done.
 
     `costs` (the profile's cost model behind the link in use) is required by the CacheFlow
-    policies; `stage_input` defaults to the token embeddings (stage 0); `on_computed` as in `run_restore`.
+    policies; `stage_input` defaults to the token embeddings (stage 0); `on_computed` and `links` as
+    in `run_restore` (the CacheFlow policies rank by remaining recomputation cost, the others by arrival).
     """
     mode = choose_mode(policy, len(job.token_ids), l_delta)
     kv = kv if kv is not None else _kv_for(model, job)
     loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
     planner = _planner(policy, mode, job, loader, costs)
     return run_restore(job, model=model, loader=loader, mode=mode, planner=planner, policy=policy,
-                       stage_input=stage_input, on_computed=on_computed)
+                       stage_input=stage_input, on_computed=on_computed, links=links,
+                       links_by_cost=policy.startswith("cacheflow"))
 
 
 def run_restore(
@@ -127,11 +132,15 @@ def run_restore(
     stage_input: StageInput | None = None,
     on_computed: ChunkComputed | None = None,
     on_board: Callable[[TwoPointerBoard], None] | None = None,
+    links: LoadArbiter | None = None,
+    links_by_cost: bool = False,
 ) -> RestoreResult:
     """The restore loop: this thread is the compute pointer, a loader thread the I/O pointer.
 
     `on_computed` (token mode only) hears of every computed chunk; `on_board` gets the board before
-    the pointers start (to wake it when an outside input a planner waits for arrives).
+    the pointers start (to wake it when an outside input a planner waits for arrives). With `links`
+    (the stage's storage links, shared with the other requests restoring on it), every load first
+    waits for a slot there, ranked by this restore's remaining recomputation cost if `links_by_cost`.
     """
     kv = loader.kv
     if on_computed is not None and mode != "token":
@@ -145,7 +154,10 @@ def run_restore(
         on_board(board)
     load_unit = loader.load_chunk if mode == "token" else (lambda u: loader.load_layer(job.layers.start + u))
     loader_error: list[str] = []
-    thread = threading.Thread(target=_run_loader, args=(board, load_unit, loader_error), daemon=True)
+    unit_cost = len(job.token_ids) * len(job.layers) / n_units  # token-layers one unit restores
+    lane = None if links is None else links.lane(by_cost=links_by_cost,
+                                                 remaining_cost=lambda: board.loadable_units() * unit_cost)
+    thread = threading.Thread(target=_run_loader, args=(board, load_unit, loader_error, lane), daemon=True)
 
     start = time.perf_counter()
     thread.start()
@@ -199,11 +211,22 @@ def _compute_layers(board: TwoPointerBoard, model: Transformer, job: RestoreJob,
         board.compute_done(unit)
 
 
-def _run_loader(board: TwoPointerBoard, load_unit: Callable[[int], str], error: list[str]) -> None:
+def _run_loader(board: TwoPointerBoard, load_unit: Callable[[int], str], error: list[str],
+                lane: Lane | None) -> None:
     """The I/O pointer: load units from the back until the planner stops it or the pointers meet."""
     try:
-        while (unit := board.claim_load()) is not None:
-            reason = load_unit(unit)
+        while lane is None or lane.acquire(lambda: board.loadable_units() > 0):
+            try:
+                unit = board.claim_load(wait=lane is None)
+                if unit is None:
+                    break
+                reason = load_unit(unit) if unit != LOAD_DECLINED else ""
+            finally:
+                if lane is not None:
+                    lane.release()
+            if unit == LOAD_DECLINED:  # the planner re-plans later: the slot serves others meanwhile
+                time.sleep(LINK_REPLAN_S)
+                continue
             if reason:
                 board.load_missed(unit, reason)
             else:

@@ -34,6 +34,7 @@ from cacheflow_services.worker.pool import KVPool
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span, Transformer
+from cacheflow_common.restore.arbiter import LoadArbiter
 from cacheflow_common.restore.executor import POLICIES, RestoreJob, RestoreResult, restore
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.save import make_job, save_chunks
@@ -74,6 +75,7 @@ class StageEngine:
         self.profile = profile
         self.next_stage = next_stage
         self.metrics = WorkerMetrics()
+        self.links = LoadArbiter(len(config.pods))  # the storage links, shared by the requests restoring here
         self.pool = KVPool(model, config.layers, capacity_tokens=config.pool_tokens, block_tokens=config.block_tokens)
         self._sessions: dict[str, Session] = {}
         self._upstreams: dict[str, UpstreamInput] = {}
@@ -130,13 +132,13 @@ class StageEngine:
         policy, costs, l_delta = self._policy(policy, token_wise=deliver is not None)
         if self.config.stage == 0:
             return restore(job, model=self.model, store=store, policy=policy, costs=costs, l_delta=l_delta, kv=kv,
-                           on_computed=deliver)
+                           on_computed=deliver, links=self.links)
         with BoundaryInput(job, store, device=self.model.device) as inputs:
             if missing := inputs.missing():
                 raise BoundaryMissingError(f"boundary activations missing for chunks "
                                            f"{missing[:8]}{'...' if len(missing) > 8 else ''}; restore pipelined")
             result = restore(job, model=self.model, store=store, policy=policy, costs=costs, l_delta=l_delta,
-                             kv=kv, stage_input=inputs, on_computed=deliver)
+                             kv=kv, stage_input=inputs, on_computed=deliver, links=self.links)
         self._boundary_bytes[request_id] = inputs.bytes_read
         return result
 
