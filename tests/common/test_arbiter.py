@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from cacheflow_common.errors import ConfigError
-from cacheflow_common.restore.arbiter import LoadArbiter
-from cacheflow_common.restore.executor import restore
+from cacheflow_common.restore.arbiter import Lane, LoadArbiter
+from cacheflow_common.restore.executor import RestoreResult, restore
 from cacheflow_common.restore.save import compute_prefix_kv, make_job, save_prefix
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_common.store.shaped import ShapedStore
@@ -18,14 +19,14 @@ from cacheflow_common.transport.shaping import TokenBucket
 from tests.factories import TINY_COSTS, tiny_model
 
 
-def _grant_order(arbiter: LoadArbiter, lanes: dict[str, object]) -> list[str]:
+def _grant_order(arbiter: LoadArbiter, lanes: dict[str, Lane]) -> list[str]:
     """Hold the only slot, let every lane queue, then release it: the order the lanes get it in."""
     holder = arbiter.lane(by_cost=False, remaining_cost=lambda: 0.0)
     assert holder.acquire(lambda: True)
     order: list[str] = []
     lock = threading.Lock()
 
-    def wait_turn(name: str, lane) -> None:
+    def wait_turn(name: str, lane: Lane) -> None:
         assert lane.acquire(lambda: True)
         with lock:
             order.append(name)
@@ -46,7 +47,7 @@ def _grant_order(arbiter: LoadArbiter, lanes: dict[str, object]) -> list[str]:
 def test_cacheflow_lanes_go_by_largest_remaining_recompute_cost():
     arbiter = LoadArbiter(1)
     costs = {"small": 10.0, "large": 1000.0, "medium": 100.0}
-    lanes = {name: arbiter.lane(by_cost=True, remaining_cost=lambda c=c: c) for name, c in costs.items()}
+    lanes = {name: arbiter.lane(by_cost=True, remaining_cost=functools.partial(float, c)) for name, c in costs.items()}
     assert _grant_order(arbiter, lanes) == ["large", "medium", "small"]
 
 
@@ -87,7 +88,7 @@ def test_concurrent_restores_sharing_one_link_restore_exactly(policy):
     saved = [save_prefix(model, job, store) for job in jobs]
     slow = ShapedStore(store, TokenBucket(4e6))  # loads as slow as compute: both pointers move
     arbiter = LoadArbiter(1)
-    results = [None] * len(jobs)
+    results: list[RestoreResult | None] = [None] * len(jobs)
 
     def run(i: int) -> None:
         results[i] = restore(jobs[i], model=model, store=slow, policy=policy, costs=TINY_COSTS, links=arbiter)
