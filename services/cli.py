@@ -163,7 +163,6 @@ def _coordinator(args: argparse.Namespace) -> int:
         api_tokens=read_token_file(Path(args.token_file)),
         model_name=args.model,
         tokenizer=tokenizer_dir(args.model) if args.tokenizer == "auto" else tokenizer,
-        profile=Path(args.profile) if args.profile else None,
         replicas=args.replicas,
         batch_window_s=args.batch_window_ms / 1e3,
         max_batch=args.max_batch,
@@ -183,7 +182,6 @@ def _add_coordinator_parser(sub: argparse._SubParsersAction) -> None:
     co.add_argument("--token-file", required=True, help="'tenant token' lines: the clients' bearer tokens")
     co.add_argument("--model", default="tiny", help="the model the workers serve (clients name it)")
     co.add_argument("--tokenizer", default="auto", help="tokenizer directory; auto: the model's own; none")
-    co.add_argument("--profile", default="", help="profile from `cacheflow profile`: L_delta for the mode choice")
     co.add_argument("--replicas", type=int, default=1, help="copies of each chunk (as the workers store them)")
     co.add_argument("--batch-window-ms", type=float, default=20.0, help="a batch forms within this window ...")
     co.add_argument("--max-batch", type=int, default=8, help="... or at this many requests (the most at once)")

@@ -121,7 +121,7 @@ def start_cluster(spec: ClusterSpec, workdir: Path) -> LocalCluster:
                                 chunk_size=spec.chunk_size, dtype=spec.dtype, policy=spec.policy, profile=spec.profile,
                                 threads=threads, extra=spec.worker_args)
         extra = ["--max-batch", str(spec.max_batch), "--max-queue", str(spec.max_queue),
-                 "--batch-window-ms", str(spec.batch_window_ms)] + (["--profile", spec.profile] if spec.profile else [])
+                 "--batch-window-ms", str(spec.batch_window_ms)]
         coordinator = launch_coordinator(workdir, stages=[w.url for w in workers], pods=addresses,
                                          pod_token_file=pod_token_file, token_file=api_token_file, model=spec.model,
                                          extra=extra, http_port=spec.port)

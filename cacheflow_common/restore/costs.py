@@ -60,6 +60,14 @@ class CostModel:
             load=LoadCost(bytes_per_s=rate, latency_s=self.load.latency_s),
         )
 
+    def scaled(self, *, compute: float = 1.0, load: float = 1.0) -> CostModel:
+        """Every compute cost times `compute`, every load time times `load` (a calibration against runs)."""
+        return CostModel(
+            chunk_compute=_times(self.chunk_compute, compute),
+            layer_compute=_times(self.layer_compute, compute),
+            load=LoadCost(bytes_per_s=self.load.bytes_per_s / load, latency_s=self.load.latency_s * load),
+        )
+
     def chunk_compute_s(self, start: int, end: int, n_layers: int) -> float:
         n = end - start
         return n_layers * self.chunk_compute.of(n, start + n / 2)
@@ -72,6 +80,11 @@ class CostModel:
 
     def layer_load_s(self, n_bytes: int, n_chunks: int) -> float:
         return self.load.of(n_bytes, n_reads=n_chunks)
+
+
+def _times(cost: LinearCost, factor: float) -> LinearCost:
+    return LinearCost(fixed_s=cost.fixed_s * factor, per_token_s=cost.per_token_s * factor,
+                      per_token_ctx_s=cost.per_token_ctx_s * factor)
 
 
 def best_split(compute_s: Sequence[float], load_s: Sequence[float]) -> tuple[int, float]:

@@ -17,7 +17,6 @@ class CoordinatorConfig:
     api_tokens: dict[str, str]  # client bearer token -> tenant
     model_name: str = "tiny"  # the name clients pass as "model"
     tokenizer: Path | None = None  # a directory with tokenizer.json (and chat template); None: token ids only
-    profile: Path | None = None  # from `cacheflow profile`: L_delta for the mode choice
     replicas: int = 1  # as the workers store chunks
     batch_window_s: float = 0.02  # a batch forms within this window after its first request ...
     max_batch: int = 8  # ... or once this many wait; also the most restoring at once

@@ -1,4 +1,4 @@
-"""Run the coordinator: connect to the stage workers, load the tokenizer and profile, serve the API."""
+"""Run the coordinator: connect to the stage workers, load the tokenizer, serve the API."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from cacheflow_services.coordinator.config import CoordinatorConfig
 from cacheflow_services.coordinator.service import Coordinator
 from cacheflow_services.coordinator.tokenizer import TextCodec
 
-from cacheflow_common.restore.profile import Profile
-
 log = logging.getLogger(__name__)
 SPARE_THREADS = 32  # beyond the queue and the running batch: health, metrics, status calls
 
@@ -22,9 +20,8 @@ SPARE_THREADS = 32  # beyond the queue and the running batch: health, metrics, s
 def serve(config: CoordinatorConfig, *, connect_wait_s: float = 180.0) -> None:
     cluster = Cluster(config)
     model = cluster.connect(wait_s=connect_wait_s)
-    profile = Profile.load(config.profile) if config.profile else None
     codec = TextCodec(config.tokenizer) if config.tokenizer else None
-    coordinator = Coordinator(config, cluster, model, profile)
+    coordinator = Coordinator(config, cluster, model)
     # every waiting request holds a worker thread: make room for a full queue and the running batch
     app = create_app(coordinator, codec, threads=config.max_queue + config.max_batch + SPARE_THREADS)
 

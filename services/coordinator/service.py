@@ -1,7 +1,7 @@
 """What the coordinator does for a request, whatever the API in front of it.
 
 A completion: check the prompt, look up how much of its prefix the pods hold, wait for a batch
-slot, restore that prefix on every stage at once (mode by L_delta), prefill the rest of the prompt
+slot, restore that prefix on every stage at once (each stage's mode by its L_delta), prefill the rest of the prompt
 through the stages (first token: TTFT), free the slot, decode the remaining tokens, free the KV.
 The workers store every new whole chunk as it fills, so the next request sharing the prefix restores it.
 
@@ -28,8 +28,6 @@ from cacheflow_services.worker.chain import ChainError
 
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.restore.executor import POLICIES
-from cacheflow_common.restore.profile import Profile
-from cacheflow_common.sched.plan import choose_mode
 
 log = logging.getLogger(__name__)
 ADMISSION_TIMEOUT_S = 600.0
@@ -73,11 +71,10 @@ class RestoreRecord:
 
 class Coordinator:
     def __init__(self, config: CoordinatorConfig, cluster: Cluster, model: ModelInfo,
-                 profile: Profile | None = None, metrics: CoordinatorMetrics | None = None) -> None:
+                 metrics: CoordinatorMetrics | None = None) -> None:
         self.config = config
         self.cluster = cluster
         self.model = model
-        self.profile = profile
         self.metrics = metrics or CoordinatorMetrics()
         self.admission = Admission(max_batch=config.max_batch, window_s=config.batch_window_s,
                                    max_queue=config.max_queue, on_batch=self.metrics.batch_size.observe)
@@ -109,13 +106,13 @@ class Coordinator:
             raise BadRequestError(f"prompt of {len(token_ids)} tokens + {max_new_tokens} new exceeds the model's "
                                   f"context of {self.model.max_tokens} tokens")
 
-    def policy_for(self, n_tokens: int, requested: str) -> str:
-        """The workers' policy: as asked, or CacheFlow's mode chosen here by L_delta when a profile is loaded."""
+    @staticmethod
+    def check_policy(requested: str) -> str:
+        """The restore policy for the workers ("": theirs). Adaptive `cacheflow` picks its mode on each
+        stage, by that worker's profiled L_delta (token-wise on stages restoring from boundary activations)."""
         if requested and requested not in POLICIES:
             raise BadRequestError(f"unknown policy {requested!r}; choose one of {', '.join(POLICIES)}")
-        if requested not in ("", "cacheflow") or self.profile is None:
-            return requested
-        return f"cacheflow-{choose_mode(n_tokens, self.profile.l_delta_for(None))}"
+        return requested
 
     # ------------------------------------------------------------------------------------ admission
     def admit(self, token_ids: list[int], tenant: str, *, prefix_limit: int, policy: str, kind: str) -> Request:
@@ -130,7 +127,7 @@ class Coordinator:
         ticket = self.admission.enqueue()
         self.metrics.queue_depth.set(self.admission.waiting)
         return Request(id=f"{kind}-{uuid.uuid4().hex[:20]}", tenant=tenant, token_ids=token_ids, cached_tokens=cached,
-                       policy=self.policy_for(cached, policy), ticket=ticket)
+                       policy=self.check_policy(policy), ticket=ticket)
 
     def _wait_turn(self, request: Request) -> bool:
         """Wait for the request's batch; False if it was withdrawn (cancelled) meanwhile."""

@@ -129,7 +129,8 @@ class StageEngine:
             upstream = self._attach_upstream(request_id, job)
             return restore_from_upstream(job, model=self.model, store=store, upstream=upstream, kv=kv,
                                          on_computed=deliver)
-        policy, costs, l_delta = self._policy(policy, token_wise=deliver is not None)
+        policy, costs, l_delta = self._policy(policy, token_wise=deliver is not None,
+                                              pipeline=self.config.stage > 0 or self.next_stage is not None)
         if self.config.stage == 0:
             return restore(job, model=self.model, store=store, policy=policy, costs=costs, l_delta=l_delta, kv=kv,
                            on_computed=deliver, links=self.links)
@@ -142,14 +143,22 @@ class StageEngine:
         self._boundary_bytes[request_id] = inputs.bytes_read
         return result
 
-    def _policy(self, policy: str, *, token_wise: bool) -> tuple[str, Any, int]:
-        """`policy`, with its costs; without a profile the CacheFlow ones fall back to Cake's (no costs)."""
+    def _policy(self, policy: str, *, token_wise: bool, pipeline: bool) -> tuple[str, Any, int]:
+        """`policy`, with its costs; without a profile the CacheFlow ones fall back to Cake's (no costs).
+
+        Adaptive `cacheflow` goes token-wise on every stage of a multi-stage pipeline: a layer-wise
+        restore on stage s > 0 reads the whole prefix's boundary activations before its first layer, a
+        cost the single-stage profile behind L_delta does not see (bench/results/batch.md measures it),
+        and all stages take one mode, as the scheduler and simulator plan a request.
+        """
         if policy not in POLICIES:
             raise BadRequestError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if policy.startswith("cacheflow") and self.profile is None:
             return "cake", None, 0
         if token_wise and policy in ("cacheflow", "cacheflow-layer"):
             policy = "cacheflow-token"  # the next stage consumes our chunks as they are computed
+        if pipeline and policy == "cacheflow":
+            policy = "cacheflow-token"
         if self.profile is None:
             return policy, None, 0
         return policy, self.profile.cost_model(None), self.profile.l_delta_for(None)
