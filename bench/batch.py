@@ -19,13 +19,14 @@ mean_speedup_vs_compute_only_b8 (both measured on the local cluster) and sim_max
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +100,11 @@ def start(workdir: Path, args: argparse.Namespace, profile_path: Path, rate_gbps
     return start_cluster(spec, workdir)
 
 
-def coordinator_for(cluster: LocalCluster, workdir: Path, batch: int, profile_path: Path) -> LocalCoordinator:
+def coordinator_for(cluster: LocalCluster, workdir: Path, batch: int) -> LocalCoordinator:
     pods = [f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(cluster.pods)]
     return launch_coordinator(workdir / f"coordinator-b{batch}", stages=[w.url for w in cluster.workers], pods=pods,
                               pod_token_file=workdir / "pod-tokens", token_file=workdir / "api-tokens", model=MODEL,
-                              extra=["--max-batch", str(batch), "--max-queue", "1000", "--profile", str(profile_path)])
+                              extra=["--max-batch", str(batch), "--max-queue", "1000"])
 
 
 def warm_up(url: str, token: str, requests: list[ReplayRequest], workers: list[str]) -> None:
@@ -147,10 +148,40 @@ def ttft_stats(ttfts: Sequence[float]) -> dict[str, float]:
 
 
 # -- the simulator ------------------------------------------------------------------------------------
+FORCED_MODE_L_DELTA = {"cacheflow-token": 0, "cacheflow-layer": 2**31 - 1}  # CacheFlow with its mode fixed
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Factors on the profile's compute costs and load times, from single requests restored alone on the cluster."""
+
+    compute: float = 1.0
+    load: float = 1.0
+
+
 def sim_config(profile: Profile, shape: ModelShape, *, policy: str, batch: int, n_stages: int, n_channels: int,
-               link_gbps: float, chunk_size: int) -> SimConfig:
-    return SimConfig.from_profile(profile, model=shape, link_gbps=link_gbps, policy=policy, n_stages=n_stages,
-                                  n_channels=n_channels, max_batch=batch, chunk_size=chunk_size)
+               link_gbps: float, chunk_size: int, calibration: Calibration = Calibration()) -> SimConfig:
+    """The simulated cluster; adaptive `cacheflow` is token-wise on more than one stage, as the workers run it."""
+    l_delta = FORCED_MODE_L_DELTA.get(policy, 0 if n_stages > 1 else profile.l_delta_for(link_gbps * 1e9 / 8))
+    return SimConfig(model=shape, costs=profile.costs.scaled(compute=calibration.compute, load=calibration.load),
+                     policy="cacheflow" if policy in FORCED_MODE_L_DELTA else policy, n_stages=n_stages,
+                     n_channels=n_channels, link_gbps=link_gbps / calibration.load, chunk_size=chunk_size,
+                     l_delta=l_delta, max_batch=batch)
+
+
+def calibrate(url: str, token: str, requests: list[ReplayRequest], profile: Profile, shape: ModelShape,
+              link_gbps: float, chunk_size: int) -> Calibration:
+    """Restore the median-length request alone, compute-only then load-only (3 times each): measured / predicted."""
+    probe = sorted(requests, key=lambda r: r.trace.input_length)[len(requests) // 2]
+    probe = replace(probe, trace=replace(probe.trace, arrival_s=0.0))
+    factors = {}
+    for policy in ("compute-only", "load-only"):
+        runs = [replay(url, token, [probe], policy)[0] for _ in range(3)]
+        config = sim_config(profile, shape, policy=policy, batch=1, n_stages=N_STAGES, n_channels=N_PODS,
+                            link_gbps=link_gbps, chunk_size=chunk_size)
+        predicted = predicted_restore(config, [probe], runs[:1])[probe.trace.request_id]
+        factors[policy] = statistics.median(r["restore_s"] for r in runs) / predicted
+    return Calibration(compute=factors["compute-only"], load=factors["load-only"])
 
 
 def predicted_restore(config: SimConfig, requests: list[ReplayRequest], measured: list[dict[str, Any]]
@@ -190,23 +221,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile = profile_machine(work, args.chunk_size, args.max_tokens)
         link = balanced_link_gbps(profile, shape, n_stages=N_STAGES, n_channels=N_PODS, tokens=1024)
         print(f"link {link:.4f} Gbit/s per pod (Tio/Tcomp = 1); starting the cluster ...", flush=True)
-        runs = real_runs(work, args, requests, link)
-    errors = sim_errors(profile, shape, requests, runs, link, args.chunk_size)
+        runs, calibration = real_runs(work, args, requests, link, profile, shape)
+    errors = sim_errors(profile, shape, requests, runs, link, args.chunk_size, calibration)
     scale = cluster_scale(profile, shape, requests, args.policy_names, args.chunk_size)
-    report(args, requests, link, runs, errors, scale)
+    report(args, requests, link, runs, errors, scale, calibration)
     return 0
 
 
-def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest],
-              link: float) -> list[dict[str, Any]]:
+def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest], link: float, profile: Profile,
+              shape: ModelShape) -> tuple[list[dict[str, Any]], Calibration]:
     cluster = start(work, args, work / "profile.json", link)
     runs = []
     try:
-        coordinators = {b: coordinator_for(cluster, work, b, work / "profile.json") for b in args.batch_sizes}
+        coordinators = {b: coordinator_for(cluster, work, b) for b in args.batch_sizes}
         try:
             first = coordinators[args.batch_sizes[0]]
             print("warm-up: storing the cached prefixes ...", flush=True)
             warm_up(first.url, cluster.token, requests, [w.url for w in cluster.workers])
+            calibration = calibrate(first.url, cluster.token, requests, profile, shape, link, args.chunk_size)
+            print(f"calibration (measured / profiled, one request alone): {calibration}", flush=True)
             for batch, coordinator in coordinators.items():
                 for policy in args.policy_names:
                     per_request = replay(coordinator.url, cluster.token, requests, policy)
@@ -219,34 +252,36 @@ def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest
                 c.stop()
     finally:
         cluster.stop()
-    return runs
+    return runs, calibration
 
 
 def sim_errors(profile: Profile, shape: ModelShape, requests: list[ReplayRequest], runs: list[dict[str, Any]],
-               link: float, chunk_size: int) -> list[dict[str, Any]]:
-    """Per run: the simulator's restore time per request against the measured one."""
+               link: float, chunk_size: int, calibration: Calibration) -> list[dict[str, Any]]:
+    """Per run: the (calibrated) simulator's restore time per request against the measured one."""
     out = []
     for run in runs:
         config = sim_config(profile, shape, policy=run["policy"], batch=run["batch"], n_stages=N_STAGES,
-                            n_channels=N_PODS, link_gbps=link, chunk_size=chunk_size)
+                            n_channels=N_PODS, link_gbps=link, chunk_size=chunk_size, calibration=calibration)
         predicted = predicted_restore(config, requests, run["requests"])
         errors = [abs(predicted[m["request"]] - m["restore_s"]) / m["restore_s"]
                   for m in run["requests"] if m["restored"] and m["restore_s"] > 0]
         sim_mean = sum(predicted.values()) / len(predicted)
         real_mean = sum(m["restore_s"] for m in run["requests"]) / len(run["requests"])
         out.append({"batch": run["batch"], "policy": run["policy"], "max_rel_error": max(errors, default=0.0),
+                    "mean_rel_error": abs(sim_mean - real_mean) / real_mean if real_mean else 0.0,
                     "median_rel_error": sorted(errors)[len(errors) // 2] if errors else 0.0,
                     "mean_restore_real_s": real_mean, "mean_restore_sim_s": sim_mean})
     return out
 
 
 def report(args: argparse.Namespace, requests: list[ReplayRequest], link: float, runs: list[dict[str, Any]],
-           errors: list[dict[str, Any]], scale: list[dict[str, Any]]) -> None:
+           errors: list[dict[str, Any]], scale: list[dict[str, Any]], calibration: Calibration) -> None:
     from cacheflow_bench.batch_report import summary_of, write_markdown, write_plot
 
     summary = summary_of(runs, errors)
     out = Path(args.out)
     body = {"summary": summary, "machine": machine_facts(), "command": command_line(), "link_gbps_per_pod": link,
+            "calibration": asdict(calibration),
             "requests": [{"id": r.trace.request_id, "arrival_s": r.trace.arrival_s, "tokens": r.trace.input_length,
                           "cached": r.trace.cached_tokens} for r in requests],
             "runs": runs, "sim_validation": errors, "cluster_scale": scale}

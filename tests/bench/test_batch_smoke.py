@@ -1,0 +1,24 @@
+"""The batch benchmark runs end to end (quick settings: a few short trace requests on real processes)."""
+
+from __future__ import annotations
+
+import json
+
+from cacheflow_bench import batch
+
+
+def test_batch_benchmark_quick_run(tmp_path):
+    assert batch.main(["--quick", "--policies", "compute-only,cake,cacheflow", "--out", str(tmp_path)]) == 0
+    body = json.loads((tmp_path / "batch.json").read_text())
+    summary = body["summary"]
+    assert summary["batch"] == 8
+    assert summary["p99_ratio_vs_cake_b8"] > 0 and summary["mean_speedup_vs_compute_only_b8"] > 0
+    assert summary["sim_max_rel_error"] >= 0
+    assert {(r["batch"], r["policy"]) for r in body["runs"]} == {
+        (b, p) for b in (2, 8) for p in ("compute-only", "cake", "cacheflow")}
+    for run in body["runs"]:
+        assert len(run["requests"]) == len(body["requests"]) == 4
+        assert all(r["ttft_s"] > 0 and r["restored"] > 0 for r in run["requests"])
+    assert {r["tio_over_tcomp"] for r in body["cluster_scale"]} == {2.0, 1.0, 0.5}
+    assert (tmp_path / "batch.md").read_text().startswith("# Batch restore")
+    assert (tmp_path / "batch.png").stat().st_size > 0
