@@ -23,21 +23,20 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
-from cacheflow_bench.batch_trace import TRACE, ReplayRequest, select_requests
 from cacheflow_bench.common import RESULTS_DIR, command_line, machine_facts, markdown_table, write_json
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
+from cacheflow_services.replay import replay, ttft_stats, warm_up
 
 from cacheflow_common.restore.profile import Profile
-from cacheflow_common.sim import ModelShape, SimConfig, percentile, simulate
+from cacheflow_common.sim import ModelShape, SimConfig, simulate
+from cacheflow_common.sim.config import balanced_link_gbps
+from cacheflow_common.sim.replay import TRACE, ReplayRequest, read_records, select_requests
 
 POLICIES = ("compute-only", "load-only", "cake", "cacheflow")
 MODEL, DTYPE_BYTES, N_STAGES, N_PODS = "tiny", 4, 2, 2
@@ -83,15 +82,6 @@ def model_shape() -> ModelShape:
                       kv_bytes_per_token_layer=2 * config.num_kv_heads * config.head_dim * DTYPE_BYTES)
 
 
-def balanced_link_gbps(profile: Profile, shape: ModelShape, *, n_stages: int, n_channels: int, tokens: int,
-                       ratio: float = 1.0) -> float:
-    """Per-channel rate at which a stage's loads take `ratio` times its compute (all stages loading at once)."""
-    layers = shape.num_layers // n_stages
-    compute_s = profile.costs.chunk_compute_s(0, tokens, layers)
-    stage_bytes = tokens * layers * shape.kv_bytes_per_token_layer
-    return stage_bytes * n_stages / n_channels / (compute_s * ratio) * 8 / 1e9
-
-
 # -- the real cluster ---------------------------------------------------------------------------------
 def start(workdir: Path, args: argparse.Namespace, profile_path: Path, rate_gbps: float) -> LocalCluster:
     spec = ClusterSpec(model=MODEL, stages=N_STAGES, pods=N_PODS, chunk_size=args.chunk_size, dtype="float32",
@@ -105,46 +95,6 @@ def coordinator_for(cluster: LocalCluster, workdir: Path, batch: int) -> LocalCo
     return launch_coordinator(workdir / f"coordinator-b{batch}", stages=[w.url for w in cluster.workers], pods=pods,
                               pod_token_file=workdir / "pod-tokens", token_file=workdir / "api-tokens", model=MODEL,
                               extra=["--max-batch", str(batch), "--max-queue", "1000"])
-
-
-def warm_up(url: str, token: str, requests: list[ReplayRequest], workers: list[str]) -> None:
-    """Store every request's cached prefix (prefill it once), then wait until the workers stored it all."""
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=600) as client:
-        for r in requests:
-            prefix = r.token_ids[: r.trace.cached_tokens + 1]
-            client.post("/v1/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1}).raise_for_status()
-    for worker in workers:
-        httpx.post(f"{worker}/v1/flush", timeout=600).raise_for_status()
-
-
-def replay(url: str, token: str, requests: list[ReplayRequest], policy: str) -> list[dict[str, Any]]:
-    """Send each request at its arrival time (one thread each); the coordinator's timings per request."""
-    results: list[dict[str, Any]] = [{} for _ in requests]
-    began = time.monotonic()
-
-    def send(i: int, r: ReplayRequest) -> None:
-        time.sleep(max(0.0, began + r.trace.arrival_s - time.monotonic()))
-        body = {"model": MODEL, "prompt": r.token_ids, "max_tokens": 1, "policy": policy, "save": False}
-        resp = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {token}"},
-                          timeout=600)
-        resp.raise_for_status()
-        extra = resp.json()["cacheflow"]
-        results[i] = {"request": r.trace.request_id, "arrival_s": r.trace.arrival_s, "tokens": r.trace.input_length,
-                      "restored": extra["prompt_tokens_restored"], "ttft_s": extra["ttft_s"],
-                      "restore_s": extra["restore_s"], "queue_s": extra["queue_s"], "batch": extra["batch"]}
-
-    threads = [threading.Thread(target=send, args=(i, r)) for i, r in enumerate(requests)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
-
-
-def ttft_stats(ttfts: Sequence[float]) -> dict[str, float]:
-    xs = sorted(ttfts)
-    return {"mean_s": sum(xs) / len(xs), "p50_s": percentile(xs, 50), "p90_s": percentile(xs, 90),
-            "p99_s": percentile(xs, 99)}
 
 
 # -- the simulator ------------------------------------------------------------------------------------
@@ -176,7 +126,7 @@ def calibrate(url: str, token: str, requests: list[ReplayRequest], profile: Prof
     probe = replace(probe, trace=replace(probe.trace, arrival_s=0.0))
     factors = {}
     for policy in ("compute-only", "load-only"):
-        runs = [replay(url, token, [probe], policy)[0] for _ in range(3)]
+        runs = [replay(url, token, MODEL, [probe], policy)[0] for _ in range(3)]
         config = sim_config(profile, shape, policy=policy, batch=1, n_stages=N_STAGES, n_channels=N_PODS,
                             link_gbps=link_gbps, chunk_size=chunk_size)
         predicted = predicted_restore(config, [probe], runs[:1])[probe.trace.request_id]
@@ -197,7 +147,7 @@ def cluster_scale(profile: Profile, shape: ModelShape, requests: list[ReplayRequ
     rows = []
     trace = [r.trace for r in requests]
     for ratio in (2.0, 1.0, 0.5):
-        link = balanced_link_gbps(profile, shape, n_stages=8, n_channels=8, tokens=1024, ratio=ratio)
+        link = balanced_link_gbps(profile.costs, shape, n_stages=8, n_channels=8, tokens=1024, ratio=ratio)
         for batch in (8, 16, 32, 64):
             for policy in policies:
                 config = sim_config(profile, shape, policy=policy, batch=batch, n_stages=8, n_channels=8,
@@ -211,7 +161,8 @@ def cluster_scale(profile: Profile, shape: ModelShape, requests: list[ReplayRequ
 # -- main ---------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    requests = select_requests(Path(args.trace), start=args.start, count=args.requests, token_scale=args.token_scale,
+    records = read_records(Path(args.trace), start=args.start, scan=3000)
+    requests = select_requests(records, count=args.requests, token_scale=args.token_scale,
                                max_tokens=args.max_tokens, time_scale=args.time_scale)
     shape = model_shape()
     with tempfile.TemporaryDirectory() as tmp:
@@ -219,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(requests)} requests, {sum(r.trace.input_length for r in requests)} tokens; profiling ...",
               flush=True)
         profile = profile_machine(work, args.chunk_size, args.max_tokens)
-        link = balanced_link_gbps(profile, shape, n_stages=N_STAGES, n_channels=N_PODS, tokens=1024)
+        link = balanced_link_gbps(profile.costs, shape, n_stages=N_STAGES, n_channels=N_PODS, tokens=1024)
         print(f"link {link:.4f} Gbit/s per pod (Tio/Tcomp = 1); starting the cluster ...", flush=True)
         runs, calibration = real_runs(work, args, requests, link, profile, shape)
     errors = sim_errors(profile, shape, requests, runs, link, args.chunk_size, calibration)
@@ -237,12 +188,12 @@ def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest
         try:
             first = coordinators[args.batch_sizes[0]]
             print("warm-up: storing the cached prefixes ...", flush=True)
-            warm_up(first.url, cluster.token, requests, [w.url for w in cluster.workers])
+            warm_up(first.url, cluster.token, MODEL, requests, [w.url for w in cluster.workers])
             calibration = calibrate(first.url, cluster.token, requests, profile, shape, link, args.chunk_size)
             print(f"calibration (measured / profiled, one request alone): {calibration}", flush=True)
             for batch, coordinator in coordinators.items():
                 for policy in args.policy_names:
-                    per_request = replay(coordinator.url, cluster.token, requests, policy)
+                    per_request = replay(coordinator.url, cluster.token, MODEL, requests, policy)
                     stats = ttft_stats([r["ttft_s"] for r in per_request])
                     runs.append({"batch": batch, "policy": policy, **stats, "requests": per_request})
                     print(f"  batch {batch} {policy:>12}: TTFT mean {stats['mean_s']:.3f} s, "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from cacheflow_services import up
+from cacheflow_services.demo import run as demo_run
 
 from cacheflow_common.errors import CacheFlowError
 
@@ -29,7 +30,8 @@ def _profile(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     model = load_model(args.model, dtype=parse_dtype(args.dtype))
-    settings = ProfileSettings(chunk_size=args.chunk_size, max_tokens=args.max_tokens)
+    settings = (ProfileSettings.quick(args.chunk_size, args.max_tokens) if args.quick
+                else ProfileSettings(chunk_size=args.chunk_size, max_tokens=args.max_tokens))
     steps = 3 + len(settings.crossover_ratios)
     with tqdm(total=steps, disable=not sys.stderr.isatty(), desc="profiling") as bar:
 
@@ -190,6 +192,19 @@ def _add_coordinator_parser(sub: argparse._SubParsersAction) -> None:
     co.add_argument("--http-port", type=int, default=0, help="API port (0: any free one)")
 
 
+def _operator(args: argparse.Namespace) -> int:
+    from cacheflow_operator.main import run  # the `operator` extra (kopf, kubernetes)
+
+    return run(namespaces=args.namespace, clusterwide=args.all_namespaces, liveness_port=args.liveness_port)
+
+
+def _add_operator_parser(sub: argparse._SubParsersAction) -> None:
+    op = sub.add_parser("operator", help="run the Kubernetes operator (reconciles CacheFlowCluster resources)")
+    op.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeatable)")
+    op.add_argument("--all-namespaces", action="store_true", help="watch every namespace (needs a ClusterRole)")
+    op.add_argument("--liveness-port", type=int, default=8080, help="serve /healthz here (0: off)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cacheflow", description="CacheFlow KV-cache restoration")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -202,12 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--max-tokens", type=int, default=4096, help="longest prefix timed for the fits")
     prof.add_argument("--store", default="memory", help="store to time reads from: memory | filesystem:DIR")
     prof.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
+    prof.add_argument("--quick", action="store_true", help="one timing per point and one link ratio (a demo's profile)")
     prof.add_argument("--out", default="", help="profile file (default: the cache directory)")
 
     _add_storage_parser(sub)
     _add_worker_parser(sub)
     _add_coordinator_parser(sub)
+    _add_operator_parser(sub)
     up.add_parser(sub)
+    demo_run.add_parser(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark")
     bench.add_argument("name", choices=["restore", "storage", "stages", "batch"],
@@ -221,7 +239,12 @@ def _up(args: argparse.Namespace) -> int:
     return up.run(args, default_cache_dir())
 
 
-SERVICES = {"storage": _storage, "worker": _worker, "coordinator": _coordinator, "up": _up}
+def _demo(args: argparse.Namespace) -> int:
+    return demo_run.run(args, default_cache_dir())
+
+
+SERVICES = {"demo": _demo, "storage": _storage, "worker": _worker, "coordinator": _coordinator, "up": _up,
+            "operator": _operator}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -45,6 +45,12 @@ class ProfileSettings:
     crossover_ratios: tuple[float, ...] = (0.5, 1.0, 2.0)  # Tio/Tcomp at the grid's middle length
     crossover_chunks: tuple[float, ...] = (0.5, 1, 2, 3, 4, 6, 8)  # prefix lengths, in chunks
 
+    @classmethod
+    def quick(cls, chunk_size: int, max_tokens: int) -> ProfileSettings:
+        """A profile in a fraction of the time: one timing per point, one link ratio, fewer lengths."""
+        return cls(chunk_size=chunk_size, max_tokens=max_tokens, sample_layers=2, repeats=1,
+                   crossover_ratios=(1.0,), crossover_chunks=(1, 2, 4))
+
 
 def profile_model(model: Transformer, *, store: ChunkStore, settings: ProfileSettings,
                   model_name: str, progress: Progress | None = None) -> Profile:

@@ -25,10 +25,11 @@ class ModelShape:
     kv_bytes_per_token_layer: int  # 2 (K and V) * kv_heads * head_dim * dtype bytes
 
     @classmethod
-    def of(cls, config: ModelConfig) -> ModelShape:
+    def of(cls, config: ModelConfig, dtype: str = "") -> ModelShape:
+        """The shape of `config`, its KV held in `dtype` (default: the config's own)."""
         from cacheflow_common.model.config import DTYPE_BYTES
 
-        per_token = 2 * config.num_kv_heads * config.head_dim * DTYPE_BYTES[config.dtype]
+        per_token = 2 * config.num_kv_heads * config.head_dim * DTYPE_BYTES[dtype or config.dtype]
         return cls(num_layers=config.num_layers, kv_bytes_per_token_layer=per_token)
 
 
@@ -78,3 +79,12 @@ class SimConfig:
         if self.stage_layers:
             return self.stage_layers
         return tuple(len(r) for r in balanced_split(self.model.num_layers, self.n_stages))
+
+
+def balanced_link_gbps(costs: CostModel, shape: ModelShape, *, n_stages: int, n_channels: int, tokens: int,
+                       ratio: float = 1.0) -> float:
+    """Per-channel rate at which a stage's loads take `ratio` times its compute (all stages loading at once)."""
+    layers = shape.num_layers // n_stages
+    compute_s = costs.chunk_compute_s(0, tokens, layers)
+    stage_bytes = tokens * layers * shape.kv_bytes_per_token_layer
+    return stage_bytes * n_stages / n_channels / (compute_s * ratio) * 8 / 1e9

@@ -1,0 +1,66 @@
+"""Replaying trace requests through a coordinator: store their cached prefixes once, then send them at
+their arrival times (one thread each) and collect the coordinator's timings. The batch benchmark and
+`cacheflow demo` both use it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+
+from cacheflow_common.sim import percentile
+from cacheflow_common.sim.replay import ReplayRequest
+
+TIMEOUT_S = 600.0
+
+
+def warm_up(url: str, token: str, model: str, requests: list[ReplayRequest], workers: list[str],
+            on_done: Callable[[], None] | None = None) -> None:
+    """Store every request's cached prefix (prefill it once), then wait until the workers stored it all."""
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT_S) as client:
+        for r in requests:
+            prefix = r.token_ids[: r.trace.cached_tokens + 1]
+            client.post("/v1/completions", json={"model": model, "prompt": prefix, "max_tokens": 1}).raise_for_status()
+            if on_done:
+                on_done()
+    for worker in workers:
+        httpx.post(f"{worker}/v1/flush", timeout=TIMEOUT_S).raise_for_status()
+
+
+def replay(url: str, token: str, model: str, requests: list[ReplayRequest], policy: str,
+           on_done: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """Send each request at its arrival time with `save: false`; the coordinator's timings per request."""
+    results: list[dict[str, Any]] = [{} for _ in requests]
+    began = time.monotonic()
+
+    def send(i: int, r: ReplayRequest) -> None:
+        time.sleep(max(0.0, began + r.trace.arrival_s - time.monotonic()))
+        body = {"model": model, "prompt": r.token_ids, "max_tokens": 1, "policy": policy, "save": False}
+        resp = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {token}"},
+                          timeout=TIMEOUT_S)
+        resp.raise_for_status()
+        extra = resp.json()["cacheflow"]
+        results[i] = {"request": r.trace.request_id, "arrival_s": r.trace.arrival_s, "tokens": r.trace.input_length,
+                      "restored": extra["prompt_tokens_restored"], "ttft_s": extra["ttft_s"],
+                      "restore_s": extra["restore_s"], "queue_s": extra["queue_s"], "batch": extra["batch"]}
+        if on_done:
+            on_done()
+
+    threads = [threading.Thread(target=send, args=(i, r)) for i, r in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if missing := [r.trace.request_id for r, res in zip(requests, results, strict=True) if not res]:
+        raise RuntimeError(f"requests {missing} failed (see the coordinator's log)")
+    return results
+
+
+def ttft_stats(ttfts: Sequence[float]) -> dict[str, float]:
+    xs = sorted(ttfts)
+    return {"mean_s": sum(xs) / len(xs), "p50_s": percentile(xs, 50), "p90_s": percentile(xs, 90),
+            "p99_s": percentile(xs, 99)}
