@@ -154,7 +154,9 @@ def cluster_scale(profile: Profile, shape: ModelShape, requests: list[ReplayRequ
                                     link_gbps=link, chunk_size=chunk_size)
                 summary = simulate(trace, config).summary()
                 rows.append({"tio_over_tcomp": ratio, "link_gbps": link, "batch": batch, "policy": policy,
-                             **{k: summary[f"ttft_{k}"] for k in ("mean_s", "p50_s", "p90_s", "p99_s")}})
+                             **{k: summary[f"ttft_{k}"] for k in ("mean_s", "p50_s", "p90_s", "p99_s")},
+                             **{k: summary[k] for k in ("stage_utilization", "channel_utilization",
+                                                        "computed_fraction")}})
     return rows
 
 

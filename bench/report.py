@@ -1,0 +1,158 @@
+"""`cacheflow bench report`: the paper's figures on our system, from the benchmarks' results.
+
+With `--run` it first runs the suite (`restore`, `storage`, `stages`, `batch`; `--quick` for their
+smoke settings), then it (re)writes `REPORT.md` and its figures in the results folder from whatever
+results are there. Real measurements on this machine, the simulator's cluster-scale figures labelled
+as simulated; a figure whose benchmark has not run is listed as missing, not drawn.
+
+    Fig. 4  TTFT CDF per policy (batch replay of the trace, largest batch)        batch.json
+    Fig. 5  compute and I/O utilisation during restore (simulated cluster)        batch.json
+    Fig. 6  restore time by prefix length, Tio/Tcomp = 1                          restore_single.json
+    Fig. 7  ablation: token-wise, layer-wise, adaptive vs the bound, per length x ratio
+    Fig. 7a/b  restore time vs link speed (Tio/Tcomp), shortest and longest prefix
+    Fig. 9  TTFT by batch size: measured (local cluster) and simulated (8 stages)  batch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from cacheflow_bench import report_figures as figs
+from cacheflow_bench.common import RESULTS_DIR, markdown_table
+
+SUITE = ("restore_single", "storage", "stages", "batch")
+Section = Callable[[dict[str, dict[str, Any]], Path], list[str]]
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cacheflow bench report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", action="store_true", help="run the benchmark suite first")
+    p.add_argument("--quick", action="store_true", help="with --run: each benchmark's smoke settings")
+    p.add_argument("--out", default=str(RESULTS_DIR), help="results folder (read, and REPORT.md written, here)")
+    return p.parse_args(argv)
+
+
+def run_suite(out: Path, quick: bool) -> None:
+    import importlib
+
+    for name in SUITE:
+        print(f"== {name}", flush=True)
+        args = ["--out", str(out)] + (["--quick"] if quick else [])
+        if importlib.import_module(f"cacheflow_bench.{name}").main(args) != 0:
+            raise SystemExit(f"benchmark {name} failed")
+
+
+def load_results(out: Path) -> dict[str, dict[str, Any]]:
+    found = {}
+    for name in (*SUITE, "vllm"):
+        path = out / f"{name}.json"
+        if path.exists():
+            found[name] = json.loads(path.read_text())
+    return found
+
+
+def provenance(body: dict[str, Any]) -> str:
+    m = body.get("machine", {})
+    return (f"Machine: {m.get('cpu', '?')}, {m.get('cpus', '?')} CPUs, git {m.get('git', '?')}. "
+            f"Command: `{body.get('command', '?')}`.")
+
+
+def batch_sections(results: dict[str, dict[str, Any]], out: Path) -> list[str]:
+    body = results.get("batch")
+    if body is None:
+        return ["## Fig. 4, 5, 9: batch replay", "", "Missing: run `cacheflow bench batch`.", ""]
+    figs.ttft_cdf(out / "fig4_ttft_cdf.png", body["runs"])
+    lines = ["## Fig. 4: TTFT CDF per policy (measured)", "",
+             f"{len(body['requests'])} Mooncake conversation-trace requests replayed on the local cluster (tiny "
+             f"model, 2 stage workers, 2 storage pods at {body['link_gbps_per_pod'] * 1000:.1f} Mbit/s each: "
+             f"Tio/Tcomp = 1), largest batch. {provenance(body)}", "", "![TTFT CDF](fig4_ttft_cdf.png)", ""]
+    if any("stage_utilization" in r for r in body["cluster_scale"]):
+        figs.utilization(out / "fig5_utilization.png", body["cluster_scale"])
+        lines += ["## Fig. 5: compute and I/O utilisation during restore (simulated)", "",
+                  "The simulator (costs profiled on this machine) at cluster scale: 8 stages, 8 storage channels, "
+                  "Tio/Tcomp = 1; mean utilisation of the stages' compute and of the channels over the run, and "
+                  "the share of prefix tokens recomputed.", "", "![utilisation](fig5_utilization.png)", ""]
+    else:
+        lines += ["## Fig. 5: utilisation", "", "Missing: rerun `cacheflow bench batch` (older results).", ""]
+    figs.batch_sizes(out / "fig9_batch_sizes.png", body["runs"], body["cluster_scale"])
+    s = body["summary"]
+    lines += ["## Fig. 9: TTFT by batch size", "",
+              "Left: measured on the local cluster. Right: simulated, 8 stages, Tio/Tcomp = 1.", "",
+              "![batch sizes](fig9_batch_sizes.png)", "",
+              markdown_table(["target", "measured", "goal"], [
+                  [f"CacheFlow P99 TTFT / Cake's, batch {s['batch']}", s["p99_ratio_vs_cake_b8"], "<= 0.75"],
+                  [f"compute-only mean TTFT / CacheFlow's, batch {s['batch']}",
+                   s["mean_speedup_vs_compute_only_b8"], ">= 1.6"],
+                  ["simulator: worst per-request restore-time error", s["sim_max_rel_error"], "<= 0.15"]]), ""]
+    return lines
+
+
+def single_sections(results: dict[str, dict[str, Any]], out: Path) -> list[str]:
+    body = results.get("restore_single")
+    if body is None:
+        return ["## Fig. 6, 7: single-request restore", "", "Missing: run `cacheflow bench restore`.", ""]
+    cells, where = body["cells"], provenance(body)
+    figs.by_length(out / "fig6_by_length.png", cells)
+    figs.ablation(out / "fig7_ablation.png", cells)
+    figs.link_sweep(out / "fig7ab_link_sweep.png", cells)
+    s = body["summary"]
+    return ["## Fig. 6: restore time by prefix length (measured)", "",
+            f"One request restored on this machine at Tio/Tcomp = 1 (a shaped in-process store), every policy. {where}",
+            "", "![by length](fig6_by_length.png)", "",
+            "## Fig. 7: ablation, token-wise vs layer-wise vs adaptive (measured)", "",
+            "Restore time / the optimal two-pointer bound for each prefix length x Tio/Tcomp (1.0 = optimal).",
+            "", "![ablation](fig7_ablation.png)", "",
+            "## Fig. 7a/b: link-speed sweep (measured)", "",
+            "Restore time as the link gets slower (Tio/Tcomp up), shortest and longest prefix per model.", "",
+            "![link sweep](fig7ab_link_sweep.png)", "",
+            markdown_table(["target", "measured", "goal"], [
+                ["worst restore time / bound (CacheFlow)", s["max_ratio_to_bound"], "<= 1.15"],
+                ["CacheFlow / best baseline at Tio/Tcomp = 1", s["ratio_to_best_baseline_at_balance"], "<= 0.6"],
+                ["adaptive regret vs the better fixed mode", s["max_adaptive_regret"], "<= 0.1"]]), ""]
+
+
+def other_sections(results: dict[str, dict[str, Any]], out: Path) -> list[str]:
+    lines = []
+    for name, title in (("storage", "Storage data plane"), ("stages", "Parallel stages from boundary activations"),
+                        ("vllm", "vLLM connector")):
+        body = results.get(name)
+        if body is None:
+            continue
+        rows = [[k, v] for k, v in body["summary"].items() if not isinstance(v, dict | list)]
+        lines += [f"## {title}", "", provenance(body), "", markdown_table(["summary", "value"], rows),
+                  "", f"Details: [{name}.md]({name}.md).", ""]
+    return lines
+
+
+SECTIONS: tuple[Section, ...] = (batch_sections, single_sections, other_sections)
+
+
+def write_report(out: Path) -> Path:
+    results = load_results(out)
+    lines = ["# CacheFlow benchmark report", "",
+             "Regenerated by `cacheflow bench report` from the results in this folder (`--run` reruns the suite). "
+             "Measured figures come from this machine (CPU); simulated ones say so.", ""]
+    for section in SECTIONS:
+        lines += section(results, out)
+    path = out / "REPORT.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    out = Path(args.out)
+    if args.run:
+        run_suite(out, args.quick)
+    print(f"report: {write_report(out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
