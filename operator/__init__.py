@@ -1,1 +1,1 @@
-"""CacheFlow Kubernetes operator (kopf). Not built yet: see the Kubernetes issue."""
+"""CacheFlow Kubernetes operator (kopf): reconciles CacheFlowCluster resources into workloads (`cacheflow operator`)."""

@@ -1,0 +1,21 @@
+"""Every child object of a CacheFlowCluster, in the order they are applied (what others depend on first)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cacheflow_operator.manifests import config, coordinator, storage, workers
+from cacheflow_operator.spec import Cluster
+
+
+def children(c: Cluster) -> list[dict[str, Any]]:
+    """ConfigMap, storage (Service, StatefulSet), stages (Service, Deployment each), coordinator."""
+    stages = range(c.spec.stages.count)
+    return [
+        config.config_map(c),
+        storage.headless_service(c),
+        storage.statefulset(c),
+        *(obj for s in stages for obj in (workers.stage_service(c, s), workers.deployment(c, s))),
+        coordinator.api_service(c),
+        coordinator.deployment(c),
+    ]
