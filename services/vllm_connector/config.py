@@ -1,0 +1,69 @@
+"""The connector's settings, from vLLM's `kv_connector_extra_config` (a JSON object)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from cacheflow_common.errors import ConfigError
+from cacheflow_common.restore.executor import POLICIES
+
+ON_MISS = ("cacheflow", "vllm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectorConfig:
+    pods: tuple[str, ...]  # storage pods, "id=host:port" (the same ids every client uses: placement hashes them)
+    tenant: str  # keys are salted by tenant; the token must belong to it
+    pod_token_file: str  # "tenant token" lines, as the pods read them; the line for `tenant` is used
+    chunk_size: int = 256  # tokens per chunk, a multiple of vLLM's block size; equal to the cluster's to share chunks
+    policy: str = "cacheflow"  # restore policy (executor.POLICIES); "load-only" turns recomputation off
+    profile: str = ""  # `cacheflow profile` output; without it the CacheFlow policies run as Cake (no cost model)
+    link_gbps: float = 0.0  # the link the profile's costs are taken for; 0: the profile's own default
+    on_miss: str = "cacheflow"  # a chunk that misses: recomputed inside the restore, or handed to vLLM ("vllm")
+    save: bool = True  # store the prompt's whole chunks as vLLM computes them
+    replicas: int = 1  # copies of each chunk over the pods
+    timeout_s: float = 5.0  # a dead pod turns reads into misses within this
+    model: str = ""  # CacheFlow's copy of the model (config.json + safetensors); default: the directory vLLM serves
+    stats_file: str = ""  # append one JSON line per restore / save / load error (tests, benchmarks)
+
+    def __post_init__(self) -> None:
+        if not self.pods:
+            raise ConfigError("the CacheFlow connector needs `pods` (a list of id=host:port)")
+        if self.chunk_size <= 0:
+            raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.on_miss not in ON_MISS:
+            raise ConfigError(f"on_miss must be one of {ON_MISS}, got {self.on_miss!r}")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any], *, served_model: str) -> ConnectorConfig:
+        """Settings from the extra config; unknown keys are refused (a typo must not pass silently)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"unknown CacheFlow connector settings {unknown}; known: {sorted(known)}")
+        values = dict(extra)
+        if isinstance(values.get("pods"), str):
+            values["pods"] = values["pods"].split(",")
+        values["pods"] = tuple(values.get("pods", ()))
+        values.setdefault("model", served_model)
+        for name in ("tenant", "pod_token_file"):
+            if not values.get(name):
+                raise ConfigError(f"the CacheFlow connector needs `{name}`")
+        return cls(**values)
+
+    def token(self) -> str:
+        """The tenant's bearer token from `pod_token_file`."""
+        path = Path(self.pod_token_file).expanduser()
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"cannot read pod_token_file {path}: {exc}") from exc
+        for line in lines:
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == self.tenant:
+                return parts[1]
+        raise ConfigError(f"{path} has no token for tenant {self.tenant!r}")

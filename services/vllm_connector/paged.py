@@ -1,0 +1,90 @@
+"""Moving KV between vLLM's paged per-layer caches and CacheFlow's contiguous [2, Hkv, T, D] layout.
+
+vLLM 0.32 hands every attention layer's cache over as a logical [num_blocks, Hkv, block_size, 2 * D]
+view (its physical stride order may differ: `vllm/v1/kv_cache_layout.py`); a token at position p lives in
+block `block_ids[p // block_size]` at offset `p % block_size`. Where K and V sit in it depends on the
+attention backend:
+
+* `cpu-vec` (vLLM's CPU backend, its `vec`/`vec16` kernels): the backend views a block as
+  [Hkv, 2 * block_size, D] and splits it in two along the token axis, K rows first, then V rows; and its
+  kernel stores each head's K *transposed*, [D, block_size], while V stays [block_size, D] (measured on
+  vLLM 0.32: `tests/vllm/test_vllm_connector.py` compares stored chunks with CacheFlow's own KV).
+* `cpu-plain` (the CPU backend's `amx` kernel, bfloat16): the same, but K stays [block_size, D] too.
+* `split` (FlashAttention and the other GPU backends): the last dimension is K (first D) then V.
+
+Both functions take positions [start, end) and the request's block ids, and copy (never alias).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cacheflow_common.errors import ConfigError
+
+LAYOUTS = ("cpu-vec", "cpu-plain", "split")
+
+
+def check_cache(cache: torch.Tensor, *, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    """ConfigError unless a layer's cache is the [num_blocks, Hkv, block_size, 2 * D] view described above."""
+    if tuple(cache.shape[1:]) != (num_kv_heads, block_size, 2 * head_dim) or cache.dim() != 4:
+        raise ConfigError(f"unsupported vLLM KV cache shape {tuple(cache.shape)}: the CacheFlow connector "
+                          f"expects [blocks, {num_kv_heads}, {block_size}, {2 * head_dim}]")
+
+
+def _slots(block_ids: Sequence[int], block_size: int, start: int, end: int,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of every position in [start, end): two [T] int64 tensors."""
+    pos = torch.arange(start, end, device=device)  # [T]
+    blocks = torch.tensor(list(block_ids), dtype=torch.long, device=device)  # [n_blocks]
+    return blocks[pos // block_size], pos % block_size
+
+
+def _cpu_views(cache: torch.Tensor, layout: str, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views of a CPU layer cache, both indexed [block, head, token, dim] (K of `cpu-vec` is a
+    transposed view of its [B, Hkv, D, bs] storage)."""
+    n_blocks, heads, _, width = cache.shape
+    head_dim = width // 2
+    halves = cache.view(n_blocks, heads, 2, block_size * head_dim)  # [B, Hkv, 2, bs*D]: K then V
+    values = halves[:, :, 1].view(n_blocks, heads, block_size, head_dim)  # [B, Hkv, bs, D]
+    if layout == "cpu-vec":
+        return halves[:, :, 0].view(n_blocks, heads, head_dim, block_size).transpose(2, 3), values
+    return halves[:, :, 0].view(n_blocks, heads, block_size, head_dim), values
+
+
+def gather(cache: torch.Tensor, layout: str, block_ids: Sequence[int], block_size: int, start: int,
+           end: int) -> torch.Tensor:
+    """A copy of positions [start, end) of one layer: [2, Hkv, T, D]."""
+    blk, off = _slots(block_ids, block_size, start, end, cache.device)
+    if layout.startswith("cpu"):
+        keys, values = _cpu_views(cache, layout, block_size)  # [B, Hkv, bs, D] each
+        k = keys[blk, :, off]  # [T, Hkv, D]
+        v = values[blk, :, off]  # [T, Hkv, D]
+    else:
+        rows = cache[blk, :, off]  # [T, Hkv, 2*D]
+        k, v = rows.chunk(2, dim=-1)  # [T, Hkv, D] each
+    return torch.stack([k, v]).transpose(1, 2).contiguous()  # [2, Hkv, T, D]
+
+
+def scatter(cache: torch.Tensor, layout: str, block_ids: Sequence[int], block_size: int, start: int,
+            kv: torch.Tensor) -> None:
+    """Write kv [2, Hkv, T, D] (positions [start, start + T)) into one layer's cache."""
+    end = start + kv.shape[2]
+    blk, off = _slots(block_ids, block_size, start, end, cache.device)
+    src = kv.to(device=cache.device, dtype=cache.dtype).transpose(1, 2)  # [2, T, Hkv, D]
+    if layout.startswith("cpu"):
+        keys, values = _cpu_views(cache, layout, block_size)  # [B, Hkv, bs, D] each
+        keys[blk, :, off] = src[0]
+        values[blk, :, off] = src[1]
+    else:
+        cache[blk, :, off] = torch.cat([src[0], src[1]], dim=-1)  # [T, Hkv, 2*D]
+
+
+def layer_index(layer_name: str) -> int:
+    """The decoder layer of an attention layer's name, e.g. "model.layers.3.self_attn.attn" -> 3."""
+    parts = layer_name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    raise ConfigError(f"cannot tell the layer index of vLLM attention layer {layer_name!r}")

@@ -1,0 +1,106 @@
+"""The scheduler side's decisions, as plain data: which requests load a cached prefix this step, and
+which whole prompt chunks to store.
+
+vLLM asks the connector how many tokens past its own prefix-cache hit it can provide
+(`matched`); after allocating blocks it says how many it will take (`allocated`); when it builds a step
+it hands over each scheduled request (`new_request`, `running_request`), and this turns them into
+`LoadSpec`s (restore the prefix before the forward pass) and `SaveSpec`s (store the chunks this step
+completes, after it). vLLM only takes external tokens as a prefix of the prompt, so the whole cached
+prefix comes from CacheFlow: its front recomputed by CacheFlow, its back loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    req_id: str
+    token_ids: tuple[int, ...]  # the cached prefix, tokens [0, N): whole chunks
+    block_ids: tuple[int, ...]  # the request's vLLM blocks, from position 0
+    start: int  # vLLM's own prefix-cache hit ends here: only positions [start, N) are written
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    req_id: str
+    token_ids: tuple[int, ...]  # prompt tokens [0, end): `end` a multiple of the chunk size
+    block_ids: tuple[int, ...]
+    start: int  # first token to store (a chunk boundary); the chunks before it are stored already
+
+
+@dataclass
+class _Tracked:
+    prompt: tuple[int, ...]
+    block_ids: list[int]
+    saved: int  # prompt tokens [0, saved) are stored, or on their way
+
+
+# (prompt token ids, limit) -> tokens [0, n) whose whole chunks the pods hold, n <= limit
+Lookup = Callable[[Sequence[int], int], int]
+
+
+class SchedulerPlan:
+    def __init__(self, *, chunk_size: int, block_size: int, lookup: Lookup, save: bool) -> None:
+        if chunk_size % block_size:
+            raise ValueError(f"chunk_size {chunk_size} must be a multiple of vLLM's block size {block_size}")
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.lookup = lookup
+        self.save = save
+        self._cached: dict[str, int] = {}  # request -> cached prefix tokens, from its lookup
+        self._loads: dict[str, int] = {}  # request -> first position to load (vLLM holds the ones before)
+        self._tracked: dict[str, _Tracked] = {}
+
+    def matched(self, req_id: str, prompt: Sequence[int], num_computed: int) -> int:
+        """Tokens past vLLM's own `num_computed` that CacheFlow can provide (at least one prompt token is
+        left for vLLM to compute: it needs the last one's logits)."""
+        if req_id not in self._cached:
+            self._cached[req_id] = self.lookup(prompt, len(prompt) - 1)
+        return max(0, self._cached[req_id] - num_computed)
+
+    def allocated(self, req_id: str, num_external: int) -> None:
+        if num_external > 0:
+            self._loads[req_id] = self._cached[req_id] - num_external
+
+    def new_request(self, req_id: str, prompt: Sequence[int], block_ids: Sequence[int], computed_after: int
+                    ) -> tuple[LoadSpec | None, SaveSpec | None]:
+        """A request scheduled for the first time; `computed_after`: its tokens with KV after this step."""
+        cached = self._cached.pop(req_id, 0)
+        tracked = _Tracked(tuple(prompt), list(block_ids), saved=cached)
+        self._tracked[req_id] = tracked
+        return self._load(req_id, tracked, cached), self._save(req_id, tracked, computed_after)
+
+    def running_request(self, req_id: str, new_block_ids: Sequence[int] | None, *, resumed: bool,
+                        computed_after: int) -> tuple[LoadSpec | None, SaveSpec | None]:
+        """A request scheduled again (`resumed` after a preemption: `new_block_ids` are all its blocks)."""
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
+            return None, None
+        if resumed:
+            tracked.block_ids = list(new_block_ids or ())
+        elif new_block_ids:
+            tracked.block_ids.extend(new_block_ids)
+        cached = self._cached.pop(req_id, 0)
+        return self._load(req_id, tracked, cached), self._save(req_id, tracked, computed_after)
+
+    def finished(self, req_id: str) -> None:
+        self._cached.pop(req_id, None)
+        self._loads.pop(req_id, None)
+        self._tracked.pop(req_id, None)
+
+    def _load(self, req_id: str, tracked: _Tracked, cached: int) -> LoadSpec | None:
+        start = self._loads.pop(req_id, None)
+        if start is None:
+            return None
+        return LoadSpec(req_id, tracked.prompt[:cached], tuple(tracked.block_ids), start)
+
+    def _save(self, req_id: str, tracked: _Tracked, computed_after: int) -> SaveSpec | None:
+        end = min(computed_after, len(tracked.prompt)) // self.chunk_size * self.chunk_size
+        if not self.save or end <= tracked.saved:
+            return None
+        spec = SaveSpec(req_id, tracked.prompt[:end], tuple(tracked.block_ids), tracked.saved)
+        tracked.saved = end
+        return spec
