@@ -30,13 +30,14 @@ from typing import Any
 
 from cacheflow_bench.common import RESULTS_DIR, command_line, machine_facts, markdown_table, write_json
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
+from cacheflow_services.demo.run import SLICE as DEMO_SLICE
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
 from cacheflow_services.replay import replay, ttft_stats, warm_up
 
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.sim import ModelShape, SimConfig, simulate
 from cacheflow_common.sim.config import balanced_link_gbps
-from cacheflow_common.sim.replay import TRACE, ReplayRequest, read_records, select_requests
+from cacheflow_common.sim.replay import TRACE, ReplayRequest, load_slice, read_records, select_requests
 
 POLICIES = ("compute-only", "load-only", "cake", "cacheflow")
 MODEL, DTYPE_BYTES, N_STAGES, N_PODS = "tiny", 4, 2, 2
@@ -45,7 +46,9 @@ MODEL, DTYPE_BYTES, N_STAGES, N_PODS = "tiny", 4, 2, 2
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cacheflow bench batch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", default=str(TRACE))
+    p.add_argument("--trace", default=str(TRACE if TRACE.exists() else DEMO_SLICE),
+                   help="the Mooncake trace (JSONL), or a slice of it saved as JSON (default: the shared trace, "
+                        "else the demo's shipped slice of lines 3000-3099)")
     p.add_argument("--start", type=int, default=3000, help="first trace line considered")
     p.add_argument("--requests", type=int, default=24, help="requests replayed per run")
     p.add_argument("--token-scale", type=int, default=8, help="trace lengths are divided by this")
@@ -163,7 +166,8 @@ def cluster_scale(profile: Profile, shape: ModelShape, requests: list[ReplayRequ
 # -- main ---------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    records = read_records(Path(args.trace), start=args.start, scan=3000)
+    trace = Path(args.trace)
+    records = load_slice(trace) if trace.suffix == ".json" else read_records(trace, start=args.start, scan=3000)
     requests = select_requests(records, count=args.requests, token_scale=args.token_scale,
                                max_tokens=args.max_tokens, time_scale=args.time_scale)
     shape = model_shape()

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 
 from cacheflow_bench import batch
+from cacheflow_services.demo.run import SLICE
 
 
 def test_batch_benchmark_quick_run(tmp_path):
-    assert batch.main(["--quick", "--policies", "compute-only,cake,cacheflow", "--out", str(tmp_path)]) == 0
+    # the trace slice the package ships: CI has no copy of the shared trace
+    args = ["--quick", "--trace", str(SLICE), "--policies", "compute-only,cake,cacheflow", "--out", str(tmp_path)]
+    assert batch.main(args) == 0
     body = json.loads((tmp_path / "batch.json").read_text())
     summary = body["summary"]
     assert summary["batch"] == 8
