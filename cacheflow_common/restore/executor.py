@@ -33,6 +33,7 @@ from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.restore.arbiter import Lane, LoadArbiter
 from cacheflow_common.restore.board import LOAD_DECLINED, Planner, TwoPointerBoard, UnitRecord
+from cacheflow_common.restore.cores import move_off_compute_cores
 from cacheflow_common.restore.costs import CostModel
 from cacheflow_common.restore.loader import KVLoader
 from cacheflow_common.restore.planner import FixedSplitPlanner, GreedyPlanner, PredictivePlanner
@@ -214,6 +215,7 @@ def _compute_layers(board: TwoPointerBoard, model: Transformer, job: RestoreJob,
 def _run_loader(board: TwoPointerBoard, load_unit: Callable[[int], str], error: list[str],
                 lane: Lane | None) -> None:
     """The I/O pointer: load units from the back until the planner stops it or the pointers meet."""
+    move_off_compute_cores()
     try:
         while lane is None or lane.acquire(lambda: board.loadable_units() > 0):
             try:

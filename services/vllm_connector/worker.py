@@ -31,6 +31,7 @@ from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
 from cacheflow_common.kv.chunk import encode_kv_chunk
 from cacheflow_common.kv.keys import ChunkKey, chunk_keys, object_name, tenant_salt
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.restore.cores import move_off_compute_cores
 from cacheflow_common.restore.executor import RestoreResult, restore
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.save import dtype_name, make_job, save_chunks
@@ -78,7 +79,8 @@ class WorkerEngine:
         self.profile = Profile.load(cfg.profile) if cfg.profile else None
         self.stats = StatsLog(cfg.stats_file)
         self.caches: list[tuple[int, torch.Tensor]] = []  # (decoder layer, its vLLM cache), by layer
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheflow-saver")
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheflow-saver",
+                                         initializer=move_off_compute_cores)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         c = self.model.config
