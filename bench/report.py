@@ -1,9 +1,10 @@
 """`cacheflow bench report`: the paper's figures on our system, from the benchmarks' results.
 
-With `--run` it first runs the suite (`restore`, `storage`, `stages`, `batch`; `--quick` for their
-smoke settings), then it (re)writes `REPORT.md` and its figures in the results folder from whatever
-results are there. Real measurements on this machine, the simulator's cluster-scale figures labelled
-as simulated; a figure whose benchmark has not run is listed as missing, not drawn.
+With `--run` it first runs the suite (`restore`, `storage`, `stages`, `batch`, and `vllm` where vLLM's
+virtual environment exists; `--quick` for their smoke settings), then it (re)writes `REPORT.md` and
+its figures in the results folder from whatever results are there. Real measurements on this machine,
+the simulator's cluster-scale figures labelled as simulated; a figure whose benchmark has not run is
+listed as missing, not drawn.
 
     Fig. 4  TTFT CDF per policy (batch replay of the trace, largest batch)        batch.json
     Fig. 5  compute and I/O utilisation during restore (simulated cluster)        batch.json
@@ -41,7 +42,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def run_suite(out: Path, quick: bool) -> None:
     import importlib
 
-    for name in SUITE:
+    from cacheflow_bench.vllm import VLLM_PYTHON
+
+    for name in (*SUITE, "vllm"):
+        if name == "vllm" and not VLLM_PYTHON.exists():
+            print(f"== vllm skipped: {VLLM_PYTHON} is missing (create it as .ci/run does)", flush=True)
+            continue
         print(f"== {name}", flush=True)
         args = ["--out", str(out)] + (["--quick"] if quick else [])
         if importlib.import_module(f"cacheflow_bench.{name}").main(args) != 0:

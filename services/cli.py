@@ -55,7 +55,7 @@ def _bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
     import importlib
 
     module = {"restore": "restore_single", "storage": "storage", "stages": "stages", "batch": "batch",
-              "report": "report"}[args.name]
+              "vllm": "vllm", "report": "report"}[args.name]
     bench_main = importlib.import_module(f"cacheflow_bench.{module}").main
     return int(bench_main(list(rest)))
 
@@ -229,10 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo_run.add_parser(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark")
-    bench.add_argument("name", choices=["restore", "storage", "stages", "batch", "report"],
+    bench.add_argument("name", choices=["restore", "storage", "stages", "batch", "vllm", "report"],
                        help="restore: single-request restore vs the bound; storage: data-plane rates; "
                             "stages: parallel stages from boundary activations vs pipelined; "
                             "batch: trace replay per policy and batch size, and the simulator; "
+                            "vllm: vLLM's TTFT with the connector (needs .venv-vllm); "
                             "report: REPORT.md with the paper's figures from the results (--run: the suite first)")
     return parser
 
