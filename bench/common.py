@@ -47,7 +47,10 @@ def _git_revision() -> str:
 
 
 def command_line() -> str:
-    return " ".join(["python", "-m", "cacheflow_bench." + Path(sys.argv[0]).stem, *sys.argv[1:]])
+    """The command that is running, as a user would type it (`cacheflow ...`, or `python -m cacheflow_bench.X ...`)."""
+    program = Path(sys.argv[0]).stem
+    head = ["cacheflow"] if program == "cacheflow" else ["python", "-m", f"cacheflow_bench.{program}"]
+    return " ".join([*head, *sys.argv[1:]])
 
 
 def median(xs: Sequence[float]) -> float:

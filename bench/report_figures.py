@@ -53,7 +53,10 @@ def utilization(path: Path, scale: list[dict[str, Any]]) -> None:
             for policy in policies:
                 mine = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["batch"])
                 ax.plot([r["batch"] for r in mine], [r[key] for r in mine], marker="o", label=policy)
-            ax.set(xscale="log", xlabel="batch", ylim=(0, 1.05), title=f"{title} (simulated)")
+            batches = sorted({r["batch"] for r in rows})
+            ax.set(xscale="log", xlabel="batch cap", ylim=(0, 1.05), title=f"{title} (simulated)")
+            ax.set_xticks(batches, [str(b) for b in batches], minor=False)
+            ax.set_xticks([], minor=True)
             ax.grid(alpha=0.3)
         axes[0][0].legend()
 
