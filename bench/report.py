@@ -26,7 +26,7 @@ from typing import Any
 from cacheflow_bench import report_figures as figs
 from cacheflow_bench.common import RESULTS_DIR, markdown_table
 
-SUITE = ("restore_single", "storage", "stages", "batch")
+SUITE = ("restore_single", "storage", "stages", "batch", "vllm")
 Section = Callable[[dict[str, dict[str, Any]], Path], list[str]]
 
 
@@ -44,7 +44,7 @@ def run_suite(out: Path, quick: bool) -> None:
 
     from cacheflow_bench.vllm import VLLM_PYTHON
 
-    for name in (*SUITE, "vllm"):
+    for name in SUITE:
         if name == "vllm" and not VLLM_PYTHON.exists():
             print(f"== vllm skipped: {VLLM_PYTHON} is missing (create it as .ci/run does)", flush=True)
             continue
@@ -56,7 +56,7 @@ def run_suite(out: Path, quick: bool) -> None:
 
 def load_results(out: Path) -> dict[str, dict[str, Any]]:
     found = {}
-    for name in (*SUITE, "vllm"):
+    for name in SUITE:
         path = out / f"{name}.json"
         if path.exists():
             found[name] = json.loads(path.read_text())

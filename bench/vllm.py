@@ -32,6 +32,7 @@ from cacheflow_services.storage.launch import LocalPod, launch_pod, write_tokens
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.sources import TINY_QWEN3
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.sim import ModelShape
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -39,20 +40,20 @@ CHUNK, BLOCK = 256, 128  # CacheFlow chunk; vLLM's default CPU block size
 SUFFIX = 16  # prompt tokens after the cached prefix
 REPEATS = 3  # timings of each measured prompt per configuration
 MODEL = {**TINY_QWEN3, "torch_dtype": "float32"}  # 8 layers, hidden 512, GQA 8/2, fp32: vLLM's `vec` kernel
-VOCAB = ModelConfig.from_hf_dict(MODEL).vocab_size
+CONFIG = ModelConfig.from_hf_dict(MODEL)
+VOCAB = CONFIG.vocab_size
 POLICIES = {"load-only": "load-only", "cacheflow": "cacheflow"}
 
 
 def kv_bytes(n_tokens: int) -> int:
-    c = ModelConfig.from_hf_dict(MODEL)
-    return n_tokens * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+    return n_tokens * CONFIG.num_layers * ModelShape.of(CONFIG, "float32").kv_bytes_per_token_layer
 
 
 class Bench:
     def __init__(self, root: Path, lengths: Sequence[int]) -> None:
         self.root = root
         self.model_dir = root / "model"
-        Transformer.random(ModelConfig.from_hf_dict(MODEL), seed=0, dtype=torch.float32).save(self.model_dir)
+        Transformer.random(CONFIG, seed=0, dtype=torch.float32).save(self.model_dir)
         rng = random.Random(0)
         self.prompts = {n: [rng.randrange(VOCAB) for _ in range(n + SUFFIX)] for n in lengths}
         self.warm = [rng.randrange(VOCAB) for _ in range(512 + SUFFIX)]
