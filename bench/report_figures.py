@@ -48,15 +48,15 @@ def utilization(path: Path, scale: list[dict[str, Any]]) -> None:
     policies = _policies({r["policy"] for r in rows})
     panels = (("stage_utilization", "compute (stages)"), ("channel_utilization", "I/O (channels)"),
               ("computed_fraction", "share of tokens recomputed"))
+    batches = sorted({r["batch"] for r in rows})
     with figure(path, 1, 3, (13, 3.8)) as axes:
         for ax, (key, title) in zip(axes[0], panels, strict=True):
             for policy in policies:
                 mine = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["batch"])
                 ax.plot([r["batch"] for r in mine], [r[key] for r in mine], marker="o", label=policy)
-            batches = sorted({r["batch"] for r in rows})
             ax.set(xscale="log", xlabel="batch cap", ylim=(0, 1.05), title=f"{title} (simulated)")
-            ax.set_xticks(batches, [str(b) for b in batches], minor=False)
-            ax.set_xticks([], minor=True)
+            ax.minorticks_off()
+            ax.set_xticks(batches, [str(b) for b in batches])
             ax.grid(alpha=0.3)
         axes[0][0].legend()
 
