@@ -32,7 +32,7 @@ from cacheflow_common.kv.chunk import encode_kv_chunk
 from cacheflow_common.kv.keys import ChunkKey, chunk_keys, object_name, tenant_salt
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.cores import move_off_compute_cores
-from cacheflow_common.restore.executor import RestoreResult, restore
+from cacheflow_common.restore.executor import RestoreJob, RestoreResult, restore
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.save import dtype_name, make_job, save_chunks
 from cacheflow_common.store.placement import ClusterStore
@@ -96,7 +96,8 @@ class WorkerEngine:
         """Restore the spec's prefix into its blocks; returns the block ids vLLM must recompute."""
         n = len(spec.token_ids)
         try:
-            result = self._restore(spec)
+            job = make_job(self.model, spec.token_ids, tenant=self.cfg.tenant, chunk_size=self.cfg.chunk_size)
+            result = self._restore(job)
         except Exception as exc:  # a failed restore is a failed load: vLLM recomputes the prefix
             log.exception("CacheFlow restore of %s failed; vLLM recomputes it", spec.req_id)
             self.stats.event("load_error", req=spec.req_id, tokens=n, error=f"{type(exc).__name__}: {exc}")
@@ -109,10 +110,9 @@ class WorkerEngine:
                          mode=result.mode, computed=sources.count("computed"),
                          loaded=sources.count("loaded"), misses=dict(result.misses),
                          bytes_loaded=result.bytes_loaded, elapsed_s=result.elapsed_s)
-        return self._after_misses(spec, result)
+        return self._after_misses(spec, job, result)
 
-    def _restore(self, spec: LoadSpec) -> RestoreResult:
-        job = make_job(self.model, spec.token_ids, tenant=self.cfg.tenant, chunk_size=self.cfg.chunk_size)
+    def _restore(self, job: RestoreJob) -> RestoreResult:
         policy, link = self._policy()
         costs = self.profile.cost_model(link) if self.profile is not None else None
         l_delta = self.profile.l_delta_for(link) if self.profile is not None else 0
@@ -125,12 +125,11 @@ class WorkerEngine:
             return "cake", link
         return self.cfg.policy, link
 
-    def _after_misses(self, spec: LoadSpec, result: RestoreResult) -> set[int]:
+    def _after_misses(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult) -> set[int]:
         """Chunks that missed: stored again (CacheFlow recomputed them), or handed to vLLM to recompute."""
         missed = [i for i, u in enumerate(result.units) if u.miss_reason]
         if not missed:
             return set()
-        job = make_job(self.model, spec.token_ids, tenant=self.cfg.tenant, chunk_size=self.cfg.chunk_size)
         if self.cfg.on_miss == "vllm":
             first = job.keys[missed[0]].token_start if result.mode == "token" else 0
             failed = self._blocks(spec, max(first, spec.start))
