@@ -19,6 +19,7 @@ mean_speedup_vs_compute_only_b8 (both measured on the local cluster) and sim_max
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from cacheflow_bench.common import RESULTS_DIR, command_line, machine_facts, markdown_table, write_json
+from cacheflow_services.coordinator.config import CoordinatorConfig
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
 from cacheflow_services.demo.run import SLICE as DEMO_SLICE
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
@@ -89,8 +91,15 @@ def model_shape() -> ModelShape:
 def start(workdir: Path, args: argparse.Namespace, profile_path: Path, rate_gbps: float) -> LocalCluster:
     spec = ClusterSpec(model=MODEL, stages=N_STAGES, pods=N_PODS, chunk_size=args.chunk_size, dtype="float32",
                        policy="cake", profile=str(profile_path), rate_gbps=rate_gbps, transport="tcp", port=0,
-                       threads_per_stage=1, max_batch=max(args.batch_sizes), directory=str(workdir))
+                       threads_per_stage=1, stage_cpus=stage_cpus(), max_batch=max(args.batch_sizes),
+                       directory=str(workdir))
     return start_cluster(spec, workdir)
+
+
+def stage_cpus() -> list[str]:
+    """One core per stage worker when there are enough (a stage is one compute resource, as simulated)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [str(c) for c in cores[:N_STAGES]] if len(cores) >= N_STAGES else []
 
 
 def coordinator_for(cluster: LocalCluster, workdir: Path, batch: int) -> LocalCoordinator:
@@ -119,7 +128,7 @@ def sim_config(profile: Profile, shape: ModelShape, *, policy: str, batch: int, 
     return SimConfig(model=shape, costs=profile.costs.scaled(compute=calibration.compute, load=calibration.load),
                      policy="cacheflow" if policy in FORCED_MODE_L_DELTA else policy, n_stages=n_stages,
                      n_channels=n_channels, link_gbps=link_gbps / calibration.load, chunk_size=chunk_size,
-                     l_delta=l_delta, max_batch=batch)
+                     l_delta=l_delta, max_batch=batch, batch_window_s=CoordinatorConfig.batch_window_s)
 
 
 def calibrate(url: str, token: str, requests: list[ReplayRequest], profile: Profile, shape: ModelShape,

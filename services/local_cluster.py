@@ -44,6 +44,7 @@ class ClusterSpec:
     batch_window_ms: float = 20.0
     tenant: str = "default"
     threads_per_stage: int = 0  # torch threads per worker (0: this machine's cores shared evenly)
+    stage_cpus: list[str] = field(default_factory=list)  # per stage, the CPUs its worker is pinned to ("0", "2,3")
     worker_args: list[str] = field(default_factory=list)  # extra `cacheflow worker` options
 
     @classmethod
@@ -64,6 +65,8 @@ class ClusterSpec:
         spec = cls(**data)
         if spec.stages < 1 or spec.pods < 1:
             raise ConfigError("a cluster needs at least one stage and one storage pod")
+        if spec.stage_cpus and len(spec.stage_cpus) != spec.stages:
+            raise ConfigError(f"stage_cpus lists {len(spec.stage_cpus)} CPU sets for {spec.stages} stages")
         return spec
 
     def workdir(self, cache_dir: Path) -> Path:
@@ -119,7 +122,7 @@ def start_cluster(spec: ClusterSpec, workdir: Path) -> LocalCluster:
         split = balanced_split(model_config(spec.model).num_layers, spec.stages)
         workers = launch_stages(workdir, split=split, pods=addresses, pod_token_file=pod_token_file, model=spec.model,
                                 chunk_size=spec.chunk_size, dtype=spec.dtype, policy=spec.policy, profile=spec.profile,
-                                threads=threads, extra=spec.worker_args)
+                                threads=threads, cpus=spec.stage_cpus, extra=spec.worker_args)
         extra = ["--max-batch", str(spec.max_batch), "--max-queue", str(spec.max_queue),
                  "--batch-window-ms", str(spec.batch_window_ms)]
         coordinator = launch_coordinator(workdir, stages=[w.url for w in workers], pods=addresses,

@@ -43,7 +43,8 @@ class SimConfig:
     link_gbps: float | None = 10.0  # per channel; None: the cost model's load rate alone
     chunk_size: int = 256  # tokens per restore chunk (DESIGN.md's default)
     l_delta: int = 0  # token-wise iff the prefix has >= l_delta tokens (adaptive policies only)
-    max_batch: int = 64  # requests restoring at once; later arrivals queue in arrival order
+    max_batch: int = 64  # requests admitted at once (restore to first token); later arrivals queue in order
+    batch_window_s: float = 0.0  # a batch forms this long after its first request arrived (or when full)
     max_batch_tokens: int | None = None  # cap on one compute batch (the oldest request always fits)
     placement: str = "round-robin"  # which channel holds a unit: "round-robin" (even) or "hash"
     stage_layers: tuple[int, ...] = field(default=())  # layers per stage; () = an even split
@@ -53,8 +54,9 @@ class SimConfig:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"unknown placement {self.placement!r}; choose one of {', '.join(PLACEMENTS)}")
-        if min(self.n_stages, self.n_channels, self.max_batch, self.chunk_size) <= 0:
-            raise ConfigError("stages, channels, max batch and chunk size must be positive")
+        if min(self.n_stages, self.n_channels, self.max_batch, self.chunk_size) <= 0 or self.batch_window_s < 0:
+            raise ConfigError("stages, channels, max batch and chunk size must be positive, "
+                              "the batch window not negative")
         if not 1 <= self.n_stages <= self.model.num_layers:
             raise ConfigError(f"cannot split {self.model.num_layers} layers into {self.n_stages} stages")
         if self.stage_layers and (len(self.stage_layers) != self.n_stages or min(self.stage_layers) <= 0

@@ -5,7 +5,9 @@ one load at a time (`latency + bytes / rate`). Time is simulated only: events wa
 reads like the worker's:
 
     pop the next events (arrivals, batches done, loads done: all at that instant), report them
-    -> admit queued requests into free restore slots (max batch, arrival order)
+    -> admit queued requests into free slots (max batch, arrival order), as the coordinator does: a
+       batch forms `batch_window_s` after the first waiting request arrived, or at once when enough
+       wait to fill the free slots; a request holds its slot from admission to its first token
     -> start every idle stage and channel on what the scheduler decides
 
 A stage's compute batch holds the restore units the scheduler chose plus one suffix-prefill chunk of
@@ -71,8 +73,8 @@ class _Simulation:
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
-        self._queue: deque[str] = deque()  # arrived, waiting for a restore slot
-        self._restoring: set[str] = set()
+        self._queue: deque[str] = deque()  # arrived, waiting for a slot
+        self._running: set[str] = set()  # admitted, first token not out yet (each holds a slot)
         self._plans: dict[str, RequestPlan] = {}
         self._admitted_s: dict[str, float] = {}
         self._restored_s: dict[str, float] = {}
@@ -91,6 +93,8 @@ class _Simulation:
     def run(self) -> SimResult:
         for request in self.trace.values():
             self._at(request.arrival_s, functools.partial(self._queue.append, request.request_id))
+            if self.config.batch_window_s > 0:  # a batch may form when the window of this arrival closes
+                self._at(request.arrival_s + self.config.batch_window_s, lambda: None)
         while self._events:
             self.now = self._events[0][0]
             while self._events and self._events[0][0] == self.now:  # everything that happens at this instant
@@ -104,11 +108,17 @@ class _Simulation:
 
     # -- admission and completion ---------------------------------------------------------------
     def _admit(self) -> None:
-        while self._queue and len(self._restoring) < self.config.max_batch:
+        free = self.config.max_batch - len(self._running)
+        if not self._queue or free <= 0:
+            return
+        window_open = self.now < self.trace[self._queue[0]].arrival_s + self.config.batch_window_s
+        if window_open and len(self._queue) < free:
+            return  # more may join this batch
+        for _ in range(min(free, len(self._queue))):
             rid = self._queue.popleft()
             self._plans[rid] = plan = self._plan(self.trace[rid], order=len(self._plans))
             self._admitted_s[rid] = self.now
-            self._restoring.add(rid)
+            self._running.add(rid)
             self.scheduler.arrive(plan)
             self._wake_stages.update(range(len(self.layers)))
             self._wake_channels.update(range(self.config.n_channels))
@@ -134,12 +144,11 @@ class _Simulation:
         return lambda s, u: (order + s + u) % m
 
     def _check_restored(self, rid: str) -> None:
-        if rid in self._restoring and self.scheduler.is_finished(rid):
-            self._restoring.discard(rid)
+        if rid not in self._restored_s and self.scheduler.is_finished(rid):
             self._restored_s[rid] = self.now
             request = self.trace[rid]
             if request.input_length == request.cached_tokens:
-                self._first_token_s[rid] = self.now
+                self._first_token(rid)
             for start in range(request.cached_tokens, request.input_length, self.config.chunk_size):
                 end = min(start + self.config.chunk_size, request.input_length)
                 self._queue_prefill(0, _PrefillChunk(rid, start, end))
@@ -188,7 +197,12 @@ class _Simulation:
             if stage + 1 < len(self.layers):
                 self._queue_prefill(stage + 1, chunk)
             elif chunk.end == self.trace[chunk.request_id].input_length:
-                self._first_token_s[chunk.request_id] = self.now
+                self._first_token(chunk.request_id)
+
+    def _first_token(self, rid: str) -> None:
+        """The request's first token is out: its slot is free for the next in the queue."""
+        self._first_token_s[rid] = self.now
+        self._running.discard(rid)
 
     # -- channels --------------------------------------------------------------------------------
     def _start_load(self, channel: int) -> None:

@@ -45,7 +45,7 @@ class ModelInfo:
 class Cluster:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        self.chain = StageChain(config.stages, timeout_s=config.stage_timeout_s)
+        self.chain = StageChain(config.stages, timeout_s=config.stage_timeout_s, max_requests=config.max_batch)
         self.stores: dict[str, ClusterStore] = tenant_stores(config.pods, config.pod_tokens, replicas=config.replicas)
         first_token = next(iter(config.pod_tokens.values()))
         self._probes = {a.pod_id: PodClient(a, first_token, timeout_s=PROBE_TIMEOUT_S) for a in config.pods}

@@ -47,10 +47,19 @@ class Generation:
 
 
 class StageChain:
-    def __init__(self, urls: Sequence[str], *, timeout_s: float = 120.0) -> None:
+    """The stage workers of one pipeline, shared by up to `max_requests` requests in flight at once.
+
+    Every request's per-stage calls run at once, so the thread pool and the HTTP connection pool are
+    sized for all of them (stages x requests): a smaller pool would queue one request's restore behind
+    another's and serialize a batch.
+    """
+
+    def __init__(self, urls: Sequence[str], *, timeout_s: float = 120.0, max_requests: int = 64) -> None:
         self.urls = [u.rstrip("/") for u in urls]
-        self._http = httpx.Client(timeout=timeout_s)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="chain")
+        calls = max(1, len(self.urls)) * max(1, max_requests)
+        self._http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=calls,
+                                                                        max_keepalive_connections=calls))
+        self._pool = ThreadPoolExecutor(max_workers=calls, thread_name_prefix="chain")
 
     # ------------------------------------------------------------------------------------ restore
     def restore(self, request_id: str, token_ids: Sequence[int], *, tenant: str, input: str = "auto",

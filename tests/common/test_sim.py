@@ -75,6 +75,19 @@ def test_a_full_batch_makes_later_requests_queue_in_arrival_order():
     assert first.queue_s == 0 and second.queue_s == pytest.approx(first.restore_s)
 
 
+def test_a_request_holds_its_slot_until_its_first_token():
+    result = simulate([request("0", suffix=100), request("1")], config("compute-only", max_batch=1))
+    first, second = result.requests
+    assert first.ttft_s > first.restore_s and second.queue_s == pytest.approx(first.ttft_s)
+
+
+@pytest.mark.parametrize("arrivals, admitted", [((0.0,), (0.5,)), ((0.0, 0.2), (0.2, 0.2)), ((0.0, 0.6), (0.5, 1.1))])
+def test_a_batch_forms_when_its_window_closes_or_it_is_full(arrivals, admitted):
+    trace = [request(str(i), cached=256, arrival=t) for i, t in enumerate(arrivals)]
+    result = simulate(trace, config("compute-only", max_batch=2, batch_window_s=0.5))
+    assert [r.arrival_s + r.queue_s for r in result.requests] == pytest.approx(admitted)
+
+
 def test_one_batch_pays_the_fixed_cost_once():
     two = simulate([request("0", cached=256), request("1", cached=256)], config("compute-only"))
     alone = chunk_compute(256, 4)[0]
@@ -134,7 +147,8 @@ def test_config_from_a_profile_takes_its_costs_and_the_nearest_l_delta():
 
 
 @pytest.mark.parametrize("bad", [{"policy": "fastest"}, {"placement": "random"}, {"n_stages": 5},
-                                 {"n_channels": 0}, {"stage_layers": (1, 2)}, {"n_stages": 2, "stage_layers": (4, 0)}])
+                                 {"n_channels": 0}, {"batch_window_s": -1}, {"stage_layers": (1, 2)},
+                                 {"n_stages": 2, "stage_layers": (4, 0)}])
 def test_bad_configs_are_refused(bad):
     options = {"policy": "cacheflow"} | bad
     with pytest.raises(ConfigError):

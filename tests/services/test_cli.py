@@ -1,10 +1,14 @@
-"""The `cacheflow` command: profile writes a loadable profile; bad input gets a clear error."""
+"""The `cacheflow` command: profile writes a loadable profile; bad input and bad cluster specs get a clear error."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
+from cacheflow_services.local_cluster import ClusterSpec
+
+from cacheflow_common.errors import ConfigError
 from cacheflow_common.restore.profile import Profile
 
 
@@ -28,3 +32,12 @@ def test_bad_arguments_get_a_clear_error(tmp_path):
     assert run.returncode == 2 and "neither 'tiny', 'qwen3-8b', 'smollm2' nor a directory" in run.stderr
     run = _cacheflow("profile", "--model", "tiny", "--store", "tape:x")
     assert run.returncode == 2 and "unknown store" in run.stderr
+
+
+def test_a_cluster_spec_pins_each_stage_or_none(tmp_path):
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text("stages: 2\nstage_cpus: ['0', '1']\n")
+    assert ClusterSpec.load(spec).stage_cpus == ["0", "1"]
+    spec.write_text("stages: 2\nstage_cpus: ['0']\n")
+    with pytest.raises(ConfigError, match="1 CPU sets for 2 stages"):
+        ClusterSpec.load(spec)
