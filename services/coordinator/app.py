@@ -206,8 +206,8 @@ def _decoded(tokens: Iterator[int], codec: TextCodec | None, stops: list[str], s
 
 def _extra(request: Request, output: Output) -> dict[str, Any]:
     return {"ttft_s": output.ttft_s, "prompt_tokens_restored": request.cached_tokens,
-            "policy": request.policy or "worker default", "batch": request.ticket.batch, "queue_s": request.queue_s,
-            "restore_s": request.restore_s, "stages": request.stages}
+            "policy": request.policy or "worker default", "batch": request.ticket.batch, "lookup_s": request.lookup_s,
+            "queue_s": request.queue_s, "restore_s": request.restore_s, "stages": request.stages}
 
 
 def _error(status: int, detail: str, error: str, request: HttpRequest, metrics: Any) -> JSONResponse:

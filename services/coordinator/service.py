@@ -48,10 +48,11 @@ class Request:
     cached_tokens: int  # tokens [0, cached) are restored from storage; the rest are prefilled
     policy: str  # the restore policy sent to the workers ("" = theirs)
     ticket: Ticket
-    arrived: float = field(default_factory=time.perf_counter)
+    arrived: float = field(default_factory=time.perf_counter)  # before its prefix lookup: TTFT counts from here
+    lookup_s: float = 0.0  # finding how much of the prompt the pods hold
+    queue_s: float = 0.0  # lookup done -> admitted
     stages: list[dict[str, Any]] = field(default_factory=list)  # per-stage restore summaries
     restore_s: float = 0.0
-    queue_s: float = 0.0
 
 
 @dataclass
@@ -66,7 +67,7 @@ class RestoreRecord:
         r = self.request
         return {"id": r.id, "state": self.state, "error": self.error, "prefix_tokens": len(r.token_ids),
                 "cached_tokens": r.cached_tokens, "policy": r.policy, "batch": r.ticket.batch,
-                "queue_s": r.queue_s, "restore_s": r.restore_s, "stages": r.stages}
+                "lookup_s": r.lookup_s, "queue_s": r.queue_s, "restore_s": r.restore_s, "stages": r.stages}
 
 
 class Coordinator:
@@ -117,6 +118,7 @@ class Coordinator:
     # ------------------------------------------------------------------------------------ admission
     def admit(self, token_ids: list[int], tenant: str, *, prefix_limit: int, policy: str, kind: str) -> Request:
         """Look the prefix up and take a place in the queue (QueueFullError: HTTP 429)."""
+        arrived = time.perf_counter()
         self.cluster.require_stages()
         store = self.cluster.stores.get(tenant)
         if store is None:
@@ -127,12 +129,13 @@ class Coordinator:
         ticket = self.admission.enqueue()
         self.metrics.queue_depth.set(self.admission.waiting)
         return Request(id=f"{kind}-{uuid.uuid4().hex[:20]}", tenant=tenant, token_ids=token_ids, cached_tokens=cached,
-                       policy=self.check_policy(policy), ticket=ticket)
+                       policy=self.check_policy(policy), ticket=ticket, arrived=arrived,
+                       lookup_s=time.perf_counter() - arrived)
 
     def _wait_turn(self, request: Request) -> bool:
         """Wait for the request's batch; False if it was withdrawn (cancelled) meanwhile."""
         admitted = self.admission.wait(request.ticket, ADMISSION_TIMEOUT_S)
-        request.queue_s = time.perf_counter() - request.arrived
+        request.queue_s = time.perf_counter() - request.arrived - request.lookup_s
         self.metrics.queue_seconds.observe(request.queue_s)
         self.metrics.queue_depth.set(self.admission.waiting)
         self.metrics.running.set(self.admission.running)

@@ -77,6 +77,8 @@ def test_completion_is_prefilled_then_restored_and_both_equal_a_single_process_r
     assert second["cacheflow"]["prompt_tokens_restored"] == 5 * CHUNK
     assert [s["loaded"] for s in second["cacheflow"]["stages"]] != [0, 0]
     assert second["choices"][0]["token_ids"] == expected
+    timing = second["cacheflow"]  # TTFT counts from before the prefix lookup
+    assert timing["lookup_s"] > 0 and timing["lookup_s"] + timing["queue_s"] + timing["restore_s"] < timing["ttft_s"]
 
 
 def test_a_longer_prompt_restores_the_shared_prefix(client, reference):

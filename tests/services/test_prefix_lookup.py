@@ -1,0 +1,48 @@
+"""The coordinator's prefix lookup: the leading run of whole chunks stored for every stage, across the
+windows of chunks it looks up at once."""
+
+from __future__ import annotations
+
+import pytest
+from cacheflow_services.coordinator.prefix import WINDOW, cached_prefix_tokens
+
+from cacheflow_common.kv.keys import chunk_keys, object_name, tenant_salt
+from cacheflow_common.store.memory import MemoryStore
+
+CHUNK, STAGES = 4, (range(0, 2), range(2, 4))
+PROMPT = list(range(CHUNK * (2 * WINDOW + 3) + 1))  # 2 windows and 3 chunks whole, then 1 token
+
+
+def _store(stored: set[tuple[int, int]]) -> MemoryStore:
+    """A store holding the (chunk, stage) objects in `stored`."""
+    store = MemoryStore()
+    for i, key in enumerate(chunk_keys(PROMPT, CHUNK, tenant_salt("fp", "t"))):
+        for s, layers in enumerate(STAGES):
+            if (i, s) in stored:
+                store.put(object_name(key, "kv", layers.start, layers.stop), b"x")
+    return store
+
+
+def _lookup(store: MemoryStore, limit: int = len(PROMPT)) -> int:
+    return cached_prefix_tokens(PROMPT, fingerprint="fp", tenant="t", chunk_size=CHUNK, stage_layers=STAGES,
+                                store=store, limit=limit)
+
+
+WHOLE = 2 * WINDOW + 3
+
+
+@pytest.mark.parametrize("missing, expected_chunks", [
+    (set(), WHOLE),  # everything whole is found; the partial last chunk never counts
+    ({(0, 0)}, 0),
+    ({(WINDOW - 1, 1)}, WINDOW - 1),  # a gap at a window's end
+    ({(WINDOW, 0)}, WINDOW),  # ... and at the next one's start
+    ({(WINDOW + 5, 1), (WINDOW + 9, 0)}, WINDOW + 5),  # the first gap ends the run
+])
+def test_the_leading_run_of_chunks_stored_on_every_stage(missing, expected_chunks):
+    every = {(i, s) for i in range(WHOLE + 1) for s in range(len(STAGES))}
+    assert _lookup(_store(every - missing)) == expected_chunks * CHUNK
+
+
+def test_the_limit_caps_the_lookup():
+    every = {(i, s) for i in range(WHOLE + 1) for s in range(len(STAGES))}
+    assert _lookup(_store(every), limit=CHUNK * 3 + 2) == CHUNK * 3
