@@ -2,15 +2,18 @@
 and batch size, and the simulator's prediction of the same runs and of a cluster-scale deployment.
 
 Real part: `cacheflow` processes on loopback (tiny model, 2 stage workers with one torch thread each,
-2 filesystem storage pods shaped so that Tio/Tcomp = 1 for a stage, one coordinator per batch size).
+each pinned to its own core, 2 filesystem storage pods shaped so that Tio/Tcomp = 1 for a stage, one
+coordinator per batch size).
 The cached prefixes are stored once (a warm-up); each run replays the same requests at their (scaled)
 arrival times with `save: false`, so every policy meets the same storage. Policies: compute-only,
 load-only, cake (per-request token-wise two pointers) and cacheflow (mode by L_delta). TTFT is the
-coordinator's (arrival to first token: queue + restore + suffix prefill).
+coordinator's (arrival to first token: prefix lookup + queue + restore + suffix prefill).
 
 Simulator part: the same requests, batch sizes and link, with the costs `cacheflow profile` measured
-on this machine (restore times per request vs measured: `sim_max_rel_error`), then a cluster of 8
-stages and 8 storage channels with batches up to 64 at Tio/Tcomp of 2, 1 and 0.5.
+on this machine, fitted to the cluster by requests restored alone (restore times per request vs
+measured: `sim_max_rel_error`), then a cluster of 8
+stages and 8 storage channels with batches up to 64 at Tio/Tcomp of 2, 1 and 0.5, replaying more
+requests (100) at denser arrivals (x0.01) so that its batches fill up.
 
 Writes bench/results/batch.{json,md,png}; the JSON's `summary` holds p99_ratio_vs_cake_b8,
 mean_speedup_vs_compute_only_b8 (both measured on the local cluster) and sim_max_rel_error.
@@ -56,6 +59,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--token-scale", type=int, default=8, help="trace lengths are divided by this")
     p.add_argument("--max-tokens", type=int, default=2048, help="longer (scaled) requests are skipped")
     p.add_argument("--time-scale", type=float, default=0.05, help="trace arrival times are multiplied by this")
+    p.add_argument("--cluster-requests", type=int, default=100, help="requests in the cluster-scale simulation")
+    p.add_argument("--cluster-time-scale", type=float, default=0.01,
+                   help="its arrival times are multiplied by this (denser than the local replay: batches fill up)")
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--batches", default="2,4,8")
     p.add_argument("--policies", default=",".join(POLICIES))
@@ -63,7 +69,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: few short requests, batch 2 and 8")
     args = p.parse_args(argv)
     if args.quick:
-        args.requests, args.max_tokens, args.batches = 4, 512, "2,8"
+        args.requests, args.max_tokens, args.batches, args.cluster_requests = 4, 512, "2,8", 8
     args.batch_sizes = [int(b) for b in args.batches.split(",")]
     args.policy_names = args.policies.split(",")
     return args
@@ -115,10 +121,12 @@ FORCED_MODE_L_DELTA = {"cacheflow-token": 0, "cacheflow-layer": 2**31 - 1}  # Ca
 
 @dataclass(frozen=True)
 class Calibration:
-    """Factors on the profile's compute costs and load times, from single requests restored alone on the cluster."""
+    """The simulator's cost model fitted to the cluster: factors on the profile's compute costs and load times,
+    and a fixed time per restore outside the two pointers (the coordinator's and workers' RPCs and setup)."""
 
     compute: float = 1.0
     load: float = 1.0
+    overhead_s: float = 0.0
 
 
 def sim_config(profile: Profile, shape: ModelShape, *, policy: str, batch: int, n_stages: int, n_channels: int,
@@ -128,28 +136,38 @@ def sim_config(profile: Profile, shape: ModelShape, *, policy: str, batch: int, 
     return SimConfig(model=shape, costs=profile.costs.scaled(compute=calibration.compute, load=calibration.load),
                      policy="cacheflow" if policy in FORCED_MODE_L_DELTA else policy, n_stages=n_stages,
                      n_channels=n_channels, link_gbps=link_gbps / calibration.load, chunk_size=chunk_size,
-                     l_delta=l_delta, max_batch=batch, batch_window_s=CoordinatorConfig.batch_window_s)
+                     l_delta=l_delta, max_batch=batch, batch_window_s=CoordinatorConfig.batch_window_s,
+                     restore_overhead_s=calibration.overhead_s)
 
 
 def calibrate(url: str, token: str, requests: list[ReplayRequest], profile: Profile, shape: ModelShape,
               link_gbps: float, chunk_size: int) -> Calibration:
-    """Restore the median-length request alone, compute-only then load-only (3 times each): measured / predicted."""
-    probe = sorted(requests, key=lambda r: r.trace.input_length)[len(requests) // 2]
-    probe = replace(probe, trace=replace(probe.trace, arrival_s=0.0))
-    factors = {}
-    for policy in ("compute-only", "load-only"):
+    """Requests restored alone (3 times each, median): the shortest and the median-length one compute-only give
+    the compute factor and the fixed overhead (a line through both); the median one load-only, the load factor."""
+    by_length = sorted(requests, key=lambda r: r.trace.input_length)
+    short, median = (replace(r, trace=replace(r.trace, arrival_s=0.0))
+                     for r in (by_length[0], by_length[len(by_length) // 2]))
+
+    def measured_and_predicted(probe: ReplayRequest, policy: str) -> tuple[float, float]:
         runs = [replay(url, token, MODEL, [probe], policy)[0] for _ in range(3)]
         config = sim_config(profile, shape, policy=policy, batch=1, n_stages=N_STAGES, n_channels=N_PODS,
                             link_gbps=link_gbps, chunk_size=chunk_size)
         predicted = predicted_restore(config, [probe], runs[:1])[probe.trace.request_id]
-        factors[policy] = statistics.median(r["restore_s"] for r in runs) / predicted
-    return Calibration(compute=factors["compute-only"], load=factors["load-only"])
+        return statistics.median(r["restore_s"] for r in runs), predicted
+
+    (m_short, p_short), (m_median, p_median) = (measured_and_predicted(p, "compute-only") for p in (short, median))
+    compute = (m_median - m_short) / (p_median - p_short) if p_median > p_short else m_median / p_median
+    overhead = max(0.0, m_short - compute * p_short)
+    m_load, p_load = measured_and_predicted(median, "load-only")
+    return Calibration(compute=compute, load=max(m_load - overhead, 1e-9) / p_load, overhead_s=overhead)
 
 
 def predicted_restore(config: SimConfig, requests: list[ReplayRequest], measured: list[dict[str, Any]]
                       ) -> dict[str, float]:
-    """Per request id: the simulated restore time, with the prefix the real run found in storage."""
-    trace = [replace(r.trace, cached_tokens=m["restored"]) for r, m in zip(requests, measured, strict=True)]
+    """Per request id: the simulated restore time, with the prefix the real run found in storage and the request
+    entering the admission queue when the real one did (after its prefix lookup)."""
+    trace = [replace(r.trace, cached_tokens=m["restored"], arrival_s=r.trace.arrival_s + m.get("lookup_s", 0.0))
+             for r, m in zip(requests, measured, strict=True)]
     return {res.request_id: res.restore_s for res in simulate(trace, config).requests}
 
 
@@ -189,7 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"link {link:.4f} Gbit/s per pod (Tio/Tcomp = 1); starting the cluster ...", flush=True)
         runs, calibration = real_runs(work, args, requests, link, profile, shape)
     errors = sim_errors(profile, shape, requests, runs, link, args.chunk_size, calibration)
-    scale = cluster_scale(profile, shape, requests, args.policy_names, args.chunk_size)
+    dense = select_requests(records, count=args.cluster_requests, token_scale=args.token_scale,
+                            max_tokens=args.max_tokens, time_scale=args.cluster_time_scale)
+    scale = cluster_scale(profile, shape, dense, args.policy_names, args.chunk_size)
     report(args, requests, link, runs, errors, scale, calibration)
     return 0
 
@@ -247,6 +267,7 @@ def report(args: argparse.Namespace, requests: list[ReplayRequest], link: float,
     summary = summary_of(runs, errors)
     out = Path(args.out)
     body = {"summary": summary, "machine": machine_facts(), "command": command_line(), "link_gbps_per_pod": link,
+            "cluster_requests": args.cluster_requests, "cluster_time_scale": args.cluster_time_scale,
             "calibration": asdict(calibration),
             "requests": [{"id": r.trace.request_id, "arrival_s": r.trace.arrival_s, "tokens": r.trace.input_length,
                           "cached": r.trace.cached_tokens} for r in requests],

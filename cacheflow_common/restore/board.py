@@ -88,6 +88,7 @@ class TwoPointerBoard:
         self._compute_free_at = self.t0
         self._load_free_at = self.t0
         self._load_active = True
+        self._load_stalled = False  # the loader waits for a shared link: the I/O pointer is not moving
 
     @property
     def states(self) -> Sequence[Unit]:
@@ -167,6 +168,14 @@ class TwoPointerBoard:
                 self.records[unit].miss_reason = reason
             self._retire_loader()
 
+    def load_stalled(self, stalled: bool) -> None:
+        """The loader waits for (False: got) a link slot that other requests hold. While it waits,
+        the compute side takes any unit: a unit planned for loading must not wait on a link it may
+        not get soon."""
+        with self._cond:
+            self._load_stalled = stalled
+            self._cond.notify_all()
+
     # -- shared ----------------------------------------------------------------------------
     def _retire_loader(self) -> None:
         self._load_active = False
@@ -178,7 +187,7 @@ class TwoPointerBoard:
             now=time.perf_counter(),
             compute_free_at=self._compute_free_at,
             load_free_at=self._load_free_at,
-            load_active=self._load_active,
+            load_active=self._load_active and not self._load_stalled,
         )
 
     def _replan_wait_s(self, other_side_free_at: float) -> float:

@@ -217,7 +217,7 @@ def _run_loader(board: TwoPointerBoard, load_unit: Callable[[int], str], error: 
     """The I/O pointer: load units from the back until the planner stops it or the pointers meet."""
     move_off_compute_cores()
     try:
-        while lane is None or lane.acquire(lambda: board.loadable_units() > 0):
+        while lane is None or _link_slot(board, lane):
             try:
                 unit = board.claim_load(wait=lane is None)
                 if unit is None:
@@ -237,6 +237,15 @@ def _run_loader(board: TwoPointerBoard, load_unit: Callable[[int], str], error: 
         log.exception("loader failed; its chunks will be recomputed")
         error.append(f"{type(exc).__name__}: {exc}")
         board.abort_loader("loader-error")
+
+
+def _link_slot(board: TwoPointerBoard, lane: Lane) -> bool:
+    """Wait for a slot on the shared links (False: nothing is left to load); compute may take any unit meanwhile."""
+    board.load_stalled(True)
+    try:
+        return lane.acquire(lambda: board.loadable_units() > 0)
+    finally:
+        board.load_stalled(False)
 
 
 def _planner(policy: str, mode: str, job: RestoreJob, loader: KVLoader, costs: CostModel | None) -> Planner:

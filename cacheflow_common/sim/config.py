@@ -45,6 +45,7 @@ class SimConfig:
     l_delta: int = 0  # token-wise iff the prefix has >= l_delta tokens (adaptive policies only)
     max_batch: int = 64  # requests admitted at once (restore to first token); later arrivals queue in order
     batch_window_s: float = 0.0  # a batch forms this long after its first request arrived (or when full)
+    restore_overhead_s: float = 0.0  # per restore, between the pointers meeting and the suffix prefill (RPCs)
     max_batch_tokens: int | None = None  # cap on one compute batch (the oldest request always fits)
     placement: str = "round-robin"  # which channel holds a unit: "round-robin" (even) or "hash"
     stage_layers: tuple[int, ...] = field(default=())  # layers per stage; () = an even split
@@ -54,9 +55,10 @@ class SimConfig:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"unknown placement {self.placement!r}; choose one of {', '.join(PLACEMENTS)}")
-        if min(self.n_stages, self.n_channels, self.max_batch, self.chunk_size) <= 0 or self.batch_window_s < 0:
+        if (min(self.n_stages, self.n_channels, self.max_batch, self.chunk_size) <= 0
+                or min(self.batch_window_s, self.restore_overhead_s) < 0):
             raise ConfigError("stages, channels, max batch and chunk size must be positive, "
-                              "the batch window not negative")
+                              "the batch window and restore overhead not negative")
         if not 1 <= self.n_stages <= self.model.num_layers:
             raise ConfigError(f"cannot split {self.model.num_layers} layers into {self.n_stages} stages")
         if self.stage_layers and (len(self.stage_layers) != self.n_stages or min(self.stage_layers) <= 0

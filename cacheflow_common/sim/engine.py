@@ -145,13 +145,18 @@ class _Simulation:
 
     def _check_restored(self, rid: str) -> None:
         if rid not in self._restored_s and self.scheduler.is_finished(rid):
-            self._restored_s[rid] = self.now
-            request = self.trace[rid]
-            if request.input_length == request.cached_tokens:
-                self._first_token(rid)
-            for start in range(request.cached_tokens, request.input_length, self.config.chunk_size):
-                end = min(start + self.config.chunk_size, request.input_length)
-                self._queue_prefill(0, _PrefillChunk(rid, start, end))
+            overhead = self.config.restore_overhead_s if self.trace[rid].cached_tokens else 0.0
+            self._restored_s[rid] = self.now + overhead
+            self._at(self._restored_s[rid], functools.partial(self._prefill_after_restore, rid))
+
+    def _prefill_after_restore(self, rid: str) -> None:
+        """The restore is reported done: the suffix enters stage 0 (the first token, if there is none)."""
+        request = self.trace[rid]
+        if request.input_length == request.cached_tokens:
+            self._first_token(rid)
+        for start in range(request.cached_tokens, request.input_length, self.config.chunk_size):
+            end = min(start + self.config.chunk_size, request.input_length)
+            self._queue_prefill(0, _PrefillChunk(rid, start, end))
 
     # -- stages ----------------------------------------------------------------------------------
     def _start_batch(self, stage: int) -> None:

@@ -81,6 +81,14 @@ def test_a_request_holds_its_slot_until_its_first_token():
     assert first.ttft_s > first.restore_s and second.queue_s == pytest.approx(first.ttft_s)
 
 
+def test_the_restore_overhead_delays_the_suffix_but_not_a_request_with_nothing_cached():
+    plain, slow = (simulate([request("0", suffix=100), request("1", cached=0, suffix=100, arrival=5.0)],
+                            config("compute-only", restore_overhead_s=overhead)).requests for overhead in (0.0, 0.25))
+    assert slow[0].restore_s == pytest.approx(plain[0].restore_s + 0.25)
+    assert slow[0].ttft_s == pytest.approx(plain[0].ttft_s + 0.25)
+    assert slow[1].ttft_s == pytest.approx(plain[1].ttft_s) and slow[1].restore_s == 0
+
+
 @pytest.mark.parametrize("arrivals, admitted", [((0.0,), (0.5,)), ((0.0, 0.2), (0.2, 0.2)), ((0.0, 0.6), (0.5, 1.1))])
 def test_a_batch_forms_when_its_window_closes_or_it_is_full(arrivals, admitted):
     trace = [request(str(i), cached=256, arrival=t) for i, t in enumerate(arrivals)]
@@ -147,7 +155,8 @@ def test_config_from_a_profile_takes_its_costs_and_the_nearest_l_delta():
 
 
 @pytest.mark.parametrize("bad", [{"policy": "fastest"}, {"placement": "random"}, {"n_stages": 5},
-                                 {"n_channels": 0}, {"batch_window_s": -1}, {"stage_layers": (1, 2)},
+                                 {"n_channels": 0}, {"batch_window_s": -1}, {"restore_overhead_s": -1},
+                                 {"stage_layers": (1, 2)},
                                  {"n_stages": 2, "stage_layers": (4, 0)}])
 def test_bad_configs_are_refused(bad):
     options = {"policy": "cacheflow"} | bad
