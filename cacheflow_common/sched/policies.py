@@ -3,12 +3,17 @@
 Every policy advances the compute pointers of every active request (batched, oldest first); they differ
 in what the I/O channels do:
 
-| policy         | channels serve                                   | compute takes           | modes           |
-|----------------|--------------------------------------------------|-------------------------|-----------------|
-| `cacheflow`    | the largest remaining recomputation cost first   | any unit at its pointer | layer < L_delta |
-| `cake`         | the oldest request first (per-request Cake)      | any unit at its pointer | token           |
-| `compute-only` | nothing                                          | everything              | token           |
-| `load-only`    | the oldest request first                         | only what cannot load   | token           |
+| policy               | channels serve                                 | compute takes           | modes           |
+|----------------------|------------------------------------------------|-------------------------|-----------------|
+| `cacheflow`          | the largest remaining recomputation cost first | any unit at its pointer | layer < L_delta |
+| `cake`               | the oldest request first (per-request Cake)    | any unit at its pointer | token           |
+| `compute-only`       | nothing                                        | everything              | token           |
+| `load-only`          | the oldest request first                       | only what cannot load   | token           |
+| `cacheflow-srpt`     | the least remaining recomputation cost first   | any unit at its pointer | layer < L_delta |
+| `cacheflow-progress` | the largest share of its own work done first   | any unit at its pointer | layer < L_delta |
+
+The last two are other channel rankings for the simulator's study of Algorithm 1's
+(`python -m cacheflow_bench.sched_ranking`); the workers implement `cacheflow`'s and arrival order.
 
 "Remaining recomputation cost" (Algorithm 1 of the paper) is the predicted compute time of the
 request's units that nobody has restored or claimed yet, over all stages; it is re-evaluated at every
@@ -35,6 +40,9 @@ class LoadCandidate(Protocol):
     @property
     def order(self) -> int: ...  # admission order (ties in arrival time)
 
+    @property
+    def total_s(self) -> float: ...  # predicted compute seconds of all its units, over all stages
+
 
 class Policy(Protocol):
     name: str
@@ -57,6 +65,25 @@ class CacheFlowPolicy:
 
     def load_rank(self, request: LoadCandidate) -> tuple[float, ...]:
         return (request.remaining_s, -request.arrival_s, -request.order)
+
+
+class ShortestRemainingPolicy(CacheFlowPolicy):
+    """CacheFlow's two pointers, but channels serve the request with the least recomputation left."""
+
+    name = "cacheflow-srpt"
+
+    def load_rank(self, request: LoadCandidate) -> tuple[float, ...]:
+        return (-request.remaining_s, -request.arrival_s, -request.order)
+
+
+class MostProgressPolicy(CacheFlowPolicy):
+    """CacheFlow's two pointers, but channels serve the request nearest its end, as a share of its own work."""
+
+    name = "cacheflow-progress"
+
+    def load_rank(self, request: LoadCandidate) -> tuple[float, ...]:
+        done = 1 - request.remaining_s / request.total_s if request.total_s > 0 else 1.0
+        return (done, -request.arrival_s, -request.order)
 
 
 class _FirstComeFirstServed:
@@ -93,7 +120,8 @@ class LoadOnlyPolicy(_FirstComeFirstServed):
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {
-    p.name: p for p in (CacheFlowPolicy, CakePolicy, ComputeOnlyPolicy, LoadOnlyPolicy)
+    p.name: p for p in (CacheFlowPolicy, CakePolicy, ComputeOnlyPolicy, LoadOnlyPolicy, ShortestRemainingPolicy,
+                        MostProgressPolicy)
 }
 
 

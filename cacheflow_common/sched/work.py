@@ -76,6 +76,7 @@ class RequestWork:
         self.pending_on: Counter[int] = Counter()  # channel -> PENDING units it holds, over all stages
         self.stages = [StageWork(s, token_mode=plan.mode == "token", pending_on=self.pending_on)
                        for s in plan.stages]
+        self.total_s = sum(sum(s.compute_s) for s in plan.stages)  # predicted compute seconds of all its units
 
     @property
     def request_id(self) -> str:

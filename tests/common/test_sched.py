@@ -44,6 +44,16 @@ def test_cacheflow_serves_the_largest_remaining_recomputation_cost_cake_the_olde
     assert scheduler("compute-only", short, long).next_load(0) is None
 
 
+def test_the_studied_rankings_serve_the_least_remaining_cost_or_the_largest_share_done():
+    short = plan("short", stage([1.0, 1.0, 1.0]), arrival=1.0)
+    long = plan("long", stage([1.0, 2.0, 3.0, 4.0, 5.0]), arrival=0.0)
+    assert scheduler("cacheflow-srpt", short, long).next_load(0) == LoadTask("short", 0, 2)
+    s = scheduler("cacheflow-progress", short, long)
+    assert s.next_compute_batch(0) == [ComputeTask("short", 0), ComputeTask("long", 0)]
+    assert s.next_load(0) == LoadTask("short", 0, 2)  # 1/3 of its work claimed vs 1/15 of long's
+    assert s.next_load(0) == LoadTask("short", 0, 1)  # 2/3; it stays ahead of long until it is done
+
+
 def test_priority_is_re_evaluated_at_every_decision():
     a = plan("a", stage([5.0, 5.0]))  # remaining 10
     b = plan("b", stage([3.0, 3.0, 3.0]), arrival=1.0)  # remaining 9
