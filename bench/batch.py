@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from cacheflow_bench.batch_report import by_batch_and_policy
 from cacheflow_bench.common import RESULTS_DIR, command_line, machine_facts, markdown_table, write_json
 from cacheflow_services.coordinator.config import CoordinatorConfig
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
@@ -65,11 +66,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--batches", default="2,4,8")
     p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--repeats", type=int, default=3, help="runs per batch size and policy (medians reported)")
     p.add_argument("--out", default=str(RESULTS_DIR))
     p.add_argument("--quick", action="store_true", help="smoke run: few short requests, batch 2 and 8")
     args = p.parse_args(argv)
     if args.quick:
-        args.requests, args.max_tokens, args.batches, args.cluster_requests = 4, 512, "2,8", 8
+        args.requests, args.max_tokens, args.batches, args.cluster_requests, args.repeats = 4, 512, "2,8", 8, 1
     args.batch_sizes = [int(b) for b in args.batches.split(",")]
     args.policy_names = args.policies.split(",")
     return args
@@ -226,13 +228,15 @@ def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest
             warm_up(first.url, cluster.token, MODEL, requests, [w.url for w in cluster.workers])
             calibration = calibrate(first.url, cluster.token, requests, profile, shape, link, args.chunk_size)
             print(f"calibration (measured / profiled, one request alone): {calibration}", flush=True)
-            for batch, coordinator in coordinators.items():
-                for policy in args.policy_names:
-                    per_request = replay(coordinator.url, cluster.token, MODEL, requests, policy)
-                    stats = ttft_stats([r["ttft_s"] for r in per_request])
-                    runs.append({"batch": batch, "policy": policy, **stats, "requests": per_request})
-                    print(f"  batch {batch} {policy:>12}: TTFT mean {stats['mean_s']:.3f} s, "
-                          f"p99 {stats['p99_s']:.3f} s", flush=True)
+            for repeat in range(args.repeats):  # policies interleaved: a slow spell of the machine hits them all
+                for batch, coordinator in coordinators.items():
+                    for policy in args.policy_names:
+                        per_request = replay(coordinator.url, cluster.token, MODEL, requests, policy)
+                        stats = ttft_stats([r["ttft_s"] for r in per_request])
+                        runs.append({"batch": batch, "policy": policy, "repeat": repeat, **stats,
+                                     "requests": per_request})
+                        print(f"  run {repeat + 1}, batch {batch} {policy:>12}: TTFT mean {stats['mean_s']:.3f} s, "
+                              f"p99 {stats['p99_s']:.3f} s", flush=True)
         finally:
             for c in coordinators.values():
                 c.stop()
@@ -243,21 +247,33 @@ def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest
 
 def sim_errors(profile: Profile, shape: ModelShape, requests: list[ReplayRequest], runs: list[dict[str, Any]],
                link: float, chunk_size: int, calibration: Calibration) -> list[dict[str, Any]]:
-    """Per run: the (calibrated) simulator's restore time per request against the measured one."""
+    """Per batch size and policy: the (calibrated) simulator's restore time per request against the median
+    of its measured runs, and how far one run lands from that median (the machine's own noise)."""
     out = []
-    for run in runs:
-        config = sim_config(profile, shape, policy=run["policy"], batch=run["batch"], n_stages=N_STAGES,
-                            n_channels=N_PODS, link_gbps=link, chunk_size=chunk_size, calibration=calibration)
-        predicted = predicted_restore(config, requests, run["requests"])
-        errors = [abs(predicted[m["request"]] - m["restore_s"]) / m["restore_s"]
-                  for m in run["requests"] if m["restored"] and m["restore_s"] > 0]
+    for (batch, policy), mine in by_batch_and_policy(runs).items():
+        measured = [_median_request([run["requests"][i] for run in mine]) for i in range(len(requests))]
+        config = sim_config(profile, shape, policy=policy, batch=batch, n_stages=N_STAGES, n_channels=N_PODS,
+                            link_gbps=link, chunk_size=chunk_size, calibration=calibration)
+        predicted = predicted_restore(config, requests, measured)
+        timed = [m for m in measured if m["restored"] and m["restore_s"] > 0]
+        errors = sorted(abs(predicted[m["request"]] - m["restore_s"]) / m["restore_s"] for m in timed)
+        spread = sorted(abs(run["requests"][i]["restore_s"] - m["restore_s"]) / m["restore_s"]
+                        for run in mine for i, m in enumerate(measured) if m in timed)
         sim_mean = sum(predicted.values()) / len(predicted)
-        real_mean = sum(m["restore_s"] for m in run["requests"]) / len(run["requests"])
-        out.append({"batch": run["batch"], "policy": run["policy"], "max_rel_error": max(errors, default=0.0),
+        real_mean = sum(m["restore_s"] for m in measured) / len(measured)
+        out.append({"batch": batch, "policy": policy, "runs": len(mine), "max_rel_error": max(errors, default=0.0),
                     "mean_rel_error": abs(sim_mean - real_mean) / real_mean if real_mean else 0.0,
-                    "median_rel_error": sorted(errors)[len(errors) // 2] if errors else 0.0,
+                    "median_rel_error": errors[len(errors) // 2] if errors else 0.0,
+                    "run_max_rel_spread": max(spread, default=0.0),
+                    "run_median_rel_spread": spread[len(spread) // 2] if spread else 0.0,
                     "mean_restore_real_s": real_mean, "mean_restore_sim_s": sim_mean})
     return out
+
+
+def _median_request(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """One request's measurements over repeated runs: the median restore time and lookup (tokens: the first run's)."""
+    return {**samples[0], "restore_s": statistics.median(m["restore_s"] for m in samples),
+            "lookup_s": statistics.median(m.get("lookup_s", 0.0) for m in samples)}
 
 
 def report(args: argparse.Namespace, requests: list[ReplayRequest], link: float, runs: list[dict[str, Any]],

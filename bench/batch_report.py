@@ -2,19 +2,45 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+STATS = ("mean_s", "p50_s", "p90_s", "p99_s")
 
-def _run(runs: list[dict[str, Any]], batch: int, policy: str) -> dict[str, Any] | None:
-    return next((r for r in runs if r["batch"] == batch and r["policy"] == policy), None)
+
+def by_batch_and_policy(runs: list[dict[str, Any]]) -> dict[tuple[int, str], list[dict[str, Any]]]:
+    """The runs of each batch size and policy (repeats), in the order they ran."""
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["batch"], run["policy"]), []).append(run)
+    return groups
+
+
+def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per batch size and policy, over its repeated runs: the median of each TTFT statistic, and the
+    range of the mean and P99 (how much one run's numbers move on this machine)."""
+    out = []
+    for (batch, policy), mine in by_batch_and_policy(runs).items():
+        row: dict[str, Any] = {"batch": batch, "policy": policy, "repeats": len(mine)}
+        row |= {k: statistics.median(r[k] for r in mine) for k in STATS}
+        row |= {f"{k}_{end}": f(r[k] for r in mine) for k in ("mean_s", "p99_s") for end, f in (("min", min),
+                                                                                                   ("max", max))}
+        out.append(row)
+    return out
+
+
+def _row(rows: list[dict[str, Any]], batch: int, policy: str) -> dict[str, Any] | None:
+    return next((r for r in rows if r["batch"] == batch and r["policy"] == policy), None)
 
 
 def summary_of(runs: list[dict[str, Any]], errors: list[dict[str, Any]]) -> dict[str, Any]:
-    """The targets at the largest batch replayed (8 by default): measured on the local cluster."""
-    batch = max(r["batch"] for r in runs)
-    cf, cake, compute = (_run(runs, batch, p) for p in ("cacheflow", "cake", "compute-only"))
+    """The targets at the largest batch replayed (8 by default), medians over repeats: measured on the local
+    cluster."""
+    rows = aggregate(runs)
+    batch = max(r["batch"] for r in rows)
+    cf, cake, compute = (_row(rows, batch, p) for p in ("cacheflow", "cake", "compute-only"))
     return {
         "batch": batch,
         "p99_ratio_vs_cake_b8": cf["p99_s"] / cake["p99_s"] if cf and cake else None,
@@ -22,6 +48,8 @@ def summary_of(runs: list[dict[str, Any]], errors: list[dict[str, Any]]) -> dict
         "sim_max_rel_error": max(e["max_rel_error"] for e in errors) if errors else None,
         "sim_median_rel_error": sorted(e["median_rel_error"] for e in errors)[len(errors) // 2] if errors else None,
         "sim_max_mean_error": max(e["mean_rel_error"] for e in errors) if errors else None,
+        "run_max_rel_spread": max(e["run_max_rel_spread"] for e in errors) if errors else None,
+        "run_median_rel_spread": statistics.median(e["run_median_rel_spread"] for e in errors) if errors else None,
     }
 
 
@@ -43,14 +71,21 @@ def write_markdown(path: Path, body: dict[str, Any], table: Callable[..., str]) 
                  ["simulator: worst per-request restore-time error", s["sim_max_rel_error"], "<= 0.15"],
                  ["simulator: median per-request restore-time error (median run)", s["sim_median_rel_error"], ""],
                  ["simulator: worst error of a run's mean restore time", s["sim_max_mean_error"], ""],
-             ]), "", "## Local cluster: TTFT (s)", "",
-             table(["batch", "policy", "mean", "P50", "P90", "P99"],
-                   [[r["batch"], r["policy"], r["mean_s"], r["p50_s"], r["p90_s"], r["p99_s"]] for r in body["runs"]]),
-             "", "## Simulator vs measured restore time", "",
+                 ["one run vs the median of its repeats, per request: worst / median (the machine's own noise)",
+                  f"{s['run_max_rel_spread']:.3f} / {s['run_median_rel_spread']:.3f}", ""],
+             ]), "", "## Local cluster: TTFT (s), median of the repeated runs (range over them)", "",
+             table(["batch", "policy", "runs", "mean", "P50", "P90", "P99"],
+                   [[r["batch"], r["policy"], r["repeats"], f"{r['mean_s']:.3f} ({r['mean_s_min']:.3f}-"
+                     f"{r['mean_s_max']:.3f})", r["p50_s"], r["p90_s"],
+                     f"{r['p99_s']:.3f} ({r['p99_s_min']:.3f}-{r['p99_s_max']:.3f})"]
+                    for r in aggregate(body["runs"])]),
+             "", "## Simulator vs measured restore time (per request, the median of its repeated runs)", "",
              table(["batch", "policy", "mean real (s)", "mean sim (s)", "error of mean", "median error",
-                    "worst error"],
+                    "worst error", "one run vs median: median / worst"],
                    [[e["batch"], e["policy"], e["mean_restore_real_s"], e["mean_restore_sim_s"], e["mean_rel_error"],
-                     e["median_rel_error"], e["max_rel_error"]] for e in body["sim_validation"]]),
+                     e["median_rel_error"], e["max_rel_error"],
+                     f"{e['run_median_rel_spread']:.3f} / {e['run_max_rel_spread']:.3f}"]
+                    for e in body["sim_validation"]]),
              "", f"## Simulator at cluster scale (8 stages, 8 channels; {body.get('cluster_requests', '')} "
              f"requests, arrival times x{body.get('cluster_time_scale', '')}): TTFT (s)", "",
              table(["Tio/Tcomp", "batch", "policy", "mean", "P50", "P90", "P99"],
@@ -66,17 +101,18 @@ def write_plot(path: Path, runs: list[dict[str, Any]], scale: list[dict[str, Any
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    policies = sorted({r["policy"] for r in runs})
-    batches = sorted({r["batch"] for r in runs})
+    medians = aggregate(runs)
+    policies = sorted({r["policy"] for r in medians})
+    batches = sorted({r["batch"] for r in medians})
     width = 0.8 / len(policies)
     for i, policy in enumerate(policies):
-        rows = [_run(runs, bt, policy) for bt in batches]
+        rows = [_row(medians, bt, policy) for bt in batches]
         a.bar([x + i * width for x in range(len(batches))], [r["p99_s"] if r else 0 for r in rows], width,
               label=policy)
         sim = [r for r in scale if r["policy"] == policy and r["tio_over_tcomp"] == 1.0]
         b.plot([r["batch"] for r in sim], [r["mean_s"] for r in sim], marker="o", label=policy)
     a.set_xticks([x + 0.4 - width / 2 for x in range(len(batches))], [f"batch {bt}" for bt in batches])
-    a.set(ylabel="P99 TTFT (s)", title="local cluster (measured)")
+    a.set(ylabel="P99 TTFT (s)", title="local cluster (measured, median of runs)")
     b.set(xscale="log", xlabel="batch", ylabel="mean TTFT (s)", title="simulator, 8 stages, Tio/Tcomp = 1")
     a.legend()
     b.legend()

@@ -16,7 +16,7 @@ def test_batch_benchmark_quick_run(tmp_path):
     summary = body["summary"]
     assert summary["batch"] == 8
     assert summary["p99_ratio_vs_cake_b8"] > 0 and summary["mean_speedup_vs_compute_only_b8"] > 0
-    assert summary["sim_max_rel_error"] >= 0
+    assert summary["sim_max_rel_error"] >= 0 and summary["run_max_rel_spread"] == 0  # one run: no spread
     assert {(r["batch"], r["policy"]) for r in body["runs"]} == {
         (b, p) for b in (2, 8) for p in ("compute-only", "cake", "cacheflow")}
     for run in body["runs"]:
