@@ -132,14 +132,17 @@ class Calibration:
 
 
 def sim_config(profile: Profile, shape: ModelShape, *, policy: str, batch: int, n_stages: int, n_channels: int,
-               link_gbps: float, chunk_size: int, calibration: Calibration = Calibration()) -> SimConfig:
-    """The simulated cluster; adaptive `cacheflow` is token-wise on more than one stage, as the workers run it."""
+               link_gbps: float, chunk_size: int, calibration: Calibration = Calibration(),
+               batched_compute: bool = False) -> SimConfig:
+    """The simulated cluster; adaptive `cacheflow` is token-wise on more than one stage, as the workers run it.
+    Without `batched_compute`, each request's units pay their own fixed costs, as the local workers (which
+    compute request by request) do; the cluster-scale what-if batches them, as the design does."""
     l_delta = FORCED_MODE_L_DELTA.get(policy, 0 if n_stages > 1 else profile.l_delta_for(link_gbps * 1e9 / 8))
     return SimConfig(model=shape, costs=profile.costs.scaled(compute=calibration.compute, load=calibration.load),
                      policy="cacheflow" if policy in FORCED_MODE_L_DELTA else policy, n_stages=n_stages,
                      n_channels=n_channels, link_gbps=link_gbps / calibration.load, chunk_size=chunk_size,
                      l_delta=l_delta, max_batch=batch, batch_window_s=CoordinatorConfig.batch_window_s,
-                     restore_overhead_s=calibration.overhead_s)
+                     restore_overhead_s=calibration.overhead_s, batched_compute=batched_compute)
 
 
 def calibrate(url: str, token: str, requests: list[ReplayRequest], profile: Profile, shape: ModelShape,
@@ -183,7 +186,7 @@ def cluster_scale(profile: Profile, shape: ModelShape, requests: list[ReplayRequ
         for batch in (8, 16, 32, 64):
             for policy in policies:
                 config = sim_config(profile, shape, policy=policy, batch=batch, n_stages=8, n_channels=8,
-                                    link_gbps=link, chunk_size=chunk_size)
+                                    link_gbps=link, chunk_size=chunk_size, batched_compute=True)
                 summary = simulate(trace, config).summary()
                 rows.append({"tio_over_tcomp": ratio, "link_gbps": link, "batch": batch, "policy": policy,
                              **{k: summary[f"ttft_{k}"] for k in ("mean_s", "p50_s", "p90_s", "p99_s")},

@@ -46,6 +46,8 @@ class SimConfig:
     max_batch: int = 64  # requests admitted at once (restore to first token); later arrivals queue in order
     batch_window_s: float = 0.0  # a batch forms this long after its first request arrived (or when full)
     restore_overhead_s: float = 0.0  # per restore, between the pointers meeting and the suffix prefill (RPCs)
+    batched_compute: bool = True  # a stage's batch pays the shared fixed cost once; False: every unit pays its
+    # own, as workers that compute request by request do (the local cluster's)
     max_batch_tokens: int | None = None  # cap on one compute batch (the oldest request always fits)
     placement: str = "round-robin"  # which channel holds a unit: "round-robin" (even) or "hash"
     stage_layers: tuple[int, ...] = field(default=())  # layers per stage; () = an even split

@@ -13,10 +13,11 @@ reads like the worker's:
 A stage's compute batch holds the restore units the scheduler chose plus one suffix-prefill chunk of
 every request waiting at that stage (chunked prefill, `chunk_size` tokens). It costs the batch-shared
 fixed part once (the largest among its items: per-layer launch costs) plus each item's own per-token
-and attention terms. A request's suffix enters stage 0 when its restore is done, chunk by chunk; each
-chunk moves on to the next stage after it (a pipeline), and the first token is out when the last
-chunk leaves the last stage. Costs are the cost model's predictions, so the plan the policy ranks by
-is exact here.
+and attention terms (with `batched_compute` off, every item pays its own fixed part too). A request's
+suffix enters stage 0 when its restore is done (plus `restore_overhead_s`), chunk by chunk; each chunk
+moves on to the next stage after it (a pipeline), and the first token is out when the last chunk
+leaves the last stage. Costs are the cost model's predictions, so the plan the policy ranks by is
+exact here.
 """
 
 from __future__ import annotations
@@ -167,7 +168,9 @@ class _Simulation:
         if not tasks and not prefills:
             return
         items = [self._unit_costs(stage, t) for t in tasks] + [self._prefill_costs(stage, c) for c in prefills]
-        seconds = max(fixed for _, fixed in items) + sum(total - fixed for total, fixed in items)
+        seconds = sum(total for total, _ in items)
+        if self.config.batched_compute:  # the batch-shared fixed part once, not once per item
+            seconds -= sum(fixed for _, fixed in items) - max(fixed for _, fixed in items)
         batch = self._batches[stage] = _Batch(tasks, prefills)
         self._stage_busy[stage] += seconds
         self._at(self.now + seconds, lambda: self._batch_done(stage, batch))

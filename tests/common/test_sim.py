@@ -100,6 +100,9 @@ def test_one_batch_pays_the_fixed_cost_once():
     two = simulate([request("0", cached=256), request("1", cached=256)], config("compute-only"))
     alone = chunk_compute(256, 4)[0]
     assert two.requests[0].restore_s == pytest.approx(2 * alone - 4 * COSTS.chunk_compute.fixed_s)
+    unbatched = simulate([request("0", cached=256), request("1", cached=256)],
+                         config("compute-only", batched_compute=False))
+    assert unbatched.requests[0].restore_s == pytest.approx(2 * alone)
 
 
 # -- the bound and the policies side by side -----------------------------------------------------------
