@@ -38,7 +38,7 @@ from cacheflow_services.coordinator.config import CoordinatorConfig
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
 from cacheflow_services.demo.run import SLICE as DEMO_SLICE
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
-from cacheflow_services.replay import replay, ttft_stats, warm_up
+from cacheflow_services.replay import ReplayError, replay, ttft_stats, warm_up
 
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.sim import ModelShape, SimConfig, simulate
@@ -234,10 +234,10 @@ def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest
             for repeat in range(args.repeats):  # policies interleaved: a slow spell of the machine hits them all
                 for batch, coordinator in coordinators.items():
                     for policy in args.policy_names:
-                        per_request = replay(coordinator.url, cluster.token, MODEL, requests, policy)
+                        per_request, failure = replay_retried(coordinator.url, cluster.token, requests, policy)
                         stats = ttft_stats([r["ttft_s"] for r in per_request])
                         runs.append({"batch": batch, "policy": policy, "repeat": repeat, **stats,
-                                     "requests": per_request})
+                                     "failed_first_try": failure, "requests": per_request})
                         print(f"  run {repeat + 1}, batch {batch} {policy:>12}: TTFT mean {stats['mean_s']:.3f} s, "
                               f"p99 {stats['p99_s']:.3f} s", flush=True)
         finally:
@@ -246,6 +246,16 @@ def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest
     finally:
         cluster.stop()
     return runs, calibration
+
+
+def replay_retried(url: str, token: str, requests: list[ReplayRequest], policy: str
+                   ) -> tuple[list[dict[str, Any]], str]:
+    """A replay, run once more if a request failed (the failure is returned and recorded, not hidden)."""
+    try:
+        return replay(url, token, MODEL, requests, policy), ""
+    except ReplayError as exc:
+        print(f"  a request failed, the run is repeated: {exc}", flush=True)
+        return replay(url, token, MODEL, requests, policy), str(exc)
 
 
 def sim_errors(profile: Profile, shape: ModelShape, requests: list[ReplayRequest], runs: list[dict[str, Any]],

@@ -50,6 +50,7 @@ def summary_of(runs: list[dict[str, Any]], errors: list[dict[str, Any]]) -> dict
         "sim_max_mean_error": max(e["mean_rel_error"] for e in errors) if errors else None,
         "run_max_rel_spread": max(e["run_max_rel_spread"] for e in errors) if errors else None,
         "run_median_rel_spread": statistics.median(e["run_median_rel_spread"] for e in errors) if errors else None,
+        "runs_repeated_after_a_failure": sum(bool(r.get("failed_first_try")) for r in runs),
     }
 
 
@@ -73,7 +74,8 @@ def write_markdown(path: Path, body: dict[str, Any], table: Callable[..., str]) 
                  ["simulator: worst error of a run's mean restore time", s["sim_max_mean_error"], ""],
                  ["one run vs the median of its repeats, per request: worst / median (the machine's own noise)",
                   f"{s['run_max_rel_spread']:.3f} / {s['run_median_rel_spread']:.3f}", ""],
-             ]), "", "## Local cluster: TTFT (s), median of the repeated runs (range over them)", "",
+             ]), "", *_failures(body["runs"]),
+             "## Local cluster: TTFT (s), median of the repeated runs (range over them)", "",
              table(["batch", "policy", "runs", "mean", "P50", "P90", "P99"],
                    [[r["batch"], r["policy"], r["repeats"], f"{r['mean_s']:.3f} ({r['mean_s_min']:.3f}-"
                      f"{r['mean_s_max']:.3f})", r["p50_s"], r["p90_s"],
@@ -92,6 +94,16 @@ def write_markdown(path: Path, body: dict[str, Any], table: Callable[..., str]) 
                    [[r["tio_over_tcomp"], r["batch"], r["policy"], r["mean_s"], r["p50_s"], r["p90_s"], r["p99_s"]]
                     for r in body["cluster_scale"]]), ""]
     path.write_text("\n".join(lines))
+
+
+def _failures(runs: list[dict[str, Any]]) -> list[str]:
+    """Lines naming the runs that were repeated because a request failed, with the coordinator's answer."""
+    failed = [r for r in runs if r.get("failed_first_try")]
+    if not failed:
+        return []
+    return ["Runs repeated because a request failed (the repeat's numbers are reported):", "",
+            *[f"* batch {r['batch']}, {r['policy']}, run {r['repeat'] + 1}: {r['failed_first_try']}" for r in failed],
+            ""]
 
 
 def write_plot(path: Path, runs: list[dict[str, Any]], scale: list[dict[str, Any]]) -> None:

@@ -35,14 +35,21 @@ def replay(url: str, token: str, model: str, requests: list[ReplayRequest], poli
            on_done: Callable[[], None] | None = None) -> list[dict[str, Any]]:
     """Send each request at its arrival time with `save: false`; the coordinator's timings per request."""
     results: list[dict[str, Any]] = [{} for _ in requests]
+    errors: dict[str, str] = {}  # request id -> the coordinator's answer, for the failed ones
     began = time.monotonic()
 
     def send(i: int, r: ReplayRequest) -> None:
         time.sleep(max(0.0, began + r.trace.arrival_s - time.monotonic()))
         body = {"model": model, "prompt": r.token_ids, "max_tokens": 1, "policy": policy, "save": False}
-        resp = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {token}"},
-                          timeout=TIMEOUT_S)
-        resp.raise_for_status()
+        try:
+            resp = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {token}"},
+                              timeout=TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            errors[r.trace.request_id] = f"{type(exc).__name__}: {exc}"
+            return
+        if resp.status_code != 200:
+            errors[r.trace.request_id] = f"HTTP {resp.status_code}: {resp.text[:300]}"
+            return
         extra = resp.json()["cacheflow"]
         results[i] = {"request": r.trace.request_id, "arrival_s": r.trace.arrival_s, "tokens": r.trace.input_length,
                       "restored": extra["prompt_tokens_restored"], "ttft_s": extra["ttft_s"],
@@ -57,8 +64,12 @@ def replay(url: str, token: str, model: str, requests: list[ReplayRequest], poli
     for t in threads:
         t.join()
     if missing := [r.trace.request_id for r, res in zip(requests, results, strict=True) if not res]:
-        raise RuntimeError(f"requests {missing} failed (see the coordinator's log)")
+        raise ReplayError(f"{policy}: requests {missing} failed: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
     return results
+
+
+class ReplayError(RuntimeError):
+    """Some replayed requests failed; the message holds the coordinator's answers."""
 
 
 def ttft_stats(ttfts: Sequence[float]) -> dict[str, float]:

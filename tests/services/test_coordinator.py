@@ -18,9 +18,12 @@ import httpx
 import pytest
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
+from cacheflow_services.replay import ReplayError, replay
 
 from cacheflow_common.model.sources import load_model
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.sim.replay import ReplayRequest
+from cacheflow_common.sim.trace import TraceRequest
 from tests.factories import greedy_reference
 
 CHUNK = 32
@@ -175,6 +178,16 @@ def test_metrics_report_ttft_batches_and_restored_tokens(client, cluster):
         assert name in text, name
 
 
+def test_a_replay_that_loses_a_request_names_it_and_the_coordinators_answer(cluster):
+    local, _ = cluster
+    ok = ReplayRequest(trace=TraceRequest(request_id="ok", arrival_s=0.0, input_length=40, cached_tokens=0),
+                       token_ids=_prompt(40, seed=7))
+    bad = ReplayRequest(trace=TraceRequest(request_id="bad", arrival_s=0.0, input_length=3, cached_tokens=0),
+                        token_ids=[1, 2, 10**9])  # a token id outside the vocabulary
+    with pytest.raises(ReplayError, match=r"requests \['bad'\] failed: bad: HTTP 400: .*vocabulary"):
+        replay(local.coordinator.url, local.token, MODEL, [ok, bad], "cake")
+
+
 def test_a_full_queue_answers_429(cluster, tmp_path):
     local, workdir = cluster
     narrow = _second_coordinator(local, workdir, tmp_path, "--max-batch", "1", "--max-queue", "0")
@@ -228,3 +241,4 @@ def test_a_killed_stage_worker_fails_requests_with_a_reason_not_a_hang(client, c
         time.sleep(0.5)
     assert r.status_code == 503 and "stage worker(s) 1 not answering" in r.json()["detail"]
     assert httpx.get(f"{local.coordinator.url}/readyz").status_code == 503
+
