@@ -171,7 +171,7 @@ def predicted_restore(config: SimConfig, requests: list[ReplayRequest], measured
                       ) -> dict[str, float]:
     """Per request id: the simulated restore time, with the prefix the real run found in storage and the request
     entering the admission queue when the real one did (after its prefix lookup)."""
-    trace = [replace(r.trace, cached_tokens=m["restored"], arrival_s=r.trace.arrival_s + m.get("lookup_s", 0.0))
+    trace = [replace(r.trace, cached_tokens=m["restored"], arrival_s=r.trace.arrival_s + m["lookup_s"])
              for r, m in zip(requests, measured, strict=True)]
     return {res.request_id: res.restore_s for res in simulate(trace, config).requests}
 
@@ -268,10 +268,11 @@ def sim_errors(profile: Profile, shape: ModelShape, requests: list[ReplayRequest
         config = sim_config(profile, shape, policy=policy, batch=batch, n_stages=N_STAGES, n_channels=N_PODS,
                             link_gbps=link, chunk_size=chunk_size, calibration=calibration)
         predicted = predicted_restore(config, requests, measured)
-        timed = [m for m in measured if m["restored"] and m["restore_s"] > 0]
-        errors = sorted(abs(predicted[m["request"]] - m["restore_s"]) / m["restore_s"] for m in timed)
-        spread = sorted(abs(run["requests"][i]["restore_s"] - m["restore_s"]) / m["restore_s"]
-                        for run in mine for i, m in enumerate(measured) if m in timed)
+        timed = [i for i, m in enumerate(measured) if m["restored"] and m["restore_s"] > 0]
+        errors = sorted(abs(predicted[measured[i]["request"]] - measured[i]["restore_s"]) / measured[i]["restore_s"]
+                        for i in timed)
+        spread = sorted(abs(run["requests"][i]["restore_s"] - measured[i]["restore_s"]) / measured[i]["restore_s"]
+                        for run in mine for i in timed)
         sim_mean = sum(predicted.values()) / len(predicted)
         real_mean = sum(m["restore_s"] for m in measured) / len(measured)
         out.append({"batch": batch, "policy": policy, "runs": len(mine), "max_rel_error": max(errors, default=0.0),
@@ -286,7 +287,7 @@ def sim_errors(profile: Profile, shape: ModelShape, requests: list[ReplayRequest
 def _median_request(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """One request's measurements over repeated runs: the median restore time and lookup (tokens: the first run's)."""
     return {**samples[0], "restore_s": statistics.median(m["restore_s"] for m in samples),
-            "lookup_s": statistics.median(m.get("lookup_s", 0.0) for m in samples)}
+            "lookup_s": statistics.median(m["lookup_s"] for m in samples)}
 
 
 def report(args: argparse.Namespace, requests: list[ReplayRequest], link: float, runs: list[dict[str, Any]],

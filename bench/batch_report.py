@@ -61,7 +61,7 @@ def write_markdown(path: Path, body: dict[str, Any], table: Callable[..., str]) 
              f"{len(body['requests'])} trace requests, link {body['link_gbps_per_pod']:.4f} Gbit/s per pod "
              "(Tio/Tcomp = 1 per stage). Simulator calibration (the shortest and the median request restored "
              f"alone, measured / profiled): compute x{body['calibration']['compute']:.2f}, "
-             f"load x{body['calibration']['load']:.2f}, plus {body['calibration'].get('overhead_s', 0.0):.3f} s "
+             f"load x{body['calibration']['load']:.2f}, plus {body['calibration']['overhead_s']:.3f} s "
              "per restore outside the two pointers. Simulated requests enter the admission queue when the real "
              "ones did (after their prefix lookup).",
              "",
@@ -88,8 +88,8 @@ def write_markdown(path: Path, body: dict[str, Any], table: Callable[..., str]) 
                      e["median_rel_error"], e["max_rel_error"],
                      f"{e['run_median_rel_spread']:.3f} / {e['run_max_rel_spread']:.3f}"]
                     for e in body["sim_validation"]]),
-             "", f"## Simulator at cluster scale (8 stages, 8 channels; {body.get('cluster_requests', '')} "
-             f"requests, arrival times x{body.get('cluster_time_scale', '')}): TTFT (s)", "",
+             "", f"## Simulator at cluster scale (8 stages, 8 channels; {body['cluster_requests']} "
+             f"requests, arrival times x{body['cluster_time_scale']}): TTFT (s)", "",
              table(["Tio/Tcomp", "batch", "policy", "mean", "P50", "P90", "P99"],
                    [[r["tio_over_tcomp"], r["batch"], r["policy"], r["mean_s"], r["p50_s"], r["p90_s"], r["p99_s"]]
                     for r in body["cluster_scale"]]), ""]

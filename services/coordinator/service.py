@@ -48,8 +48,8 @@ class Request:
     cached_tokens: int  # tokens [0, cached) are restored from storage; the rest are prefilled
     policy: str  # the restore policy sent to the workers ("" = theirs)
     ticket: Ticket
-    arrived: float = field(default_factory=time.perf_counter)  # before its prefix lookup: TTFT counts from here
-    lookup_s: float = 0.0  # finding how much of the prompt the pods hold
+    arrived: float  # perf_counter() before its prefix lookup: TTFT counts from here
+    lookup_s: float  # finding how much of the prompt the pods hold
     queue_s: float = 0.0  # lookup done -> admitted
     stages: list[dict[str, Any]] = field(default_factory=list)  # per-stage restore summaries
     restore_s: float = 0.0
