@@ -17,9 +17,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from cacheflow_common.errors import ConfigError
-from cacheflow_common.sim.trace import BLOCK_TOKENS, TraceRequest, read_trace
+from cacheflow_common.sim.trace import BLOCK_TOKENS, TraceRequest, open_trace, read_trace
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 VOCAB = 4096  # token ids are drawn below this (the tiny model's vocabulary; SmolLM2's is larger)
 
 
@@ -81,7 +80,7 @@ def load_slice(path: Path) -> list[TraceRecord]:
 
 def _hash_ids(path: Path, start: int, scan: int) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
-    with open(path) as f:
+    with open_trace(path) as f:
         for index, line in enumerate(f):
             if index >= start + scan:
                 break

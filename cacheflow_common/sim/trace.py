@@ -9,11 +9,12 @@ starting mid-trace finds the cache its earlier requests left.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import IO, NamedTuple
 
 from cacheflow_common.errors import ConfigError
 
@@ -41,10 +42,16 @@ def read_trace(path: str | Path, *, start: int = 0, count: int | None = None, ti
     `time_scale` < 1 compresses the trace (more load), > 1 stretches it.
     """
     try:
-        with open(path) as f:
+        with open_trace(path) as f:
             return parse_trace(f, start=start, count=count, time_scale=time_scale, block_tokens=block_tokens)
     except OSError as exc:
         raise ConfigError(f"cannot read trace {path}: {exc}") from exc
+
+
+def open_trace(path: str | Path) -> IO[str]:
+    """A trace file as text lines; a `.gz` file is decompressed as it is read."""
+    path = Path(path)
+    return gzip.open(path, "rt") if path.suffix == ".gz" else open(path)
 
 
 def parse_trace(lines: Iterable[str], *, start: int = 0, count: int | None = None, time_scale: float = 1.0,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from cacheflow_bench.batch_report import _failures, aggregate, summary_of
 
 

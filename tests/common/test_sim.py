@@ -16,7 +16,7 @@ from cacheflow_common.sched import POLICIES
 from cacheflow_common.sim import ModelShape, SimConfig, TraceRequest, parse_trace, percentile, read_trace, simulate
 from tests.factories import tiny_config
 
-TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+TRACE = Path(__file__).resolve().parents[2] / "bench" / "traces" / "mooncake_conversation_trace.jsonl.gz"
 COSTS = CostModel(chunk_compute=LinearCost(fixed_s=1e-3, per_token_s=1e-5, per_token_ctx_s=1e-8),
                   layer_compute=LinearCost(fixed_s=2e-3, per_token_s=1e-5, per_token_ctx_s=1e-8),
                   load=LoadCost(bytes_per_s=1e9, latency_s=1e-4))
@@ -213,7 +213,7 @@ def test_percentile_interpolates_between_ranks():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([5.0], 99) == 5.0 and percentile([], 50) == 0.0
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not here")
+@pytest.mark.skipif(not TRACE.exists(), reason=f"the Mooncake trace {TRACE} is missing")
 @pytest.mark.parametrize("gbps", [10, 40, 80])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_a_trace_slice_runs_for_every_policy(policy, gbps):

@@ -15,9 +15,9 @@ from typing import Any
 import jsonschema
 import kubernetes_validate.utils as kv
 import yaml
-from cacheflow_services.cli import build_parser
 
 from cacheflow_common.transport.pod_client import PodAddress
+from cacheflow_services.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "cacheflow"

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import kmock
 import yaml
+
 from cacheflow_operator.main import operator
 from cacheflow_operator.spec import API_VERSION, KIND, PLURAL
 

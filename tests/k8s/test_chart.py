@@ -13,11 +13,11 @@ from typing import Any
 import helm_python as helm
 import pytest
 import yaml
+
 from cacheflow_operator import chart_schema, crd
 from cacheflow_operator.manifests.build import children
 from cacheflow_operator.spec import API_VERSION, DEFAULT_IMAGE, DEFAULT_TAG, KIND, Cluster
 from cacheflow_services.storage.config import read_token_file
-
 from tests.k8s.checks import CHART, by_kind, check_wiring, container, parse_args, validate_all, validate_cr
 
 RELEASE, NAMESPACE = "cacheflow", "inference"

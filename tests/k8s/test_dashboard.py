@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 import pytest
-from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
 from prometheus_client.parser import text_string_to_metric_families
 
+from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
 from tests.k8s.checks import CHART
 from tests.k8s.promql import metric_names, variable_metric
 

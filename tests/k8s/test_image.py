@@ -12,9 +12,9 @@ import zipfile
 from pathlib import Path
 
 import yaml
+
 from cacheflow_operator.manifests.common import RUN_AS
 from cacheflow_operator.spec import DEFAULT_IMAGE
-
 from tests.k8s.checks import CHART, REPO
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
@@ -46,10 +46,12 @@ def test_the_dockerfile_installs_every_package(tmp_path: Path):
                     "-w", str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp_path / "dist").glob("cacheflow-*.whl")
     packed = {Path(n).parent.as_posix() for n in zipfile.ZipFile(wheel).namelist() if n.endswith("/__init__.py")}
-    roots = {"cacheflow_common": "cacheflow_common", "services": "cacheflow_services",
-             "operator": "cacheflow_operator", "bench": "cacheflow_bench"}
-    wanted = {(roots[init.relative_to(REPO).parts[0]] + "/" + "/".join(init.relative_to(REPO).parts[1:-1])).rstrip("/")
-              for root in roots for init in (REPO / root).rglob("__init__.py")}
+    wanted = set()  # every package in the tree, by import path: each folder holds cacheflow_* packages
+    for root in ("cacheflow_common", "services", "operator", "bench"):
+        for init in (REPO / root).rglob("__init__.py"):
+            parts = init.relative_to(REPO).parts[:-1]
+            top = next(i for i, part in enumerate(parts) if part.startswith("cacheflow_"))
+            wanted.add("/".join(parts[top:]))
     assert wanted - packed == set(), "packages missing from the image's wheel"
 
 

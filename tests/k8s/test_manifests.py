@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 import yaml
+
+from cacheflow_common.errors import ConfigError
+from cacheflow_common.layer_split import balanced_split
 from cacheflow_operator.manifests.build import children
 from cacheflow_operator.manifests.common import quantity
 from cacheflow_operator.spec import API_VERSION, KIND, Cluster
 from cacheflow_services.local_cluster import ClusterSpec
-
-from cacheflow_common.errors import ConfigError
-from cacheflow_common.layer_split import balanced_split
 from tests.k8s.checks import by_kind, check_wiring, container, validate_all, validate_cr
 
 DEFAULT: dict[str, Any] = {}

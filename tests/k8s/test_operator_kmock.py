@@ -8,8 +8,8 @@ import logging
 from typing import Any
 
 import pytest
-from cacheflow_operator.spec import API_VERSION, KIND, PLURAL
 
+from cacheflow_operator.spec import API_VERSION, KIND, PLURAL
 from tests.k8s.kmock_env import CR_PATH, NAMESPACE, Api, child_path, cluster_body, running_operator
 
 pytestmark = pytest.mark.asyncio

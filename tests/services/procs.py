@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from cacheflow_services.local_process import free_port
 from cacheflow_services.storage.launch import LocalPod as Pod
 from cacheflow_services.storage.launch import launch_pod as start_pod

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
 from cacheflow_services.worker.chain import StageChain
 
 STAGES, REQUESTS = 2, 6

@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
-from cacheflow_services.local_cluster import ClusterSpec
 
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.restore.profile import Profile
+from cacheflow_services.local_cluster import ClusterSpec
 
 
 def _cacheflow(*args: str) -> subprocess.CompletedProcess[str]:

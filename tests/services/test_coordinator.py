@@ -16,14 +16,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
-from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
-from cacheflow_services.replay import ReplayError, replay
 
 from cacheflow_common.model.sources import load_model
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.sim.replay import ReplayRequest
 from cacheflow_common.sim.trace import TraceRequest
+from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
+from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
+from cacheflow_services.replay import ReplayError, replay
 from tests.factories import greedy_reference
 
 CHUNK = 32

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
-from cacheflow_services.coordinator.tokenizer import TextCodec, tokenizer_dir
-from cacheflow_services.local_cluster import ClusterSpec, start_cluster
 
 from cacheflow_common.model.sources import load_model
+from cacheflow_services.coordinator.tokenizer import TextCodec, tokenizer_dir
+from cacheflow_services.local_cluster import ClusterSpec, start_cluster
 from tests.factories import greedy_reference
 
 pytestmark = pytest.mark.slow

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
+from cacheflow_common.sim.replay import load_slice
 from cacheflow_services.cli import main
 from cacheflow_services.demo.run import POLICIES, SLICE
-
-from cacheflow_common.sim.replay import load_slice
 
 
 def test_the_shipped_slice_keeps_what_the_trace_cached():

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cacheflow_services.cli import main
-from cacheflow_services.storage.config import StorageConfig, read_token_file
 
 from cacheflow_common.errors import ConfigError
+from cacheflow_services.cli import main
+from cacheflow_services.storage.config import StorageConfig, read_token_file
 
 TOKENS = {"a-long-enough-secret-token": "acme"}
 

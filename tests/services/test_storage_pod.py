@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -15,7 +16,7 @@ from tests.services.procs import Pod, start_pod
 
 
 @pytest.fixture(scope="module")
-def pod(tmp_path_factory) -> Pod:
+def pod(tmp_path_factory) -> Iterator[Pod]:
     p = start_pod(tmp_path_factory.mktemp("pod"))
     yield p
     p.stop()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from cacheflow_services.worker.config import WorkerConfig, parse_layers
-from cacheflow_services.worker.pool import KVPool, PoolFullError
 
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.transport.pod_client import PodAddress
+from cacheflow_services.worker.config import WorkerConfig, parse_layers
+from cacheflow_services.worker.pool import KVPool, PoolFullError
 from tests.factories import tiny_model
 
 

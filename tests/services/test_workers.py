@@ -12,13 +12,12 @@ import importlib.util
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
 import torch
-from cacheflow_services.worker.chain import ChainError, StageChain
-from cacheflow_services.worker.launch import LocalWorker, launch_stages
 
 from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import load_model
@@ -26,6 +25,8 @@ from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.save import make_job
 from cacheflow_common.restore.stages import boundary_name
 from cacheflow_common.transport import frames
+from cacheflow_services.worker.chain import ChainError, StageChain
+from cacheflow_services.worker.launch import LocalWorker, launch_stages
 from tests.factories import greedy_reference
 from tests.services.procs import Pod, start_pod
 
@@ -55,7 +56,7 @@ def reference(models) -> Transformer:
 
 
 @pytest.fixture(scope="module")
-def pod(tmp_path_factory) -> Pod:
+def pod(tmp_path_factory) -> Iterator[Pod]:
     p = start_pod(tmp_path_factory.mktemp("pod"), backend="memory", tenants=("alpha",))
     yield p
     p.stop()

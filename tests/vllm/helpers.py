@@ -52,7 +52,7 @@ def drive(spec: dict[str, Any], workdir: Path, name: str, *, timeout_s: float = 
     spec_path, out_path, log_path = (workdir / f"{name}{suffix}" for suffix in (".spec.json", ".out.json", ".log"))
     spec_path.write_text(json.dumps({**spec, "out": str(out_path)}))
     with log_path.open("w") as log:
-        proc = subprocess.run([str(VLLM_PYTHON), "-P", "-m", "cacheflow_services.vllm_connector.drive",
+        proc = subprocess.run([str(VLLM_PYTHON), "-m", "cacheflow_services.vllm_connector.drive",
                                str(spec_path)], stdout=log, stderr=subprocess.STDOUT, env=vllm_env(),
                               cwd=workdir, timeout=timeout_s)
     if proc.returncode != 0:

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from cacheflow_services.storage.launch import LocalPod, launch_pod, write_tokens
 
 from cacheflow_common.kv.chunk import decode_kv_chunk
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.restore.save import compute_prefix_kv, make_job
+from cacheflow_services.storage.launch import LocalPod, launch_pod, write_tokens
 from tests.vllm.helpers import VLLM_PYTHON, drive, read_stats, save_tiny_qwen3
 
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")

@@ -1,0 +1,310 @@
+"""Batch benchmark: a slice of the Mooncake conversation trace replayed on the local cluster, per policy
+and batch size, and the simulator's prediction of the same runs and of a cluster-scale deployment.
+
+Real part: `cacheflow` processes on loopback (tiny model, 2 stage workers with one torch thread each,
+each pinned to its own core, 2 filesystem storage pods shaped so that Tio/Tcomp = 1 for a stage, one
+coordinator per batch size).
+The cached prefixes are stored once (a warm-up); each run replays the same requests at their (scaled)
+arrival times with `save: false`, so every policy meets the same storage. Policies: compute-only,
+load-only, cake (per-request token-wise two pointers) and cacheflow (mode by L_delta). TTFT is the
+coordinator's (arrival to first token: prefix lookup + queue + restore + suffix prefill).
+
+Simulator part: the same requests, batch sizes and link, with the costs `cacheflow profile` measured
+on this machine, fitted to the cluster by requests restored alone (restore times per request vs
+measured: `sim_max_rel_error`), then a cluster of 8
+stages and 8 storage channels with batches up to 64 at Tio/Tcomp of 2, 1 and 0.5, replaying more
+requests (100) at denser arrivals (x0.01) so that its batches fill up.
+
+Writes bench/results/batch.{json,md,png}; the JSON's `summary` holds p99_ratio_vs_cake_b8,
+mean_speedup_vs_compute_only_b8 (both measured on the local cluster) and sim_max_rel_error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from cacheflow_bench.batch_report import by_batch_and_policy
+from cacheflow_bench.common import RESULTS_DIR, TRACE, command_line, machine_facts, markdown_table, write_json
+from cacheflow_common.restore.profile import Profile
+from cacheflow_common.sim import ModelShape, SimConfig, simulate
+from cacheflow_common.sim.config import balanced_link_gbps
+from cacheflow_common.sim.replay import ReplayRequest, load_slice, read_records, select_requests
+from cacheflow_services.coordinator.config import CoordinatorConfig
+from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
+from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
+from cacheflow_services.replay import ReplayError, replay, ttft_stats, warm_up
+
+POLICIES = ("compute-only", "load-only", "cake", "cacheflow")
+MODEL, DTYPE_BYTES, N_STAGES, N_PODS = "tiny", 4, 2, 2
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cacheflow bench batch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", default=str(TRACE),
+                   help="the Mooncake trace (JSONL, or .jsonl.gz), or a slice of it saved as JSON (default: the "
+                        "trace in bench/traces)")
+    p.add_argument("--start", type=int, default=3000, help="first trace line considered")
+    p.add_argument("--requests", type=int, default=24, help="requests replayed per run")
+    p.add_argument("--token-scale", type=int, default=8, help="trace lengths are divided by this")
+    p.add_argument("--max-tokens", type=int, default=2048, help="longer (scaled) requests are skipped")
+    p.add_argument("--time-scale", type=float, default=0.05, help="trace arrival times are multiplied by this")
+    p.add_argument("--cluster-requests", type=int, default=100, help="requests in the cluster-scale simulation")
+    p.add_argument("--cluster-time-scale", type=float, default=0.01,
+                   help="its arrival times are multiplied by this (denser than the local replay: batches fill up)")
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--batches", default="2,4,8")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--repeats", type=int, default=3, help="runs per batch size and policy (medians reported)")
+    p.add_argument("--out", default=str(RESULTS_DIR))
+    p.add_argument("--quick", action="store_true", help="smoke run: few short requests, batch 2 and 8")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests, args.max_tokens, args.batches, args.cluster_requests, args.repeats = 4, 512, "2,8", 8, 1
+    args.batch_sizes = [int(b) for b in args.batches.split(",")]
+    args.policy_names = args.policies.split(",")
+    return args
+
+
+# -- calibration ------------------------------------------------------------------------------------
+def profile_machine(workdir: Path, chunk_size: int, max_tokens: int) -> Profile:
+    """`cacheflow profile` with one torch thread, as each worker runs."""
+    out = workdir / "profile.json"
+    subprocess.run([sys.executable, "-m", "cacheflow_services.cli", "profile", "--model", MODEL, "--dtype", "float32",
+                    "--threads", "1", "--chunk-size", str(chunk_size), "--max-tokens", str(max_tokens),
+                    "--out", str(out)], check=True, capture_output=True)
+    return Profile.load(out)
+
+
+def model_shape() -> ModelShape:
+    from cacheflow_common.model.sources import model_config
+
+    config = model_config(MODEL)
+    return ModelShape(num_layers=config.num_layers,
+                      kv_bytes_per_token_layer=2 * config.num_kv_heads * config.head_dim * DTYPE_BYTES)
+
+
+# -- the real cluster ---------------------------------------------------------------------------------
+def start(workdir: Path, args: argparse.Namespace, profile_path: Path, rate_gbps: float) -> LocalCluster:
+    spec = ClusterSpec(model=MODEL, stages=N_STAGES, pods=N_PODS, chunk_size=args.chunk_size, dtype="float32",
+                       policy="cake", profile=str(profile_path), rate_gbps=rate_gbps, transport="tcp", port=0,
+                       threads_per_stage=1, stage_cpus=stage_cpus(), max_batch=max(args.batch_sizes),
+                       directory=str(workdir))
+    return start_cluster(spec, workdir)
+
+
+def stage_cpus() -> list[str]:
+    """One core per stage worker when there are enough (a stage is one compute resource, as simulated)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [str(c) for c in cores[:N_STAGES]] if len(cores) >= N_STAGES else []
+
+
+def coordinator_for(cluster: LocalCluster, workdir: Path, batch: int) -> LocalCoordinator:
+    pods = [f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(cluster.pods)]
+    return launch_coordinator(workdir / f"coordinator-b{batch}", stages=[w.url for w in cluster.workers], pods=pods,
+                              pod_token_file=workdir / "pod-tokens", token_file=workdir / "api-tokens", model=MODEL,
+                              extra=["--max-batch", str(batch), "--max-queue", "1000"])
+
+
+# -- the simulator ------------------------------------------------------------------------------------
+FORCED_MODE_L_DELTA = {"cacheflow-token": 0, "cacheflow-layer": 2**31 - 1}  # CacheFlow with its mode fixed
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The simulator's cost model fitted to the cluster: factors on the profile's compute costs and load times,
+    and a fixed time per restore outside the two pointers (the coordinator's and workers' RPCs and setup)."""
+
+    compute: float = 1.0
+    load: float = 1.0
+    overhead_s: float = 0.0
+
+
+def sim_config(profile: Profile, shape: ModelShape, *, policy: str, batch: int, n_stages: int, n_channels: int,
+               link_gbps: float, chunk_size: int, calibration: Calibration = Calibration(),
+               batched_compute: bool = False) -> SimConfig:
+    """The simulated cluster; adaptive `cacheflow` is token-wise on more than one stage, as the workers run it.
+    Without `batched_compute`, each request's units pay their own fixed costs, as the local workers (which
+    compute request by request) do; the cluster-scale what-if batches them, as the design does."""
+    l_delta = FORCED_MODE_L_DELTA.get(policy, 0 if n_stages > 1 else profile.l_delta_for(link_gbps * 1e9 / 8))
+    return SimConfig(model=shape, costs=profile.costs.scaled(compute=calibration.compute, load=calibration.load),
+                     policy="cacheflow" if policy in FORCED_MODE_L_DELTA else policy, n_stages=n_stages,
+                     n_channels=n_channels, link_gbps=link_gbps / calibration.load, chunk_size=chunk_size,
+                     l_delta=l_delta, max_batch=batch, batch_window_s=CoordinatorConfig.batch_window_s,
+                     restore_overhead_s=calibration.overhead_s, batched_compute=batched_compute)
+
+
+def calibrate(url: str, token: str, requests: list[ReplayRequest], profile: Profile, shape: ModelShape,
+              link_gbps: float, chunk_size: int) -> Calibration:
+    """Requests restored alone (3 times each, median): the shortest and the median-length one compute-only give
+    the compute factor and the fixed overhead (a line through both); the median one load-only, the load factor."""
+    by_length = sorted(requests, key=lambda r: r.trace.input_length)
+    short, median = (replace(r, trace=replace(r.trace, arrival_s=0.0))
+                     for r in (by_length[0], by_length[len(by_length) // 2]))
+
+    def measured_and_predicted(probe: ReplayRequest, policy: str) -> tuple[float, float]:
+        runs = [replay(url, token, MODEL, [probe], policy)[0] for _ in range(3)]
+        config = sim_config(profile, shape, policy=policy, batch=1, n_stages=N_STAGES, n_channels=N_PODS,
+                            link_gbps=link_gbps, chunk_size=chunk_size)
+        predicted = predicted_restore(config, [probe], runs[:1])[probe.trace.request_id]
+        return statistics.median(r["restore_s"] for r in runs), predicted
+
+    (m_short, p_short), (m_median, p_median) = (measured_and_predicted(p, "compute-only") for p in (short, median))
+    compute = (m_median - m_short) / (p_median - p_short) if p_median > p_short else m_median / p_median
+    overhead = max(0.0, m_short - compute * p_short)
+    m_load, p_load = measured_and_predicted(median, "load-only")
+    return Calibration(compute=compute, load=max(m_load - overhead, 1e-9) / p_load, overhead_s=overhead)
+
+
+def predicted_restore(config: SimConfig, requests: list[ReplayRequest], measured: list[dict[str, Any]]
+                      ) -> dict[str, float]:
+    """Per request id: the simulated restore time, with the prefix the real run found in storage and the request
+    entering the admission queue when the real one did (after its prefix lookup)."""
+    trace = [replace(r.trace, cached_tokens=m["restored"], arrival_s=r.trace.arrival_s + m["lookup_s"])
+             for r, m in zip(requests, measured, strict=True)]
+    return {res.request_id: res.restore_s for res in simulate(trace, config).requests}
+
+
+def cluster_scale(profile: Profile, shape: ModelShape, requests: list[ReplayRequest], policies: list[str],
+                  chunk_size: int) -> list[dict[str, Any]]:
+    """8 stages (one layer each: the tiny model has 8), 8 channels, batches 8-64, Tio/Tcomp 2, 1, 0.5."""
+    rows = []
+    trace = [r.trace for r in requests]
+    for ratio in (2.0, 1.0, 0.5):
+        link = balanced_link_gbps(profile.costs, shape, n_stages=8, n_channels=8, tokens=1024, ratio=ratio)
+        for batch in (8, 16, 32, 64):
+            for policy in policies:
+                config = sim_config(profile, shape, policy=policy, batch=batch, n_stages=8, n_channels=8,
+                                    link_gbps=link, chunk_size=chunk_size, batched_compute=True)
+                summary = simulate(trace, config).summary()
+                rows.append({"tio_over_tcomp": ratio, "link_gbps": link, "batch": batch, "policy": policy,
+                             **{k: summary[f"ttft_{k}"] for k in ("mean_s", "p50_s", "p90_s", "p99_s")},
+                             **{k: summary[k] for k in ("stage_utilization", "channel_utilization",
+                                                        "computed_fraction")}})
+    return rows
+
+
+# -- main ---------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    trace = Path(args.trace)
+    records = load_slice(trace) if trace.suffix == ".json" else read_records(trace, start=args.start, scan=3000)
+    requests = select_requests(records, count=args.requests, token_scale=args.token_scale,
+                               max_tokens=args.max_tokens, time_scale=args.time_scale)
+    shape = model_shape()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        print(f"{len(requests)} requests, {sum(r.trace.input_length for r in requests)} tokens; profiling ...",
+              flush=True)
+        profile = profile_machine(work, args.chunk_size, args.max_tokens)
+        link = balanced_link_gbps(profile.costs, shape, n_stages=N_STAGES, n_channels=N_PODS, tokens=1024)
+        print(f"link {link:.4f} Gbit/s per pod (Tio/Tcomp = 1); starting the cluster ...", flush=True)
+        runs, calibration = real_runs(work, args, requests, link, profile, shape)
+    errors = sim_errors(profile, shape, requests, runs, link, args.chunk_size, calibration)
+    dense = select_requests(records, count=args.cluster_requests, token_scale=args.token_scale,
+                            max_tokens=args.max_tokens, time_scale=args.cluster_time_scale)
+    scale = cluster_scale(profile, shape, dense, args.policy_names, args.chunk_size)
+    report(args, requests, link, runs, errors, scale, calibration)
+    return 0
+
+
+def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest], link: float, profile: Profile,
+              shape: ModelShape) -> tuple[list[dict[str, Any]], Calibration]:
+    cluster = start(work, args, work / "profile.json", link)
+    runs = []
+    try:
+        coordinators = {b: coordinator_for(cluster, work, b) for b in args.batch_sizes}
+        try:
+            first = coordinators[args.batch_sizes[0]]
+            print("warm-up: storing the cached prefixes ...", flush=True)
+            warm_up(first.url, cluster.token, MODEL, requests, [w.url for w in cluster.workers])
+            calibration = calibrate(first.url, cluster.token, requests, profile, shape, link, args.chunk_size)
+            print(f"calibration (measured / profiled, one request alone): {calibration}", flush=True)
+            for repeat in range(args.repeats):  # policies interleaved: a slow spell of the machine hits them all
+                for batch, coordinator in coordinators.items():
+                    for policy in args.policy_names:
+                        per_request, failure = replay_retried(coordinator.url, cluster.token, requests, policy)
+                        stats = ttft_stats([r["ttft_s"] for r in per_request])
+                        runs.append({"batch": batch, "policy": policy, "repeat": repeat, **stats,
+                                     "failed_first_try": failure, "requests": per_request})
+                        print(f"  run {repeat + 1}, batch {batch} {policy:>12}: TTFT mean {stats['mean_s']:.3f} s, "
+                              f"p99 {stats['p99_s']:.3f} s", flush=True)
+        finally:
+            for c in coordinators.values():
+                c.stop()
+    finally:
+        cluster.stop()
+    return runs, calibration
+
+
+def replay_retried(url: str, token: str, requests: list[ReplayRequest], policy: str
+                   ) -> tuple[list[dict[str, Any]], str]:
+    """A replay, run once more if a request failed (the failure is returned and recorded, not hidden)."""
+    try:
+        return replay(url, token, MODEL, requests, policy), ""
+    except ReplayError as exc:
+        print(f"  a request failed, the run is repeated: {exc}", flush=True)
+        return replay(url, token, MODEL, requests, policy), str(exc)
+
+
+def sim_errors(profile: Profile, shape: ModelShape, requests: list[ReplayRequest], runs: list[dict[str, Any]],
+               link: float, chunk_size: int, calibration: Calibration) -> list[dict[str, Any]]:
+    """Per batch size and policy: the (calibrated) simulator's restore time per request against the median
+    of its measured runs, and how far one run lands from that median (the machine's own noise)."""
+    out = []
+    for (batch, policy), mine in by_batch_and_policy(runs).items():
+        measured = [_median_request([run["requests"][i] for run in mine]) for i in range(len(requests))]
+        config = sim_config(profile, shape, policy=policy, batch=batch, n_stages=N_STAGES, n_channels=N_PODS,
+                            link_gbps=link, chunk_size=chunk_size, calibration=calibration)
+        predicted = predicted_restore(config, requests, measured)
+        timed = [i for i, m in enumerate(measured) if m["restored"] and m["restore_s"] > 0]
+        errors = sorted(abs(predicted[measured[i]["request"]] - measured[i]["restore_s"]) / measured[i]["restore_s"]
+                        for i in timed)
+        spread = sorted(abs(run["requests"][i]["restore_s"] - measured[i]["restore_s"]) / measured[i]["restore_s"]
+                        for run in mine for i in timed)
+        sim_mean = sum(predicted.values()) / len(predicted)
+        real_mean = sum(m["restore_s"] for m in measured) / len(measured)
+        out.append({"batch": batch, "policy": policy, "runs": len(mine), "max_rel_error": max(errors, default=0.0),
+                    "mean_rel_error": abs(sim_mean - real_mean) / real_mean if real_mean else 0.0,
+                    "median_rel_error": errors[len(errors) // 2] if errors else 0.0,
+                    "run_max_rel_spread": max(spread, default=0.0),
+                    "run_median_rel_spread": spread[len(spread) // 2] if spread else 0.0,
+                    "mean_restore_real_s": real_mean, "mean_restore_sim_s": sim_mean})
+    return out
+
+
+def _median_request(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """One request's measurements over repeated runs: the median restore time and lookup (tokens: the first run's)."""
+    return {**samples[0], "restore_s": statistics.median(m["restore_s"] for m in samples),
+            "lookup_s": statistics.median(m["lookup_s"] for m in samples)}
+
+
+def report(args: argparse.Namespace, requests: list[ReplayRequest], link: float, runs: list[dict[str, Any]],
+           errors: list[dict[str, Any]], scale: list[dict[str, Any]], calibration: Calibration) -> None:
+    from cacheflow_bench.batch_report import summary_of, write_markdown, write_plot
+
+    summary = summary_of(runs, errors)
+    out = Path(args.out)
+    body = {"summary": summary, "machine": machine_facts(), "command": command_line(), "link_gbps_per_pod": link,
+            "cluster_requests": args.cluster_requests, "cluster_time_scale": args.cluster_time_scale,
+            "calibration": asdict(calibration),
+            "requests": [{"id": r.trace.request_id, "arrival_s": r.trace.arrival_s, "tokens": r.trace.input_length,
+                          "cached": r.trace.cached_tokens} for r in requests],
+            "runs": runs, "sim_validation": errors, "cluster_scale": scale}
+    write_json(out / "batch.json", body)
+    write_markdown(out / "batch.md", body, markdown_table)
+    write_plot(out / "batch.png", runs, scale)
+    print(f"summary: {summary}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

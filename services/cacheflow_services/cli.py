@@ -1,0 +1,271 @@
+"""The `cacheflow` command. Each pod of a deployment runs one subcommand of it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from cacheflow_common.errors import CacheFlowError
+from cacheflow_services import up
+from cacheflow_services.demo import run as demo_run
+
+
+def default_cache_dir() -> Path:
+    import os
+
+    return Path(os.environ.get("CACHEFLOW_CACHE", Path.home() / ".cache" / "cacheflow"))
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from cacheflow_common.model.sources import load_model, parse_dtype
+    from cacheflow_common.restore.profiler import NEVER_TOKEN_WISE, ProfileSettings, profile_model
+    from cacheflow_common.store.base import open_store
+
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model, dtype=parse_dtype(args.dtype))
+    settings = (ProfileSettings.quick(args.chunk_size, args.max_tokens) if args.quick
+                else ProfileSettings(chunk_size=args.chunk_size, max_tokens=args.max_tokens))
+    steps = 3 + len(settings.crossover_ratios)
+    with tqdm(total=steps, disable=not sys.stderr.isatty(), desc="profiling") as bar:
+
+        def progress(msg: str) -> None:
+            bar.set_postfix_str(msg)
+            bar.update(1)
+
+        profile = profile_model(model, store=open_store(args.store), settings=settings,
+                                model_name=args.model, progress=progress)
+    out = Path(args.out) if args.out else default_cache_dir() / f"profile-{args.model.replace('/', '_')}.json"
+    profile.save(out)
+    print(f"profile written to {out}")
+    for c in profile.crossovers:
+        never = c.l_delta == NEVER_TOKEN_WISE
+        l_delta = "never (layer-wise wins at the longest profiled length)" if never else f"{c.l_delta} tokens"
+        print(f"  link {c.link_bytes_per_s * 8 / 1e9:.3f} Gbit/s: L_delta = {l_delta}")
+    return 0
+
+
+def _bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    import importlib
+
+    module = {"restore": "restore_single", "storage": "storage", "stages": "stages", "batch": "batch",
+              "vllm": "vllm", "report": "report"}[args.name]
+    bench_main = importlib.import_module(f"cacheflow_bench.{module}").main
+    return int(bench_main(list(rest)))
+
+
+def _storage(args: argparse.Namespace) -> int:
+    from cacheflow_common.transport.shaping import gbps
+    from cacheflow_common.units import parse_bytes
+    from cacheflow_services.storage.config import StorageConfig, read_token_file
+    from cacheflow_services.storage.main import serve
+
+    config = StorageConfig(
+        backend=args.backend,
+        directory=Path(args.dir).expanduser() if args.dir else None,
+        redis_url=args.redis_url,
+        capacity_bytes=parse_bytes(args.capacity),
+        rate_bytes_per_s=gbps(args.rate_gbps),
+        transport=args.transport,
+        host=args.host,
+        data_port=args.data_port,
+        http_port=args.http_port,
+        tokens=read_token_file(Path(args.token_file)),
+        max_object_bytes=parse_bytes(args.max_object),
+    )
+    serve(config)
+    return 0
+
+
+def _add_storage_parser(sub: argparse._SubParsersAction) -> None:
+    st = sub.add_parser("storage", help="run a storage pod (chunk store + data plane)")
+    st.add_argument("--backend", default="filesystem", choices=["filesystem", "memory", "redis"])
+    st.add_argument("--dir", default="", help="filesystem backend: the directory chunks live in")
+    st.add_argument("--redis-url", default="", help="redis backend: redis://host:port/db")
+    st.add_argument("--capacity", default="0", help="evict LRU above this size, e.g. 100GiB (0: no limit)")
+    st.add_argument("--rate-gbps", type=float, default=0.0, help="shape outgoing bytes to this link rate (0: unshaped)")
+    st.add_argument("--transport", default="auto", choices=["auto", "tcp", "nixl"], help="auto: NIXL when available")
+    st.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    st.add_argument("--data-port", type=int, default=0, help="data-plane port (0: any free one)")
+    st.add_argument("--http-port", type=int, default=0, help="control API port (0: any free one)")
+    st.add_argument("--token-file", required=True, help="file of 'tenant token' lines (a mounted Secret)")
+    st.add_argument("--max-object", default="256MiB", help="largest object stored or read at once")
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from cacheflow_common.transport.pod_client import PodAddress
+    from cacheflow_services.storage.config import read_token_file
+    from cacheflow_services.worker.config import WorkerConfig, parse_layers
+    from cacheflow_services.worker.main import serve
+
+    torch.set_num_threads(args.threads)
+    config = WorkerConfig(
+        stage=args.stage,
+        layers=parse_layers(args.layers),
+        last_stage=not args.next_stage,
+        model=args.model,
+        dtype=args.dtype,
+        chunk_size=args.chunk_size,
+        pods=tuple(PodAddress.parse(p) for p in args.pods.split(",") if p),
+        pod_tokens={tenant: token for token, tenant in read_token_file(Path(args.pod_token_file)).items()},
+        replicas=args.replicas,
+        next_stage=args.next_stage,
+        policy=args.policy,
+        profile=Path(args.profile) if args.profile else None,
+        pool_tokens=args.pool_tokens,
+        upstream_timeout_s=args.upstream_timeout_s,
+        host=args.host,
+        http_port=args.http_port,
+    )
+    serve(config)
+    return 0
+
+
+def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
+    wk = sub.add_parser("worker", help="run a stage worker (restores and runs layers a:b of the model)")
+    wk.add_argument("--stage", type=int, required=True, help="pipeline stage, 0-based")
+    wk.add_argument("--layers", required=True, help="the stage's layers, a:b")
+    wk.add_argument("--model", default="tiny", help="tiny | smollm2 | qwen3-8b | a model directory")
+    wk.add_argument("--dtype", default="auto", help="compute dtype (auto: bfloat16 where fast, else float32)")
+    wk.add_argument("--chunk-size", type=int, default=256, help="restore chunk size in tokens (same on all stages)")
+    wk.add_argument("--pods", required=True, help="storage pods: [id=]host:port,... (their data-plane ports)")
+    wk.add_argument("--pod-token-file", required=True, help="'tenant token' lines for the storage pods")
+    wk.add_argument("--replicas", type=int, default=1, help="copies of each saved chunk")
+    wk.add_argument("--next-stage", default="", help="control URL of the next stage (none on the last)")
+    wk.add_argument("--policy", default="cacheflow", help="restore policy (the CacheFlow ones need --profile)")
+    wk.add_argument("--profile", default="", help="profile file from `cacheflow profile`")
+    wk.add_argument("--pool-tokens", type=int, default=1 << 17, help="KV pool capacity in tokens")
+    wk.add_argument("--upstream-timeout-s", type=float, default=30.0,
+                    help="pipelined restore: longest wait for the previous stage's next chunk")
+    wk.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
+    wk.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    wk.add_argument("--http-port", type=int, default=0, help="API port (0: any free one)")
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from cacheflow_common.transport.pod_client import PodAddress
+    from cacheflow_services.coordinator.config import CoordinatorConfig
+    from cacheflow_services.coordinator.main import serve
+    from cacheflow_services.coordinator.tokenizer import tokenizer_dir
+    from cacheflow_services.storage.config import read_token_file
+
+    tokenizer = Path(args.tokenizer) if args.tokenizer not in ("", "auto", "none") else None
+    config = CoordinatorConfig(
+        stages=tuple(u for u in args.stages.split(",") if u),
+        pods=tuple(PodAddress.parse(p) for p in args.pods.split(",") if p),
+        pod_tokens={tenant: token for token, tenant in read_token_file(Path(args.pod_token_file)).items()},
+        api_tokens=read_token_file(Path(args.token_file)),
+        model_name=args.model,
+        tokenizer=tokenizer_dir(args.model) if args.tokenizer == "auto" else tokenizer,
+        replicas=args.replicas,
+        batch_window_s=args.batch_window_ms / 1e3,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        host=args.host,
+        http_port=args.http_port,
+    )
+    serve(config)
+    return 0
+
+
+def _add_coordinator_parser(sub: argparse._SubParsersAction) -> None:
+    co = sub.add_parser("coordinator", help="run the restore coordinator (OpenAI-compatible API, batching)")
+    co.add_argument("--stages", required=True, help="stage workers' URLs, in stage order, comma-separated")
+    co.add_argument("--pods", required=True, help="storage pods: [id=]host:port,... (as the workers have them)")
+    co.add_argument("--pod-token-file", required=True, help="'tenant token' lines for the storage pods")
+    co.add_argument("--token-file", required=True, help="'tenant token' lines: the clients' bearer tokens")
+    co.add_argument("--model", default="tiny", help="the model the workers serve (clients name it)")
+    co.add_argument("--tokenizer", default="auto", help="tokenizer directory; auto: the model's own; none")
+    co.add_argument("--replicas", type=int, default=1, help="copies of each chunk (as the workers store them)")
+    co.add_argument("--batch-window-ms", type=float, default=20.0, help="a batch forms within this window ...")
+    co.add_argument("--max-batch", type=int, default=8, help="... or at this many requests (the most at once)")
+    co.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
+    co.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    co.add_argument("--http-port", type=int, default=0, help="API port (0: any free one)")
+
+
+def _operator(args: argparse.Namespace) -> int:
+    from cacheflow_operator.main import run  # the `operator` extra (kopf, kubernetes)
+
+    return run(namespaces=args.namespace, clusterwide=args.all_namespaces, liveness_port=args.liveness_port)
+
+
+def _add_operator_parser(sub: argparse._SubParsersAction) -> None:
+    op = sub.add_parser("operator", help="run the Kubernetes operator (reconciles CacheFlowCluster resources)")
+    op.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeatable)")
+    op.add_argument("--all-namespaces", action="store_true", help="watch every namespace (needs a ClusterRole)")
+    op.add_argument("--liveness-port", type=int, default=8080, help="serve /healthz here (0: off)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cacheflow", description="CacheFlow KV-cache restoration")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    prof = sub.add_parser("profile", help="measure this machine's compute/load costs and L_delta")
+    prof.add_argument("--model", default="smollm2", help="tiny | smollm2 | a model directory (default: smollm2)")
+    prof.add_argument("--dtype", default="auto", help="compute dtype; auto: bfloat16 where the CPU/GPU runs it fast")
+    prof.add_argument("--chunk-size", type=int, default=256, help="restore chunk size in tokens")
+    prof.add_argument("--max-tokens", type=int, default=4096, help="longest prefix timed for the fits")
+    prof.add_argument("--store", default="memory", help="store to time reads from: memory | filesystem:DIR")
+    prof.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
+    prof.add_argument("--quick", action="store_true", help="one timing per point and one link ratio (a demo's profile)")
+    prof.add_argument("--out", default="", help="profile file (default: the cache directory)")
+
+    _add_storage_parser(sub)
+    _add_worker_parser(sub)
+    _add_coordinator_parser(sub)
+    _add_operator_parser(sub)
+    up.add_parser(sub)
+    demo_run.add_parser(sub)
+
+    bench = sub.add_parser("bench", help="run a benchmark")
+    bench.add_argument("name", choices=["restore", "storage", "stages", "batch", "vllm", "report"],
+                       help="restore: single-request restore vs the bound; storage: data-plane rates; "
+                            "stages: parallel stages from boundary activations vs pipelined; "
+                            "batch: trace replay per policy and batch size, and the simulator; "
+                            "vllm: vLLM's TTFT with the connector (needs .venv-vllm); "
+                            "report: REPORT.md with the paper's figures from the results (--run: the suite first)")
+    return parser
+
+
+def _up(args: argparse.Namespace) -> int:
+    return up.run(args, default_cache_dir())
+
+
+def _demo(args: argparse.Namespace) -> int:
+    return demo_run.run(args, default_cache_dir())
+
+
+SERVICES = {"demo": _demo, "storage": _storage, "worker": _worker, "coordinator": _coordinator, "up": _up,
+            "operator": _operator}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, rest = build_parser().parse_known_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call otherwise
+    try:
+        if args.command == "profile":
+            if rest:
+                build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+            return _profile(args)
+        if args.command in SERVICES:
+            if rest:
+                build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+            return SERVICES[args.command](args)
+        return _bench(args, rest)
+    except CacheFlowError as exc:
+        print(f"cacheflow: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""The coordinator's HTTP API (FastAPI).
+
+* `POST /v1/completions`, `POST /v1/chat/completions`: OpenAI-compatible, streaming (SSE) or not.
+* `POST /v1/restore`: restore a prefix on the stage workers and hold it; `GET /v1/restore/{id}`
+  (`?wait=s` blocks until it finishes); `DELETE /v1/restore/{id}`: cancel it or free its KV.
+* `GET /v1/models`, `GET /v1/cluster` (workers' and pods' health), `/healthz`, `/readyz`, `/metrics`.
+
+Every `/v1` call needs `Authorization: Bearer <token>`; the token names the tenant. Errors carry
+their reason: 400 bad input, 401 no or wrong token, 404 unknown model or restore, 429 queue full,
+502 a stage worker failed, 503 a stage is down.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see the real types of the route parameters.
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+import anyio.to_thread
+from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from cacheflow_common.errors import BadRequestError
+from cacheflow_services.coordinator.admission import AdmissionTimeoutError, QueueFullError
+from cacheflow_services.coordinator.cluster import StageDownError
+from cacheflow_services.coordinator.openai_api import (
+    ChatBody,
+    CompletionBody,
+    Output,
+    RestoreBody,
+    SamplingBody,
+    now,
+    response,
+    sse,
+    stop_strings,
+)
+from cacheflow_services.coordinator.service import Coordinator, Request, UnknownRestoreError
+from cacheflow_services.coordinator.tokenizer import TextCodec
+from cacheflow_services.worker.chain import ChainError
+
+_STATUS: list[tuple[type[Exception], int]] = [
+    (UnknownRestoreError, 404), (BadRequestError, 400), (QueueFullError, 429), (StageDownError, 503),
+    (AdmissionTimeoutError, 503), (ChainError, 502),
+]
+
+
+class UnknownModelError(BadRequestError):
+    """The request names a model this cluster does not serve (HTTP 404)."""
+
+
+def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: int = 0) -> FastAPI:
+    """The API; `threads` > 0 sizes the pool that runs the (blocking) handlers."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if threads > 0:
+            anyio.to_thread.current_default_thread_limiter().total_tokens = threads
+        yield
+
+    app = FastAPI(title="CacheFlow coordinator", docs_url=None, redoc_url=None, lifespan=lifespan)
+    config, metrics = coordinator.config, coordinator.metrics
+
+    for exc_type, status in [(UnknownModelError, 404), *_STATUS]:
+        app.add_exception_handler(exc_type, _handler(status, metrics))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: HttpRequest, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if p != "body")
+        return _error(400, f"{where}: {first['msg']}" if where else first["msg"], "BadRequestError", request, metrics)
+
+    def tenant(authorization: Annotated[str, Header()] = "") -> str:
+        scheme, _, token = authorization.partition(" ")
+        found = config.api_tokens.get(token.strip()) if scheme.lower() == "bearer" else None
+        if found is None:
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+        return found
+
+    def check_model(name: str) -> None:
+        if name != config.model_name:
+            raise UnknownModelError(f"model {name!r} is not served here; this cluster serves {config.model_name!r}")
+
+    def encode(prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if codec is None:
+            raise BadRequestError("this model has no tokenizer: send the prompt as a list of token ids")
+        return codec.encode(prompt)
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        status = coordinator.cluster.status()
+        ready = all(s["up"] for s in status["stages"])
+        return JSONResponse({"ready": ready, **status}, status_code=200 if ready else 503)
+
+    @app.get("/v1/models")
+    def models(_: Annotated[str, Depends(tenant)]) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "owned_by": "cacheflow",
+                                            "max_model_len": coordinator.model.max_tokens}]}
+
+    @app.get("/v1/cluster")
+    def cluster(_: Annotated[str, Depends(tenant)]) -> dict[str, Any]:
+        return {**coordinator.cluster.status(), "waiting": coordinator.admission.waiting,
+                "running": coordinator.admission.running}
+
+    @app.post("/v1/completions", response_model=None)
+    def completions(body: CompletionBody, who: Annotated[str, Depends(tenant)]) -> Response | dict[str, Any]:
+        check_model(body.model)
+        return generate("text", encode(body.prompt), who, body, body.max_tokens)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    def chat(body: ChatBody, who: Annotated[str, Depends(tenant)]) -> Response | dict[str, Any]:
+        check_model(body.model)
+        if codec is None:
+            raise BadRequestError("this model has no tokenizer or chat template: use /v1/completions with token ids")
+        prompt = codec.chat([m.model_dump() for m in body.messages])
+        return generate("chat", prompt, who, body, body.new_tokens())
+
+    def generate(kind: str, prompt: list[int], who: str, body: SamplingBody,
+                 max_new: int) -> Response | dict[str, Any]:
+        coordinator.check_prompt(prompt, max_new)
+        stops = stop_strings(body.stop)
+        if stops and codec is None:
+            raise BadRequestError("stop strings need a tokenizer; use stop_token_ids")
+        stop_ids = frozenset(body.stop_token_ids) | (codec.eos_ids if codec and not body.ignore_eos else frozenset())
+        request = coordinator.admit(prompt, who, prefix_limit=len(prompt) - 1, policy=body.policy, kind="cmpl")
+        tokens = coordinator.complete(request, max_new_tokens=max_new, temperature=body.temperature,
+                                      seed=body.seed, stop_ids=stop_ids, save=body.save)
+        deltas = _decoded(tokens, codec, stops, stop_ids, request.arrived)
+        created = now()
+        endpoint = "chat" if kind == "chat" else "completions"
+        if body.stream:
+            metrics.requests.labels(endpoint, "200").inc()
+            return StreamingResponse(sse(kind, request.id, body.model, created, deltas,
+                                         lambda output: _extra(request, output)),
+                                     media_type="text/event-stream")
+        output = deque(deltas, maxlen=1)[0][1]  # the last (finished) output
+        metrics.requests.labels(endpoint, "200").inc()
+        return response(kind, request.id, body.model, created, output, len(prompt), _extra(request, output))
+
+    @app.post("/v1/restore")
+    def restore(body: RestoreBody, who: Annotated[str, Depends(tenant)]) -> dict[str, Any]:
+        if (body.token_ids is None) == (body.prompt is None):
+            raise BadRequestError("give the prefix as exactly one of token_ids or prompt")
+        prefix = encode(body.prompt if body.prompt is not None else body.token_ids or [])
+        coordinator.check_prompt(prefix, 1)
+        request = coordinator.admit(prefix, who, prefix_limit=len(prefix), policy=body.policy, kind="rst")
+        metrics.requests.labels("restore", "200").inc()
+        return coordinator.start_restore(request).view()
+
+    @app.get("/v1/restore/{restore_id}")
+    def restore_status(restore_id: str, who: Annotated[str, Depends(tenant)], wait: float = 0.0) -> dict[str, Any]:
+        record = coordinator.restore_record(restore_id, who)
+        record.done.wait(min(max(wait, 0.0), 600.0))
+        return record.view()
+
+    @app.delete("/v1/restore/{restore_id}")
+    def restore_cancel(restore_id: str, who: Annotated[str, Depends(tenant)]) -> dict[str, Any]:
+        return coordinator.cancel(restore_id, who).view()
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        status = coordinator.cluster.status()
+        for s in status["stages"]:
+            metrics.stage_up.labels(str(s["stage"])).set(int(s["up"]))
+        for p in status["pods"]:
+            metrics.pod_up.labels(p["pod"]).set(int(p["up"]))
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _decoded(tokens: Iterator[int], codec: TextCodec | None, stops: list[str], stop_ids: frozenset[int],
+             arrived: float) -> Iterator[tuple[str, Output, bool]]:
+    """(new text, output so far, finished) per token; stops at a stop token or string (not included)."""
+    output = Output()
+    try:
+        for token in tokens:
+            output.ttft_s = output.ttft_s or time.perf_counter() - arrived
+            if token in stop_ids:
+                output.finish_reason = "stop"
+                break
+            output.token_ids.append(token)
+            text = codec.decode(output.token_ids) if codec is not None else ""
+            cut = min((text.find(s) for s in stops if s in text), default=-1)
+            delta = (text[:cut] if cut >= 0 else text)[len(output.text) :]
+            output.text += delta
+            if cut >= 0:
+                output.finish_reason = "stop"
+                yield delta, output, True
+                return
+            yield delta, output, False
+    finally:
+        if hasattr(tokens, "close"):
+            tokens.close()  # frees the request's KV on the workers at once
+    yield "", output, True
+
+
+def _extra(request: Request, output: Output) -> dict[str, Any]:
+    return {"ttft_s": output.ttft_s, "prompt_tokens_restored": request.cached_tokens,
+            "policy": request.policy or "worker default", "batch": request.ticket.batch, "lookup_s": request.lookup_s,
+            "queue_s": request.queue_s, "restore_s": request.restore_s, "stages": request.stages}
+
+
+def _error(status: int, detail: str, error: str, request: HttpRequest, metrics: Any) -> JSONResponse:
+    endpoint = request.url.path.rstrip("/").rsplit("/", 1)[-1] or "root"
+    metrics.requests.labels(endpoint, str(status)).inc()
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return JSONResponse({"detail": detail, "error": error}, status_code=status, headers=headers)
+
+
+def _handler(status: int, metrics: Any) -> Any:
+    async def handle(request: HttpRequest, exc: Exception) -> JSONResponse:
+        return _error(status, str(exc), type(exc).__name__, request, metrics)
+
+    return handle

@@ -1,0 +1,136 @@
+"""The stage workers and storage pods a coordinator drives: what model they serve, and which answer.
+
+At start the coordinator asks every stage for `/v1/info` (waiting while they come up) and checks that
+they serve one model with one chunk size and layer ranges that tile it in order. A background thread
+then probes each worker (`/healthz`) and each storage pod (a small data-plane request) every few
+seconds; a request is refused at once while a stage is down instead of hanging on it. A pod that is
+down needs no refusal: the workers recompute what it held.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+import httpx
+
+from cacheflow_common.errors import CacheFlowError, ConfigError
+from cacheflow_common.store.placement import ClusterStore, tenant_stores
+from cacheflow_common.transport.pod_client import PodClient
+from cacheflow_services.coordinator.config import CoordinatorConfig
+from cacheflow_services.worker.chain import ChainError, StageChain
+
+log = logging.getLogger(__name__)
+PROBE_NAME = "cacheflow-health-probe"  # a name no chunk has: a pod that answers about it is up
+PROBE_TIMEOUT_S = 2.0
+
+
+class StageDownError(CacheFlowError):
+    """A stage worker does not answer: requests are refused until it does (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    fingerprint: str  # salts chunk keys: the same on every stage
+    chunk_size: int
+    vocab_size: int
+    max_tokens: int  # the longest prompt + generation a request may hold
+    stage_layers: tuple[range, ...]
+
+
+class Cluster:
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.chain = StageChain(config.stages, timeout_s=config.stage_timeout_s, max_requests=config.max_batch)
+        self.stores: dict[str, ClusterStore] = tenant_stores(config.pods, config.pod_tokens, replicas=config.replicas)
+        first_token = next(iter(config.pod_tokens.values()))
+        self._probes = {a.pod_id: PodClient(a, first_token, timeout_s=PROBE_TIMEOUT_S) for a in config.pods}
+        self.stage_up = [True] * len(config.stages)
+        self.pod_up = dict.fromkeys(self._probes, True)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.model: ModelInfo | None = None
+
+    # ------------------------------------------------------------------------------------ start
+    def connect(self, wait_s: float = 120.0) -> ModelInfo:
+        """Wait until every stage answers `/v1/info`, check they fit together, start the health probes."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                infos = self.chain.info()
+                break
+            except ChainError as exc:
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"stage workers not reachable after {wait_s:.0f} s: {exc}") from exc
+                time.sleep(0.5)
+        self.model = model_info(infos)
+        self._thread = threading.Thread(target=self._probe_loop, name="health", daemon=True)
+        self._thread.start()
+        return self.model
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=PROBE_TIMEOUT_S * 2)
+        self.chain.close()
+        for store in self.stores.values():
+            store.close()
+        for probe in self._probes.values():
+            probe.close()
+
+    # ------------------------------------------------------------------------------------ health
+    def require_stages(self) -> None:
+        """Raise StageDownError naming the stages that do not answer."""
+        down = [s for s, up in enumerate(self.stage_up) if not up]
+        if down:
+            raise StageDownError(f"stage worker(s) {', '.join(map(str, down))} not answering; retry later")
+
+    def mark_stage_down(self, stage: int) -> None:
+        """A request found the stage unreachable: refuse others at once until a probe sees it again."""
+        if 0 <= stage < len(self.stage_up):
+            self.stage_up[stage] = False
+
+    def status(self) -> dict[str, Any]:
+        return {"stages": [{"stage": s, "url": url, "up": self.stage_up[s]} for s, url in enumerate(self.chain.urls)],
+                "pods": [{"pod": pod_id, "up": up} for pod_id, up in self.pod_up.items()]}
+
+    def probe(self) -> None:
+        """Probe every worker and pod once."""
+        for stage, url in enumerate(self.chain.urls):
+            try:
+                self.stage_up[stage] = httpx.get(f"{url}/healthz", timeout=PROBE_TIMEOUT_S).status_code == 200
+            except httpx.HTTPError:
+                self.stage_up[stage] = False
+        for pod_id, client in self._probes.items():
+            before = client.last_failure
+            client.size(PROBE_NAME)  # a failure is swallowed but recorded
+            self.pod_up[pod_id] = client.last_failure == before
+
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(self.config.health_interval_s):
+            try:
+                self.probe()
+            except Exception:  # the probes must outlive any surprise
+                log.exception("health probe failed")
+
+
+def model_info(infos: list[dict[str, Any]]) -> ModelInfo:
+    """What the stages serve; ConfigError when they do not form one pipeline of one model."""
+    first = infos[0]
+    for s, info in enumerate(infos):
+        for key in ("model", "chunk_size", "vocab_size"):
+            if info[key] != first[key]:
+                raise ConfigError(f"stage {s} has {key} {info[key]!r}, stage 0 has {first[key]!r}")
+        if info["stage"] != s:
+            raise ConfigError(f"the worker listed as stage {s} says it is stage {info['stage']}")
+    layers = tuple(range(*info["layers"]) for info in infos)
+    if layers[0].start != 0 or any(a.stop != b.start for a, b in pairwise(layers)):
+        raise ConfigError(f"stage layer ranges {[(r.start, r.stop) for r in layers]} do not tile the model in order")
+    if not infos[-1]["last_stage"]:
+        raise ConfigError("the last listed stage does not own the LM head")
+    return ModelInfo(fingerprint=first["model"], chunk_size=first["chunk_size"], vocab_size=first["vocab_size"],
+                     max_tokens=min(info["max_tokens"] for info in infos), stage_layers=layers)

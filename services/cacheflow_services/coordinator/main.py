@@ -1,0 +1,38 @@
+"""Run the coordinator: connect to the stage workers, load the tokenizer, serve the API."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+
+import uvicorn
+
+from cacheflow_services.coordinator.app import create_app
+from cacheflow_services.coordinator.cluster import Cluster
+from cacheflow_services.coordinator.config import CoordinatorConfig
+from cacheflow_services.coordinator.service import Coordinator
+from cacheflow_services.coordinator.tokenizer import TextCodec
+
+log = logging.getLogger(__name__)
+SPARE_THREADS = 32  # beyond the queue and the running batch: health, metrics, status calls
+
+
+def serve(config: CoordinatorConfig, *, connect_wait_s: float = 180.0) -> None:
+    cluster = Cluster(config)
+    model = cluster.connect(wait_s=connect_wait_s)
+    codec = TextCodec(config.tokenizer) if config.tokenizer else None
+    coordinator = Coordinator(config, cluster, model)
+    # every waiting request holds a worker thread: make room for a full queue and the running batch
+    app = create_app(coordinator, codec, threads=config.max_queue + config.max_batch + SPARE_THREADS)
+
+    http = socket.create_server((config.host, config.http_port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    ready = {"event": "ready", "http_port": http.getsockname()[1], "stages": len(config.stages),
+             "chunk_size": model.chunk_size, "model": config.model_name}
+    print(json.dumps(ready), flush=True)  # one line that launchers and tests wait for
+    try:
+        server.run(sockets=[http])  # returns on SIGINT/SIGTERM
+    finally:
+        coordinator.close()
+        cluster.close()

@@ -1,0 +1,250 @@
+"""What the coordinator does for a request, whatever the API in front of it.
+
+A completion: check the prompt, look up how much of its prefix the pods hold, wait for a batch
+slot, restore that prefix on every stage at once (each stage's mode by its L_delta), prefill the rest of the prompt
+through the stages (first token: TTFT), free the slot, decode the remaining tokens, free the KV.
+The workers store every new whole chunk as it fills, so the next request sharing the prefix restores it.
+
+A restore (`POST /v1/restore`): the same up to the restored prefix; the KV stays held on the workers
+until it is released (or `held_restore_s` passes), so a client can prepare a prefix before it needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cacheflow_common.errors import BadRequestError
+from cacheflow_common.restore.executor import POLICIES
+from cacheflow_services.coordinator.admission import Admission, Ticket
+from cacheflow_services.coordinator.cluster import Cluster, ModelInfo
+from cacheflow_services.coordinator.config import CoordinatorConfig
+from cacheflow_services.coordinator.metrics import CoordinatorMetrics
+from cacheflow_services.coordinator.prefix import cached_prefix_tokens
+from cacheflow_services.worker.chain import ChainError
+
+log = logging.getLogger(__name__)
+ADMISSION_TIMEOUT_S = 600.0
+KEEP_FINISHED_RESTORES = 1024  # finished restore records kept for GET
+
+
+class UnknownRestoreError(BadRequestError):
+    """No restore with this id for this tenant (HTTP 404)."""
+
+
+@dataclass
+class Request:
+    """One admitted piece of work: a completion, or a restore held for later."""
+
+    id: str
+    tenant: str
+    token_ids: list[int]  # the whole prompt (a restore: the prefix)
+    cached_tokens: int  # tokens [0, cached) are restored from storage; the rest are prefilled
+    policy: str  # the restore policy sent to the workers ("" = theirs)
+    ticket: Ticket
+    arrived: float  # perf_counter() before its prefix lookup: TTFT counts from here
+    lookup_s: float  # finding how much of the prompt the pods hold
+    queue_s: float = 0.0  # lookup done -> admitted
+    stages: list[dict[str, Any]] = field(default_factory=list)  # per-stage restore summaries
+    restore_s: float = 0.0
+
+
+@dataclass
+class RestoreRecord:
+    request: Request
+    state: str = "queued"  # queued | restoring | ready | failed | cancelled | released
+    error: str = ""
+    expires: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def view(self) -> dict[str, Any]:
+        r = self.request
+        return {"id": r.id, "state": self.state, "error": self.error, "prefix_tokens": len(r.token_ids),
+                "cached_tokens": r.cached_tokens, "policy": r.policy, "batch": r.ticket.batch,
+                "lookup_s": r.lookup_s, "queue_s": r.queue_s, "restore_s": r.restore_s, "stages": r.stages}
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig, cluster: Cluster, model: ModelInfo,
+                 metrics: CoordinatorMetrics | None = None) -> None:
+        self.config = config
+        self.cluster = cluster
+        self.model = model
+        self.metrics = metrics or CoordinatorMetrics()
+        self.admission = Admission(max_batch=config.max_batch, window_s=config.batch_window_s,
+                                   max_queue=config.max_queue, on_batch=self.metrics.batch_size.observe)
+        self._restores: dict[str, RestoreRecord] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
+        self._reaper.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.admission.close()
+        with self._lock:
+            held = [r for r in self._restores.values() if r.state == "ready"]
+        for record in held:
+            self._release(record)
+
+    # ------------------------------------------------------------------------------------ checks
+    def check_prompt(self, token_ids: Sequence[int], max_new_tokens: int) -> None:
+        """BadRequestError with the reason when the workers could not serve this prompt."""
+        if not token_ids:
+            raise BadRequestError("the prompt is empty")
+        vocab = self.model.vocab_size
+        if bad := next((t for t in token_ids if not 0 <= t < vocab), None):
+            raise BadRequestError(f"token id {bad} is out of the model's vocabulary [0, {vocab})")
+        if not 1 <= max_new_tokens <= self.config.max_new_tokens:
+            raise BadRequestError(f"max_tokens must be 1..{self.config.max_new_tokens}, got {max_new_tokens}")
+        if len(token_ids) + max_new_tokens > self.model.max_tokens:
+            raise BadRequestError(f"prompt of {len(token_ids)} tokens + {max_new_tokens} new exceeds the model's "
+                                  f"context of {self.model.max_tokens} tokens")
+
+    @staticmethod
+    def check_policy(requested: str) -> str:
+        """The restore policy for the workers ("": theirs). Adaptive `cacheflow` picks its mode on each
+        stage, by that worker's profiled L_delta (token-wise on stages restoring from boundary activations)."""
+        if requested and requested not in POLICIES:
+            raise BadRequestError(f"unknown policy {requested!r}; choose one of {', '.join(POLICIES)}")
+        return requested
+
+    # ------------------------------------------------------------------------------------ admission
+    def admit(self, token_ids: list[int], tenant: str, *, prefix_limit: int, policy: str, kind: str) -> Request:
+        """Look the prefix up and take a place in the queue (QueueFullError: HTTP 429)."""
+        arrived = time.perf_counter()
+        self.cluster.require_stages()
+        store = self.cluster.stores.get(tenant)
+        if store is None:
+            raise BadRequestError(f"tenant {tenant!r} has no storage credentials on this coordinator")
+        cached = cached_prefix_tokens(token_ids, fingerprint=self.model.fingerprint, tenant=tenant,
+                                      chunk_size=self.model.chunk_size, stage_layers=self.model.stage_layers,
+                                      store=store, limit=prefix_limit)
+        ticket = self.admission.enqueue()
+        self.metrics.queue_depth.set(self.admission.waiting)
+        return Request(id=f"{kind}-{uuid.uuid4().hex[:20]}", tenant=tenant, token_ids=token_ids, cached_tokens=cached,
+                       policy=self.check_policy(policy), ticket=ticket, arrived=arrived,
+                       lookup_s=time.perf_counter() - arrived)
+
+    def _wait_turn(self, request: Request) -> bool:
+        """Wait for the request's batch; False if it was withdrawn (cancelled) meanwhile."""
+        admitted = self.admission.wait(request.ticket, ADMISSION_TIMEOUT_S)
+        request.queue_s = time.perf_counter() - request.arrived - request.lookup_s
+        self.metrics.queue_seconds.observe(request.queue_s)
+        self.metrics.queue_depth.set(self.admission.waiting)
+        self.metrics.running.set(self.admission.running)
+        return admitted
+
+    def _restore(self, request: Request, reserve_tokens: int) -> None:
+        """Restore tokens [0, cached) on every stage (nothing when none are cached)."""
+        if not request.cached_tokens:
+            return
+        began = time.perf_counter()
+        request.stages = self.cluster.chain.restore(request.id, request.token_ids[: request.cached_tokens],
+                                                    tenant=request.tenant, reserve_tokens=reserve_tokens,
+                                                    policy=request.policy)
+        request.restore_s = time.perf_counter() - began
+        self.metrics.restore_seconds.observe(request.restore_s)
+        self.metrics.record_restore(request.stages, request.cached_tokens, [len(r) for r in self.model.stage_layers])
+
+    def _failed(self, exc: BaseException) -> None:
+        cause = type(exc).__name__
+        if isinstance(exc, ChainError):
+            cause = f"stage{exc.stage}:{exc.error or exc.status or 'unreachable'}"
+            if exc.status == 0:
+                self.cluster.mark_stage_down(exc.stage)
+        self.metrics.failures.labels(cause).inc()
+
+    # ------------------------------------------------------------------------------------ completions
+    def complete(self, request: Request, *, max_new_tokens: int, temperature: float, seed: int,
+                 stop_ids: frozenset[int], save: bool = True) -> Iterator[int]:
+        """The new tokens, the first once the prefix is restored and the prompt prefilled."""
+        chain = self.cluster.chain
+        prompt = request.token_ids
+        try:
+            self._wait_turn(request)
+            try:
+                self._restore(request, reserve_tokens=len(prompt) - request.cached_tokens + max_new_tokens)
+                tokens = chain.stream(request.id, prompt[request.cached_tokens :], start=request.cached_tokens,
+                                      tenant=request.tenant, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      seed=seed, reserve_tokens=len(prompt) + max_new_tokens, stop_ids=stop_ids,
+                                      save=save)
+                first = next(tokens)
+            finally:
+                self.admission.done(request.ticket)
+                self.metrics.running.set(self.admission.running)
+            self.metrics.ttft.observe(time.perf_counter() - request.arrived)
+            self.metrics.prefix_tokens.labels("restored").inc(request.cached_tokens)
+            self.metrics.prefix_tokens.labels("prefilled").inc(len(prompt) - request.cached_tokens)
+            yield first
+            yield from tokens
+        except BaseException as exc:
+            if not isinstance(exc, GeneratorExit):
+                self._failed(exc)
+            raise
+        finally:
+            chain.release(request.id)
+
+    # ------------------------------------------------------------------------------------ restores
+    def start_restore(self, request: Request) -> RestoreRecord:
+        record = RestoreRecord(request)
+        with self._lock:
+            self._restores[request.id] = record
+        threading.Thread(target=self._run_restore, args=(record,), name=f"restore-{request.id}", daemon=True).start()
+        return record
+
+    def _run_restore(self, record: RestoreRecord) -> None:
+        request = record.request
+        try:
+            if not self._wait_turn(request) or record.state == "cancelled":
+                return
+            record.state = "restoring"
+            self._restore(request, reserve_tokens=0)
+            record.state, record.expires = "ready", time.monotonic() + self.config.held_restore_s
+        except Exception as exc:
+            self._failed(exc)
+            record.state, record.error = "failed", str(exc)
+        finally:
+            self.admission.done(request.ticket)
+            self.metrics.running.set(self.admission.running)
+            if record.state == "cancelled":  # cancelled while it restored: free what it holds
+                self.cluster.chain.release(request.id)
+            record.done.set()
+
+    def restore_record(self, restore_id: str, tenant: str) -> RestoreRecord:
+        with self._lock:
+            record = self._restores.get(restore_id)
+        if record is None or record.request.tenant != tenant:  # another tenant's id looks like no id
+            raise UnknownRestoreError(f"no restore {restore_id!r}")
+        return record
+
+    def cancel(self, restore_id: str, tenant: str) -> RestoreRecord:
+        """Cancel a queued or running restore, or release a finished one's KV."""
+        record = self.restore_record(restore_id, tenant)
+        if record.state == "ready":
+            self._release(record)
+        elif record.state in ("queued", "restoring"):
+            record.state = "cancelled"
+            self.admission.done(record.request.ticket)  # leaves the queue if still there
+        return record
+
+    def _release(self, record: RestoreRecord) -> None:
+        record.state = "released"
+        self.cluster.chain.release(record.request.id)
+
+    def _reap_loop(self) -> None:
+        """Free restores held past their time; forget the oldest finished records."""
+        while not self._stop.wait(1.0):
+            now = time.monotonic()
+            with self._lock:
+                expired = [r for r in self._restores.values() if r.state == "ready" and r.expires < now]
+                finished = [k for k, r in self._restores.items() if r.state in ("failed", "cancelled", "released")]
+                for key in finished[: max(0, len(finished) - KEEP_FINISHED_RESTORES)]:
+                    del self._restores[key]
+            for record in expired:
+                self._release(record)

@@ -1,0 +1,137 @@
+"""`cacheflow up`: the whole service on one machine, as local processes on loopback.
+
+One cluster spec (YAML; every key optional) gives `pods` storage pods, `stages` stage workers and a
+coordinator. Chunks live under `directory` (default: the cache directory's `cluster/`), so a second
+`cacheflow up` restores what the first one stored. The client token is kept in `directory/api-tokens`
+(created once); `cacheflow up` prints it with the coordinator's URL.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cacheflow_common.errors import ConfigError
+from cacheflow_common.layer_split import balanced_split
+from cacheflow_common.model.sources import model_config
+from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
+from cacheflow_services.storage.launch import LocalPod, launch_pod
+from cacheflow_services.worker.launch import LocalWorker, launch_stages
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    model: str = "smollm2"  # tiny | smollm2 | a model directory
+    stages: int = 2  # pipeline stages (one worker process each)
+    pods: int = 2  # storage pods
+    chunk_size: int = 256
+    dtype: str = "auto"
+    policy: str = "cacheflow"  # the workers' default restore policy (CacheFlow's need `profile`, else Cake)
+    profile: str = ""  # from `cacheflow profile`
+    backend: str = "filesystem"  # filesystem | memory | redis
+    redis_url: str = ""
+    directory: str = ""  # chunks, tokens and logs (default: <cache>/cluster)
+    rate_gbps: float = 0.0  # shape each pod's link (0: unshaped)
+    transport: str = "auto"  # data plane: auto (NIXL when available) | tcp | nixl
+    port: int = 8000  # the coordinator's (0: any free one)
+    max_batch: int = 8
+    max_queue: int = 64
+    batch_window_ms: float = 20.0
+    tenant: str = "default"
+    threads_per_stage: int = 0  # torch threads per worker (0: this machine's cores shared evenly)
+    stage_cpus: list[str] = field(default_factory=list)  # per stage, the CPUs its worker is pinned to ("0", "2,3")
+    worker_args: list[str] = field(default_factory=list)  # extra `cacheflow worker` options
+
+    @classmethod
+    def load(cls, path: Path | None, **overrides: Any) -> ClusterSpec:
+        """The spec in `path` (None: the defaults), with the non-None `overrides` applied."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            try:
+                data = yaml.safe_load(path.read_text()) or {}
+            except (OSError, yaml.YAMLError) as exc:
+                raise ConfigError(f"cannot read cluster spec {path}: {exc}") from exc
+            if not isinstance(data, dict):
+                raise ConfigError(f"cluster spec {path} is not a mapping of options")
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(data) - known):
+            raise ConfigError(f"unknown cluster spec keys {unknown}; known: {sorted(known)}")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        spec = cls(**data)
+        if spec.stages < 1 or spec.pods < 1:
+            raise ConfigError("a cluster needs at least one stage and one storage pod")
+        if spec.stage_cpus and len(spec.stage_cpus) != spec.stages:
+            raise ConfigError(f"stage_cpus lists {len(spec.stage_cpus)} CPU sets for {spec.stages} stages")
+        return spec
+
+    def workdir(self, cache_dir: Path) -> Path:
+        return Path(self.directory).expanduser() if self.directory else cache_dir / "cluster"
+
+
+@dataclass
+class LocalCluster:
+    pods: list[LocalPod]
+    workers: list[LocalWorker]
+    coordinator: LocalCoordinator
+    tenant: str
+    token: str  # the client's bearer token
+
+    def stop(self) -> None:
+        """Coordinator first (no new work), then workers (they flush their saves), then pods."""
+        self.coordinator.stop()
+        for w in self.workers:
+            w.stop()
+        for p in self.pods:
+            p.stop()
+
+
+def _token_file(path: Path, tenant: str) -> str:
+    """The token of `tenant` in `path` ('tenant token' lines), created once and kept."""
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            name, _, token = line.partition(" ")
+            if name == tenant and token:
+                return token
+    token = secrets.token_urlsafe(24)
+    with open(path, "a") as f:
+        os.chmod(path, 0o600)
+        f.write(f"{tenant} {token}\n")
+    return token
+
+
+def start_cluster(spec: ClusterSpec, workdir: Path) -> LocalCluster:
+    """Start pods, then workers, then the coordinator; on any failure stop what started."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    pod_token_file, api_token_file = workdir / "pod-tokens", workdir / "api-tokens"
+    pod_tokens = {spec.tenant: _token_file(pod_token_file, spec.tenant)}
+    token = _token_file(api_token_file, spec.tenant)
+    pods: list[LocalPod] = []
+    workers: list[LocalWorker] = []
+    try:
+        for i in range(spec.pods):
+            extra = ["--rate-gbps", str(spec.rate_gbps)] + (["--redis-url", spec.redis_url] if spec.redis_url else [])
+            pods.append(launch_pod(workdir / f"pod-{i}", *extra, backend=spec.backend, transport=spec.transport,
+                                   tokens=pod_tokens))
+        addresses = [f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(pods)]
+        threads = spec.threads_per_stage or max(1, (os.cpu_count() or 1) // spec.stages)
+        split = balanced_split(model_config(spec.model).num_layers, spec.stages)
+        workers = launch_stages(workdir, split=split, pods=addresses, pod_token_file=pod_token_file, model=spec.model,
+                                chunk_size=spec.chunk_size, dtype=spec.dtype, policy=spec.policy, profile=spec.profile,
+                                threads=threads, cpus=spec.stage_cpus, extra=spec.worker_args)
+        extra = ["--max-batch", str(spec.max_batch), "--max-queue", str(spec.max_queue),
+                 "--batch-window-ms", str(spec.batch_window_ms)]
+        coordinator = launch_coordinator(workdir, stages=[w.url for w in workers], pods=addresses,
+                                         pod_token_file=pod_token_file, token_file=api_token_file, model=spec.model,
+                                         extra=extra, http_port=spec.port)
+    except BaseException:
+        for w in workers:
+            w.stop()
+        for p in pods:
+            p.stop()
+        raise
+    return LocalCluster(pods, workers, coordinator, spec.tenant, token)

@@ -1,0 +1,53 @@
+"""Run one storage pod: the data plane in background threads, the control API in the main thread."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from typing import Any
+
+import uvicorn
+
+from cacheflow_common.errors import ConfigError
+from cacheflow_common.transport.shaping import TokenBucket
+from cacheflow_services.storage.app import create_app
+from cacheflow_services.storage.config import StorageConfig
+from cacheflow_services.storage.dataplane import DataPlaneServer
+from cacheflow_services.storage.pod import StoragePod
+
+log = logging.getLogger(__name__)
+
+
+def open_nixl(transport: str, name: str) -> Any:
+    """The pod's NIXL endpoint, or None for TCP; ConfigError when NIXL was asked for and cannot start."""
+    if transport == "tcp":
+        return None
+    try:
+        from cacheflow_common.transport.nixl_plane import NixlPodEndpoint
+
+        return NixlPodEndpoint(name)
+    except Exception as exc:  # ImportError, or a UCX/NIXL failure to start: both mean "no NIXL here"
+        if transport == "nixl":
+            raise ConfigError(f"NIXL transport requested but unavailable: {exc}") from exc
+        log.warning("NIXL unavailable (%s): serving over TCP", exc)
+        return None
+
+
+def serve(config: StorageConfig) -> None:
+    pod = StoragePod(config)
+    data = DataPlaneServer(pod, TokenBucket(config.rate_bytes_per_s), None)
+    data.nixl = open_nixl(config.transport, f"cacheflow-storage-{data.port}")
+    transport = "nixl" if data.nixl is not None else "tcp"
+    data.start()
+    http = socket.create_server((config.host, config.http_port), reuse_port=False)
+    app = create_app(pod, data_port=data.port, transport=transport)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    ready = {"event": "ready", "data_port": data.port, "http_port": http.getsockname()[1], "transport": transport,
+             "backend": config.backend}
+    print(json.dumps(ready), flush=True)  # one line that launchers and tests wait for
+    try:
+        server.run(sockets=[http])  # returns on SIGINT/SIGTERM
+    finally:
+        data.shutdown()
+        data.server_close()

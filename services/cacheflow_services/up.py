@@ -1,0 +1,100 @@
+"""`cacheflow up`: start the local cluster, say where everything listens, stop it all on Ctrl-C.
+
+With `--demo`, it sends one long prompt twice through the coordinator instead of waiting: the first
+is prefilled and stored, the second restores the stored prefix; it prints both TTFTs and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
+
+DEMO_TEXT = ("CacheFlow restores the KV cache of a long prompt by recomputing its front while it loads its back "
+             "from storage, meeting in the middle. ")
+
+
+def describe(cluster: LocalCluster, workdir: Path, model: str) -> str:
+    lines = [f"coordinator  {cluster.coordinator.url}  (OpenAI-compatible: /v1/completions, /v1/chat/completions)",
+             f"  token      {cluster.token}  (tenant {cluster.tenant!r}; also in {workdir / 'api-tokens'})"]
+    lines += [f"stage {w.stage}      {w.url}" for w in cluster.workers]
+    lines += [f"pod {i}        data 127.0.0.1:{p.data_port}  control http://127.0.0.1:{p.http_port}  ({p.transport})"
+              for i, p in enumerate(cluster.pods)]
+    lines += [f"logs         {workdir}", "",
+              f"curl -s {cluster.coordinator.url}/v1/completions -H 'Authorization: Bearer {cluster.token}' "
+              f"-H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", "
+              "\"max_tokens\": 16}'"]
+    return "\n".join(lines)
+
+
+def demo(cluster: LocalCluster, model: str, prompt_tokens: int) -> None:
+    """The same long prompt twice: prefilled (and stored), then restored."""
+    headers = {"Authorization": f"Bearer {cluster.token}"}
+    with httpx.Client(base_url=cluster.coordinator.url, headers=headers, timeout=600) as client:
+        prompt: str | list[int] = (DEMO_TEXT * (prompt_tokens // 20 + 1))
+        if model == "tiny":  # no tokenizer: token ids
+            prompt = [(7 * i + 3) % 1000 for i in range(prompt_tokens)]
+        for attempt in ("first (prefill, then stored)", "second (restored)"):
+            began = time.perf_counter()
+            r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 8})
+            r.raise_for_status()
+            body = r.json()
+            extra = body["cacheflow"]
+            print(f"{attempt}: {body['usage']['prompt_tokens']} prompt tokens, "
+                  f"{extra['prompt_tokens_restored']} restored from storage, TTFT {extra['ttft_s']:.3f} s, "
+                  f"total {time.perf_counter() - began:.3f} s: {body['choices'][0]['text']!r}")
+            time.sleep(1.0)  # the workers store the first request's chunks in the background
+
+
+def run(args: argparse.Namespace, cache_dir: Path) -> int:
+    spec = ClusterSpec.load(Path(args.spec) if args.spec else None, model=args.model, stages=args.stages,
+                            pods=args.pods, port=args.port, directory=args.dir)
+    workdir = spec.workdir(cache_dir)
+    print(f"starting {spec.pods} storage pod(s), {spec.stages} stage worker(s) and a coordinator "
+          f"for model {spec.model!r} ...", flush=True)
+    cluster = start_cluster(spec, workdir)
+    try:
+        print(describe(cluster, workdir, spec.model), flush=True)
+        if args.demo:
+            demo(cluster, spec.model, args.demo_tokens)
+            return 0
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        print("\nserving; Ctrl-C stops everything", flush=True)
+        try:
+            while not stop.wait(1.0):
+                if dead := [name for name, proc in _processes(cluster) if proc is not None and proc.poll() is not None]:
+                    print(f"{', '.join(dead)} exited; stopping (see the logs in {workdir})", flush=True)
+                    return 1
+        except KeyboardInterrupt:
+            pass
+        return 0
+    finally:
+        print("stopping ...", flush=True)
+        cluster.stop()
+
+
+def _processes(cluster: LocalCluster) -> list[tuple[str, subprocess.Popen[str] | None]]:
+    named: list[tuple[str, subprocess.Popen[str] | None]] = [("coordinator", cluster.coordinator.proc)]
+    named += [(f"stage {w.stage}", w.proc) for w in cluster.workers]
+    named += [(f"pod {i}", p.proc) for i, p in enumerate(cluster.pods)]
+    return named
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="start a local cluster (storage pods, stage workers, coordinator)")
+    up.add_argument("--spec", default="", help="cluster spec YAML (every key optional; see services/local_cluster.py)")
+    up.add_argument("--model", default=None, help="tiny | smollm2 | a model directory (default: smollm2)")
+    up.add_argument("--stages", type=int, default=None, help="pipeline stages (default 2)")
+    up.add_argument("--pods", type=int, default=None, help="storage pods (default 2)")
+    up.add_argument("--port", type=int, default=None, help="coordinator port (default 8000; 0: any free one)")
+    up.add_argument("--dir", default=None, help="chunks, tokens and logs (default: <cache>/cluster)")
+    up.add_argument("--demo", action="store_true", help="send one long prompt twice (stored, then restored), stop")
+    up.add_argument("--demo-tokens", type=int, default=2048, help="--demo: about this many prompt tokens")

@@ -1,0 +1,182 @@
+"""`CacheFlowConnector`: an out-of-tree vLLM v1 KV connector (vLLM 0.32) backed by CacheFlow.
+
+    --kv-transfer-config '{"kv_connector": "CacheFlowConnector",
+                           "kv_connector_module_path": "cacheflow_services.vllm_connector.connector",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"pods": ["pod-0=10.0.0.5:7400"], "tenant": "acme",
+                                                         "pod_token_file": "/etc/cacheflow/tokens"}}'
+
+The protocol, as vLLM drives it (`vllm/distributed/kv_transfer/kv_connector/v1/base.py`):
+  scheduler: get_num_new_matched_tokens -> update_state_after_alloc -> build_connector_meta (per step)
+             -> request_finished
+  worker:    start_load_kv (before the forward; synchronous: the restore lands before attention reads it)
+             -> forward -> wait_for_save (copy the finished chunks out, store them in the background)
+             -> get_block_ids_with_load_errors (vLLM recomputes those blocks)
+Only this module imports vLLM; the logic lives in `plan.py` (scheduler) and `worker.py` (worker).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from cacheflow_common.errors import ConfigError
+from cacheflow_common.model.config import ModelConfig
+from cacheflow_common.model.weights import checkpoint_fingerprint
+from cacheflow_services.coordinator.prefix import cached_prefix_tokens
+from cacheflow_services.vllm_connector.config import ConnectorConfig
+from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec, SchedulerPlan
+from cacheflow_services.vllm_connector.worker import WorkerEngine, open_store
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheFlowMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+class CacheFlowConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.cfg = ConnectorConfig.from_extra(dict(transfer.kv_connector_extra_config or {}),
+                                              served_model=vllm_config.model_config.model)
+        if transfer.kv_load_failure_policy != "recompute":
+            log.warning("kv_load_failure_policy is %r: a failed CacheFlow load fails the request instead of "
+                        "being recomputed; set it to \"recompute\"", transfer.kv_load_failure_policy)
+        block_size = vllm_config.cache_config.block_size
+        dtype = vllm_config.model_config.dtype
+        self._plan: SchedulerPlan | None = None
+        self._engine: WorkerEngine | None = None
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self._plan = _scheduler_plan(self.cfg, block_size, dtype)
+        else:
+            device = "cpu" if vllm_config.device_config.device_type == "cpu" else "cuda"
+            layout = _paged_layout(vllm_config) if device == "cpu" else "split"
+            self._engine = WorkerEngine(self.cfg, dtype=dtype, block_size=block_size, device=device, layout=layout)
+
+    # ------------------------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._plan is not None
+        return self._plan.matched(request.request_id, list(request.prompt_token_ids or ()), num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._plan is not None
+        self._plan.allocated(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        plan, meta = self._plan, CacheFlowMetadata()
+        assert plan is not None
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            specs = plan.new_request(new.req_id, list(new.prompt_token_ids or ()), new.block_ids[0],
+                                     new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            _add(meta, *specs)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            specs = plan.running_request(req_id, blocks[0] if blocks else None,
+                                         resumed=req_id in cached.resumed_req_ids,
+                                         computed_after=cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            _add(meta, *specs)
+        for req_id in scheduler_output.finished_req_ids:
+            plan.finished(req_id)
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._plan is not None:
+            self._plan.finished(request.request_id)
+        return False, None  # saves copy their KV out in wait_for_save: the blocks can go now
+
+    # ------------------------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._engine is not None
+        self._engine.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, CacheFlowMetadata) and self._engine is not None
+        for spec in meta.loads:
+            self._load_errors |= self._engine.load(spec)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv restores every layer before the forward pass starts
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # whole chunks are copied out in wait_for_save, once per step
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, CacheFlowMetadata) and self._engine is not None
+        for spec in meta.saves:
+            self._engine.save(spec)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def flush(self) -> None:
+        """Wait for the saves queued so far (drivers call it before they exit)."""
+        if self._engine is not None:
+            self._engine.flush()
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+
+
+def _add(meta: CacheFlowMetadata, load: LoadSpec | None, save: SaveSpec | None) -> None:
+    if load is not None:
+        meta.loads.append(load)
+    if save is not None:
+        meta.saves.append(save)
+
+
+def _paged_layout(vllm_config: VllmConfig) -> str:
+    """How vLLM's CPU attention kernel arranges K and V in a block: it depends on its ISA (paged.py)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # the backend's own choice, private in 0.32
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    isa = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+    layouts = {"vec": "cpu-vec", "vec16": "cpu-vec", "amx": "cpu-plain"}  # measured on x86 (paged.py)
+    if isa not in layouts:
+        raise ConfigError(f"the CacheFlow connector does not know the KV layout of vLLM's CPU attention ISA {isa!r} "
+                          f"(known: {', '.join(layouts)})")
+    return layouts[isa]
+
+
+def _scheduler_plan(cfg: ConnectorConfig, block_size: int, dtype: torch.dtype) -> SchedulerPlan:
+    """The scheduler's plan, looking prefixes up on the pods (the model's fingerprint, without its weights)."""
+    from pathlib import Path
+
+    model_config = ModelConfig.from_dir(cfg.model)
+    fingerprint = checkpoint_fingerprint(Path(cfg.model), model_config, dtype, {})
+    store = open_store(cfg)
+    layers = [range(model_config.num_layers)]
+
+    def lookup(prompt: Any, limit: int) -> int:
+        return cached_prefix_tokens(prompt, fingerprint=fingerprint, tenant=cfg.tenant, chunk_size=cfg.chunk_size,
+                                    stage_layers=layers, store=store, limit=limit)
+
+    return SchedulerPlan(chunk_size=cfg.chunk_size, block_size=block_size, lookup=lookup, save=cfg.save)

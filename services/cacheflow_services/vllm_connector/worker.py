@@ -1,0 +1,190 @@
+"""The worker side: restore a cached prefix with CacheFlow into vLLM's paged blocks, and store the chunks
+vLLM computes.
+
+Restore (before the forward pass that needs it): CacheFlow's own runtime, loaded from the model vLLM
+serves, runs the restore executor against the storage pods, so the prefix's front is recomputed while
+its back is loaded (`policy`); the resulting [L, 2, Hkv, N, D] KV is scattered into the request's
+blocks. A chunk that misses is recomputed inside the restore (`on_miss="cacheflow"`) or reported to
+vLLM as a failed load (`on_miss="vllm"`), which recomputes from the first failed block; a restore that
+fails outright reports all its blocks. Either way the output is never wrong.
+
+Save (after the forward pass): the finished chunks' KV is copied out of vLLM's blocks (the only work on
+the forward thread) and a saver thread encodes and stores them, with the same keys and chunk format as
+CacheFlow's stage workers, so a CacheFlow cluster and vLLM instances share chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cacheflow_common.kv.chunk import encode_kv_chunk
+from cacheflow_common.kv.keys import ChunkKey, chunk_keys, object_name, tenant_salt
+from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.restore.cores import move_off_compute_cores
+from cacheflow_common.restore.executor import RestoreJob, RestoreResult, restore
+from cacheflow_common.restore.profile import Profile
+from cacheflow_common.restore.save import dtype_name, make_job, save_chunks
+from cacheflow_common.store.placement import ClusterStore
+from cacheflow_common.transport.pod_client import PodAddress, PodClient
+from cacheflow_common.transport.shaping import gbps
+from cacheflow_services.vllm_connector.config import ConnectorConfig
+from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather, layer_index, scatter
+from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
+
+log = logging.getLogger(__name__)
+
+
+def open_store(cfg: ConnectorConfig) -> ClusterStore:
+    """Placement over the pods, authenticated as the tenant."""
+    token = cfg.token()
+    pods = {a.pod_id: PodClient(a, token, timeout_s=cfg.timeout_s) for a in map(PodAddress.parse, cfg.pods)}
+    return ClusterStore(pods, replicas=cfg.replicas)  # type: ignore[arg-type]
+
+
+class StatsLog:
+    """One JSON line per event, appended to a file (nothing without a path); totals kept in memory."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path) if path else None
+        self.totals: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def event(self, kind: str, **fields: Any) -> None:
+        with self._lock:
+            self.totals[kind] = self.totals.get(kind, 0) + 1
+            if self.path is not None:
+                with self.path.open("a") as f:
+                    f.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
+
+
+class WorkerEngine:
+    def __init__(self, cfg: ConnectorConfig, *, dtype: torch.dtype, block_size: int, device: str,
+                 layout: str) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown paged KV layout {layout!r}; known: {LAYOUTS}")
+        self.cfg = cfg
+        self.layout = layout  # how K and V sit in vLLM's blocks (paged.py)
+        self.block_size = block_size
+        self.model = Transformer.from_dir(cfg.model, dtype=dtype, device=device)  # CacheFlow's runtime
+        self.fingerprint = self.model.fingerprint()
+        self.store = open_store(cfg)
+        self.profile = Profile.load(cfg.profile) if cfg.profile else None
+        self.stats = StatsLog(cfg.stats_file)
+        self.caches: list[tuple[int, torch.Tensor]] = []  # (decoder layer, its vLLM cache), by layer
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheflow-saver",
+                                         initializer=move_off_compute_cores)
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        c = self.model.config
+        self.caches = sorted((layer_index(name), cache) for name, cache in kv_caches.items())
+        if [layer for layer, _ in self.caches] != list(range(c.num_layers)):
+            raise ValueError(f"vLLM's attention layers {[layer for layer, _ in self.caches]} are not the "
+                             f"model's {c.num_layers} layers")
+        for _, cache in self.caches:
+            check_cache(cache, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=self.block_size)
+
+    # ------------------------------------------------------------------------------------ restore
+    def load(self, spec: LoadSpec) -> set[int]:
+        """Restore the spec's prefix into its blocks; returns the block ids vLLM must recompute."""
+        n = len(spec.token_ids)
+        try:
+            job = make_job(self.model, spec.token_ids, tenant=self.cfg.tenant, chunk_size=self.cfg.chunk_size)
+            result = self._restore(job)
+        except Exception as exc:  # a failed restore is a failed load: vLLM recomputes the prefix
+            log.exception("CacheFlow restore of %s failed; vLLM recomputes it", spec.req_id)
+            self.stats.event("load_error", req=spec.req_id, tokens=n, error=f"{type(exc).__name__}: {exc}")
+            return self._blocks(spec, spec.start)
+        kv = result.kv.data  # [L, 2, Hkv, N, D]
+        for layer, cache in self.caches:
+            scatter(cache, self.layout, spec.block_ids, self.block_size, spec.start, kv[layer, :, :, spec.start : n])
+        sources = result.sources()
+        self.stats.event("restore", req=spec.req_id, tokens=n, written=n - spec.start, policy=self._policy()[0],
+                         mode=result.mode, computed=sources.count("computed"),
+                         loaded=sources.count("loaded"), misses=dict(result.misses),
+                         bytes_loaded=result.bytes_loaded, elapsed_s=result.elapsed_s)
+        return self._after_misses(spec, job, result)
+
+    def _restore(self, job: RestoreJob) -> RestoreResult:
+        policy, link = self._policy()
+        costs = self.profile.cost_model(link) if self.profile is not None else None
+        l_delta = self.profile.l_delta_for(link) if self.profile is not None else 0
+        return restore(job, model=self.model, store=self.store, policy=policy, costs=costs, l_delta=l_delta)
+
+    def _policy(self) -> tuple[str, float | None]:
+        """The restore policy and the link its costs are for; the CacheFlow ones need a profile (else Cake)."""
+        link = gbps(self.cfg.link_gbps) if self.cfg.link_gbps else None
+        if self.cfg.policy.startswith("cacheflow") and self.profile is None:
+            return "cake", link
+        return self.cfg.policy, link
+
+    def _after_misses(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult) -> set[int]:
+        """Chunks that missed: stored again (CacheFlow recomputed them), or handed to vLLM to recompute."""
+        missed = [i for i, u in enumerate(result.units) if u.miss_reason]
+        if not missed:
+            return set()
+        if self.cfg.on_miss == "vllm":
+            first = job.keys[missed[0]].token_start if result.mode == "token" else 0
+            failed = self._blocks(spec, max(first, spec.start))
+            self.stats.event("load_error", req=spec.req_id, tokens=len(spec.token_ids), first_failed=first,
+                             blocks=len(failed), error="miss")
+            return failed
+        keys = [job.keys[i] for i in missed] if result.mode == "token" else list(job.keys)
+        if self.cfg.save:
+            self._saver.submit(self._guarded, save_chunks, result.kv, job, self.store,
+                               model_fingerprint=self.fingerprint, keys=keys)
+        return set()
+
+    def _blocks(self, spec: LoadSpec, first: int) -> set[int]:
+        """The block ids holding positions [first, N) of the spec's prefix."""
+        last = -(-len(spec.token_ids) // self.block_size)
+        return set(spec.block_ids[first // self.block_size : last])
+
+    # ------------------------------------------------------------------------------------ save
+    def save(self, spec: SaveSpec) -> None:
+        """Copy the spec's new chunks out of vLLM's blocks, then store them off the forward thread."""
+        end = len(spec.token_ids)
+        kv = torch.stack([gather(cache, self.layout, spec.block_ids, self.block_size, spec.start, end)
+                          for _, cache in self.caches])  # [L, 2, Hkv, T, D]
+        self._saver.submit(self._guarded, self._store_chunks, spec, kv.cpu())
+
+    def _store_chunks(self, spec: SaveSpec, kv: torch.Tensor) -> None:
+        salt = tenant_salt(self.fingerprint, self.cfg.tenant)
+        keys = [k for k in chunk_keys(spec.token_ids, self.cfg.chunk_size, salt) if k.token_start >= spec.start]
+        written = sum(self._put(spec, key, kv) for key in keys)
+        self.stats.event("save", req=spec.req_id, chunks=len(keys), bytes=written, tokens_end=len(spec.token_ids))
+
+    def _put(self, spec: SaveSpec, key: ChunkKey, kv: torch.Tensor) -> int:
+        part = kv[:, :, :, key.token_start - spec.start : key.token_end - spec.start]  # [L, 2, Hkv, C, D]
+        obj = encode_kv_chunk(key=key, token_ids=spec.token_ids[key.token_start : key.token_end],
+                              model=self.fingerprint, layer_start=0, kv=part, dtype=dtype_name(self.model.dtype))
+        self.store.put(object_name(key, "kv", 0, self.model.config.num_layers), obj)
+        return len(obj)
+
+    def _guarded(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Saves run off the critical path: a failure is logged and counted (that chunk is recomputed later)."""
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:
+            log.exception("storing chunks in CacheFlow failed")
+            self.stats.event("save_error", error=f"{type(exc).__name__}: {exc}")
+
+    def flush(self) -> None:
+        """Wait for every queued save."""
+        self._saver.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self.flush()
+        self._saver.shutdown()
+        for pod in self.store.pods.values():
+            close = getattr(pod, "close", None)
+            if close is not None:
+                close()
+        self.store.close()

@@ -1,0 +1,177 @@
+"""A stage worker's HTTP API (FastAPI): restore, forward, pipelined deliveries, release, health, metrics.
+
+* `POST /v1/restore` (JSON): restore a request's cached prefix on this stage's layers.
+* `POST /v1/forward` (tensor frame): run new tokens through this stage and the ones after it; the last
+  stage answers with the next token.
+* `POST /v1/deliver` (tensor frame): the previous stage's output for one chunk of a pipelined restore.
+* `DELETE /v1/requests/{id}`: free the request's KV; `GET /v1/requests/{id}/kv`: read it back.
+* `POST /v1/flush`: wait until every queued save is stored.
+
+Errors carry their reason: 400 bad input, 404 unknown request, 409 state conflict (wrong position,
+boundary activations missing: restore pipelined instead), 502 the next stage failed, 503 pool full.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see the real types of the route parameters.
+import re
+from typing import Any, Literal
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from cacheflow_common.errors import BadRequestError
+from cacheflow_common.restore.stages import BoundaryMissingError
+from cacheflow_common.transport import frames
+from cacheflow_services.worker.engine import ConflictError, StageEngine, UnknownRequestError
+from cacheflow_services.worker.next_stage import NextStageError
+from cacheflow_services.worker.pool import PoolFullError
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_PROMPT_TOKENS = 1 << 20
+
+
+class RestoreBody(BaseModel):
+    request_id: str
+    tenant: str
+    token_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
+    input: Literal["boundary", "pipelined", "sequential"] = "boundary"
+    reserve_tokens: int = Field(default=0, ge=0)
+    policy: str = ""  # default: the worker's configured policy
+
+    @field_validator("request_id")
+    @classmethod
+    def _id(cls, value: str) -> str:
+        return _request_id(value)
+
+
+class ForwardMeta(BaseModel):
+    request_id: str
+    start: int = Field(ge=0)
+    token_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
+    tenant: str = ""
+    reserve_tokens: int = Field(default=0, ge=0)
+    save: bool = True
+    temperature: float = Field(default=0.0, ge=0.0)
+    seed: int = 0
+
+    @field_validator("request_id")
+    @classmethod
+    def _id(cls, value: str) -> str:
+        return _request_id(value)
+
+
+class DeliverMeta(BaseModel):
+    request_id: str
+    index: int = Field(default=0, ge=0)
+    finished: bool = False
+    failure: str = ""
+
+
+def _request_id(value: str) -> str:
+    if not REQUEST_ID.fullmatch(value):
+        raise ValueError("request_id: 1-128 characters of [A-Za-z0-9._:-]")
+    return value
+
+
+_STATUS: list[tuple[type[Exception], int]] = [
+    (UnknownRequestError, 404), (ConflictError, 409), (BoundaryMissingError, 409), (PoolFullError, 503),
+    (NextStageError, 502), (BadRequestError, 400),
+]
+
+
+def create_app(engine: StageEngine, *, max_body_bytes: int) -> FastAPI:
+    app = FastAPI(title=f"CacheFlow stage {engine.config.stage} worker", docs_url=None, redoc_url=None)
+
+    for exc_type, status in _STATUS:
+        app.add_exception_handler(exc_type, _handler(status))
+
+    async def body_of(request: Request) -> bytes:
+        length = request.headers.get("content-length", "")
+        if not length.isdigit() or int(length) > max_body_bytes:
+            raise BadRequestError(f"a body of 1..{max_body_bytes} bytes with a Content-Length is required")
+        return await request.body()
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> dict[str, Any]:
+        return {"ready": True, "stage": engine.config.stage}
+
+    @app.get("/v1/info")
+    def info() -> dict[str, Any]:
+        c = engine.config
+        return {"stage": c.stage, "layers": [c.layers.start, c.layers.stop], "last_stage": c.last_stage,
+                "model": engine.model.fingerprint(), "chunk_size": c.chunk_size, "dtype": str(engine.model.dtype),
+                "pool_blocks": engine.pool.capacity_blocks, "block_tokens": c.block_tokens,
+                "vocab_size": engine.model.config.vocab_size,
+                "max_tokens": min(engine.model.config.max_position_embeddings, c.max_request_tokens)}
+
+    @app.post("/v1/restore")
+    def restore(body: RestoreBody) -> dict[str, Any]:
+        try:
+            return engine.restore(body.request_id, body.token_ids, tenant=body.tenant, input_mode=body.input,
+                                  reserve_tokens=body.reserve_tokens, policy=body.policy)
+        except Exception as exc:
+            engine.metrics.restore_failures.labels(type(exc).__name__).inc()
+            raise
+
+    @app.post("/v1/forward")
+    async def forward(request: Request) -> dict[str, Any]:
+        meta, hidden = frames.unpack(await body_of(request))
+        checked = _validated(ForwardMeta, meta).model_dump()
+        result: dict[str, Any] = await anyio.to_thread.run_sync(engine.forward, checked, hidden)
+        return result
+
+    @app.post("/v1/deliver")
+    async def deliver(request: Request) -> dict[str, bool]:
+        meta, hidden = frames.unpack(await body_of(request))
+        checked = _validated(DeliverMeta, meta)
+        if checked.finished:
+            engine.finish_upstream(checked.request_id, checked.failure)
+        elif hidden is None:
+            raise BadRequestError("a delivery carries the chunk's hidden states")
+        else:
+            engine.deliver(checked.request_id, checked.index, hidden)
+        return {"ok": True}
+
+    @app.get("/v1/requests/{request_id}/kv")
+    def kv(request_id: str) -> Response:
+        """The request's KV on this stage, [L_s, 2, Hkv, tokens, D], as a tensor frame (for inspection and tests)."""
+        return Response(frames.pack({"request_id": request_id}, engine.kv_of(request_id)),
+                        media_type=frames.CONTENT_TYPE)
+
+    @app.post("/v1/flush")
+    async def flush() -> dict[str, bool]:
+        """Wait until every chunk computed so far is stored (before a drain, or in tests)."""
+        await anyio.to_thread.run_sync(engine.flush)
+        return {"flushed": True}
+
+    @app.delete("/v1/requests/{request_id}")
+    def release(request_id: str) -> dict[str, bool]:
+        return {"released": engine.release(request_id)}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _handler(status: int) -> Any:
+    async def handle(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=status)
+
+    return handle
+
+
+def _validated(model: type[Any], meta: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(meta)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise BadRequestError(f"bad frame metadata: {where}: {first['msg']}") from exc

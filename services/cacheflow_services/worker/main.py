@@ -1,0 +1,42 @@
+"""Run one stage worker: load the stage's layers, connect to the storage pods, serve the API."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+
+import torch
+import uvicorn
+
+from cacheflow_common.model.sources import load_model, parse_dtype
+from cacheflow_common.restore.profile import Profile
+from cacheflow_common.store.base import ChunkStore
+from cacheflow_common.store.placement import tenant_stores
+from cacheflow_services.worker.app import create_app
+from cacheflow_services.worker.config import WorkerConfig
+from cacheflow_services.worker.engine import StageEngine
+from cacheflow_services.worker.next_stage import NextStage
+
+log = logging.getLogger(__name__)
+FRAME_SLACK_BYTES = 8 << 20  # metadata (token ids) beside the hidden states
+
+
+def serve(config: WorkerConfig) -> None:
+    model = load_model(config.model, dtype=parse_dtype(config.dtype), layers=config.layers)
+    profile = Profile.load(config.profile) if config.profile else None
+    next_stage = NextStage(config.next_stage, timeout_s=config.next_stage_timeout_s) if config.next_stage else None
+    stores: dict[str, ChunkStore] = dict(tenant_stores(config.pods, config.pod_tokens, replicas=config.replicas))
+    engine = StageEngine(config, model, stores, profile, next_stage)
+    engine.metrics.pool_capacity_blocks.set(engine.pool.capacity_blocks)
+    max_body = config.max_request_tokens * model.config.hidden_size * 4 + FRAME_SLACK_BYTES
+    http = socket.create_server((config.host, config.http_port))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, max_body_bytes=max_body), log_level="warning",
+                                           access_log=False))
+    ready = {"event": "ready", "stage": config.stage, "http_port": http.getsockname()[1],
+             "layers": [config.layers.start, config.layers.stop], "threads": torch.get_num_threads()}
+    print(json.dumps(ready), flush=True)  # one line that launchers and tests wait for
+    try:
+        server.run(sockets=[http])  # returns on SIGINT/SIGTERM
+    finally:
+        engine.flush()
