@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cacheflow_common.errors import BadRequestError
-from cacheflow_common.restore.executor import POLICIES
+from cacheflow_common.sched.policies import POLICIES
 from cacheflow_services.coordinator.admission import Admission, Ticket
 from cacheflow_services.coordinator.cluster import Cluster, ModelInfo
 from cacheflow_services.coordinator.config import CoordinatorConfig
@@ -127,9 +127,13 @@ class Coordinator:
                                       store=store, limit=prefix_limit)
         ticket = self.admission.enqueue()
         self.metrics.queue_depth.set(self.admission.waiting)
-        return Request(id=f"{kind}-{uuid.uuid4().hex[:20]}", tenant=tenant, token_ids=token_ids, cached_tokens=cached,
-                       policy=self.check_policy(policy), ticket=ticket, arrived=arrived,
-                       lookup_s=time.perf_counter() - arrived)
+        request = Request(id=f"{kind}-{uuid.uuid4().hex[:20]}", tenant=tenant, token_ids=token_ids,
+                          cached_tokens=cached, policy=self.check_policy(policy), ticket=ticket, arrived=arrived,
+                          lookup_s=time.perf_counter() - arrived)
+        log.info("%s queued: tenant %s, %d prompt tokens, %d cached in storage, policy %s, lookup %.3f s",
+                 request.id, tenant, len(token_ids), cached, request.policy or "the workers' default",
+                 request.lookup_s)
+        return request
 
     def _wait_turn(self, request: Request) -> bool:
         """Wait for the request's batch; False if it was withdrawn (cancelled) meanwhile."""
@@ -138,6 +142,7 @@ class Coordinator:
         self.metrics.queue_seconds.observe(request.queue_s)
         self.metrics.queue_depth.set(self.admission.waiting)
         self.metrics.running.set(self.admission.running)
+        log.info("%s admitted to batch %d after %.3f s in the queue", request.id, request.ticket.batch, request.queue_s)
         return admitted
 
     def _restore(self, request: Request, reserve_tokens: int) -> None:
@@ -149,6 +154,9 @@ class Coordinator:
                                                     tenant=request.tenant, reserve_tokens=reserve_tokens,
                                                     policy=request.policy)
         request.restore_s = time.perf_counter() - began
+        log.info("%s restored %d cached tokens in %.3f s; per stage: %s", request.id, request.cached_tokens,
+                 request.restore_s, ", ".join(f"{s.get('stage')}: {s.get('mode')} ({s.get('computed')} computed, "
+                                              f"{s.get('loaded')} loaded)" for s in request.stages))
         self.metrics.restore_seconds.observe(request.restore_s)
         self.metrics.record_restore(request.stages, request.cached_tokens, [len(r) for r in self.model.stage_layers])
 
@@ -159,6 +167,7 @@ class Coordinator:
             if exc.status == 0:
                 self.cluster.mark_stage_down(exc.stage)
         self.metrics.failures.labels(cause).inc()
+        log.warning("a request failed (%s): %s", cause, exc)
 
     # ------------------------------------------------------------------------------------ completions
     def complete(self, request: Request, *, max_new_tokens: int, temperature: float, seed: int,
@@ -179,6 +188,7 @@ class Coordinator:
                 self.admission.done(request.ticket)
                 self.metrics.running.set(self.admission.running)
             self.metrics.ttft.observe(time.perf_counter() - request.arrived)
+            log.info("%s first token: TTFT %.3f s", request.id, time.perf_counter() - request.arrived)
             self.metrics.prefix_tokens.labels("restored").inc(request.cached_tokens)
             self.metrics.prefix_tokens.labels("prefilled").inc(len(prompt) - request.cached_tokens)
             yield first
