@@ -60,8 +60,8 @@ class Profile:
         return body
 
     def save(self, path: str | Path) -> None:
-        """Write atomically (temp file, fsync, rename)."""
-        path = Path(path)
+        """Write atomically (temp file, fsync, rename); `~` is expanded."""
+        path = Path(path).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-")
         with os.fdopen(fd, "w") as f:
@@ -72,8 +72,9 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
+        """Read a profile file; `~` is expanded."""
         try:
-            body = json.loads(Path(path).read_text())
+            body = json.loads(Path(path).expanduser().read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"cannot read profile {path}: {exc}") from exc
         return cls.from_json(body, source=str(path))

@@ -28,6 +28,14 @@ def test_round_trip(tmp_path):
     assert Profile.load(tmp_path / "p.json") == p
 
 
+def test_save_and_load_expand_the_home_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    p = _profile()
+    p.save("~/profiles/p.json")
+    assert (tmp_path / "profiles" / "p.json").is_file()
+    assert Profile.load("~/profiles/p.json") == p
+
+
 def test_l_delta_of_nearest_rate_in_log_scale():
     p = _profile()
     assert p.l_delta_for(2e7) == 512 and p.l_delta_for(5e8) == 1024 and p.l_delta_for(None) == 1024
