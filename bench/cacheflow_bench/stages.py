@@ -2,8 +2,9 @@
 
 Real processes on loopback: `S` stage workers (each pinned to its own core, one torch thread) and
 `S` storage pods, each shaped to the same link rate, so each stage has a link of its own as each GPU
-of a pipeline has (DESIGN.md §1: per-stage costs Tcomp/S and Tio/S). The rate is calibrated so that
-Tio/Tcomp = 1 for one stage: the S = 1 compute-only restore time against the prefix's KV bytes.
+of a pipeline has (per-stage costs Tcomp/S and Tio/S: docs/architecture.md, "The bound T*"). The rate
+is calibrated so that Tio/Tcomp = 1 for one stage: the S = 1 compute-only restore time against the
+prefix's KV bytes.
 
 For each S, the same saved prefix is restored (client-side wall time of the whole restore) with:
 * `boundary`: every stage from its stored boundary activations, all at once (CacheFlow);

@@ -38,7 +38,7 @@ NEVER_TOKEN_WISE = 2**31 - 1  # L_delta when layer-wise still wins at the longes
 
 @dataclass(frozen=True, kw_only=True)
 class ProfileSettings:
-    chunk_size: int = 256  # the restore's chunk size (DESIGN.md default)
+    chunk_size: int = 256  # the restore's default chunk size (docs/architecture.md, "Chunk keys")
     max_tokens: int = 4096  # longest prefix timed for the compute fits
     sample_layers: int = 4  # layers timed for the per-layer fits (layers are alike)
     repeats: int = 3  # best of N: the minimum is the least noisy estimate on a shared machine

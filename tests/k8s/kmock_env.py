@@ -1,9 +1,10 @@
 """The operator under kopf against `kmock`, an in-memory fake of the Kubernetes API served over HTTP.
 
-No API server can run on these machines (DESIGN: no kube-apiserver, kind, k3s or Docker), so kmock
-stands in for one: it stores objects, serves discovery, lists, watches and merge patches. It does no
-validation, defaulting, generation bumps or garbage collection; the tests say where they do by hand
-what a real API server or controller would (metadata.uid and generation, a workload's readiness).
+No API server can run on these machines (no kube-apiserver, kind, k3s or Docker; see
+docs/architecture.md, "The operator and the Helm chart"), so kmock stands in for one: it stores
+objects, serves discovery, lists, watches and merge patches. It does no validation, defaulting,
+generation bumps or garbage collection; the tests say where they do by hand what a real API server
+or controller would (metadata.uid and generation, a workload's readiness).
 """
 
 from __future__ import annotations
