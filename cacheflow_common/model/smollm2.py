@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def smollm2_dir(cache_dir: Path | None = None) -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
     except ImportError as exc:
         raise ConfigError(f"converting SmolLM2 needs transformers, gguf and accelerate: {INSTALL_HINT}") from exc
+    print(f"converting SmolLM2 to safetensors, once (into {target}) ...", file=sys.stderr, flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".smollm2-"))
     try:

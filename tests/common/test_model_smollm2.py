@@ -36,3 +36,10 @@ def test_greedy_answer_names_paris():
         hidden = model.forward_layers(model.embed(torch.tensor([nxt])), model.layers, [Span(kv, pos, 1)])
     text = tok.decode(out, skip_special_tokens=True)
     assert "Paris" in text, text
+
+
+def test_the_conversion_says_so_once(tmp_path, capsys):
+    target = tmp_path / "smollm2"
+    smollm2_dir(target)
+    assert "converting SmolLM2 to safetensors, once" in capsys.readouterr().err
+    assert smollm2_dir(target) == target and capsys.readouterr().err == ""  # converted: nothing to say
