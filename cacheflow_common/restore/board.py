@@ -25,14 +25,13 @@ from typing import Protocol
 
 from cacheflow_common.restore.pointers import WAIT, TwoPointers, Unit
 
-__all__ = ["LOAD_DECLINED", "BoardView", "Planner", "TwoPointerBoard", "Unit", "UnitRecord"]
+__all__ = ["BoardView", "Planner", "TwoPointerBoard", "Unit", "UnitRecord"]
 
 # Every state change notifies the board's condition, so waits for events need no timeout; this is
 # only a safety net. Re-planning waits never sleep less than _MIN_REPLAN_S: a tighter loop would take
 # the GIL from the compute thread often enough to slow the forward pass.
 _EVENT_WAIT_S = 1.0
 _MIN_REPLAN_S = 0.005
-LOAD_DECLINED = -1  # claim_load(wait=False): the planner wants compute to take the pending units for now
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,6 @@ class TwoPointerBoard:
         self._compute_free_at = self.t0
         self._load_free_at = self.t0
         self._load_active = True
-        self._load_stalled = False  # the loader waits for a shared link: the I/O pointer is not moving
 
     @property
     def states(self) -> Sequence[Unit]:
@@ -122,12 +120,11 @@ class TwoPointerBoard:
             self._cond.notify_all()
 
     # -- the I/O side --------------------------------------------------------------------------
-    def claim_load(self, *, wait: bool = True) -> int | None:
+    def claim_load(self) -> int | None:
         """The next unit to load (highest pending), or None once nothing is left for the loader.
 
         When the planner says compute should take the rest, the loader waits and re-plans at the next
-        event (its predictions improve as units finish) instead of giving up for good; with `wait`
-        False it gets LOAD_DECLINED at once instead (to give back a shared link slot meanwhile).
+        event (its predictions improve as units finish) instead of giving up for good.
         """
         with self._cond:
             while self._load_active:
@@ -140,8 +137,6 @@ class TwoPointerBoard:
                     self._started(unit)
                     self._load_free_at = time.perf_counter() + self.planner.predicted_s(unit, "load")
                     return unit
-                if not wait:
-                    return LOAD_DECLINED
                 self._cond.wait(timeout=self._replan_wait_s(self._compute_free_at))
             return None
 
@@ -168,14 +163,6 @@ class TwoPointerBoard:
                 self.records[unit].miss_reason = reason
             self._retire_loader()
 
-    def load_stalled(self, stalled: bool) -> None:
-        """The loader waits for (False: got) a link slot that other requests hold. While it waits,
-        the compute side takes any unit: a unit planned for loading must not wait on a link it may
-        not get soon."""
-        with self._cond:
-            self._load_stalled = stalled
-            self._cond.notify_all()
-
     # -- shared ----------------------------------------------------------------------------
     def _retire_loader(self) -> None:
         self._load_active = False
@@ -187,7 +174,7 @@ class TwoPointerBoard:
             now=time.perf_counter(),
             compute_free_at=self._compute_free_at,
             load_free_at=self._load_free_at,
-            load_active=self._load_active and not self._load_stalled,
+            load_active=self._load_active,
         )
 
     def _replan_wait_s(self, other_side_free_at: float) -> float:
@@ -213,8 +200,3 @@ class TwoPointerBoard:
     def complete(self) -> bool:
         with self._cond:
             return self.pointers.complete()
-
-    def loadable_units(self) -> int:
-        """Units neither side has claimed while the loader is active: what a load could still save."""
-        with self._cond:
-            return self.pointers.count(Unit.PENDING) if self._load_active else 0

@@ -2,16 +2,10 @@
 
 The step loop reads like the algorithm: the calling thread is the compute pointer, a loader thread is
 the I/O pointer, and a `TwoPointerBoard` with a planner decides who takes which unit (token chunks in
-token mode, layers in layer mode). Policies:
-
-| policy            | mode          | planner                         | what it stands for              |
-|-------------------|---------------|---------------------------------|---------------------------------|
-| `compute-only`    | token         | fixed split at n (no loads)     | vLLM on a cache miss            |
-| `load-only`       | token         | fixed split at 0 (no compute)   | LMCache                         |
-| `cake`            | token         | greedy two pointers             | Cake                            |
-| `cacheflow-token` | token         | predictive meeting point        | CacheFlow, token-wise           |
-| `cacheflow-layer` | layer         | predictive meeting point        | CacheFlow, layer-wise           |
-| `cacheflow`       | N >= L_delta  | predictive meeting point        | CacheFlow, adaptive             |
+token mode, layers in layer mode). The policies are the registry's (`cacheflow_common.sched.policies`):
+its `planner` picks the board's planner — a fixed split at n (compute-only) or at 0 (load-only), greedy
+two pointers (Cake), or the predictive meeting point (the CacheFlow policies); a stage worker restores a
+batch of requests at once with the same policies in its engine instead (`cacheflow_services.worker`).
 
 Misses (absent or corrupt chunks) are recomputed by every policy, load-only included.
 """
@@ -31,19 +25,18 @@ from cacheflow_common.errors import BadRequestError, ConfigError
 from cacheflow_common.kv.keys import ChunkKey
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span, Transformer
-from cacheflow_common.restore.arbiter import Lane, LoadArbiter
-from cacheflow_common.restore.board import LOAD_DECLINED, Planner, TwoPointerBoard, UnitRecord
+from cacheflow_common.restore.board import Planner, TwoPointerBoard, UnitRecord
 from cacheflow_common.restore.cores import move_off_compute_cores
 from cacheflow_common.restore.costs import CostModel
 from cacheflow_common.restore.loader import KVLoader
 from cacheflow_common.restore.planner import FixedSplitPlanner, GreedyPlanner, PredictivePlanner
-from cacheflow_common.sched.plan import choose_mode as crossover_mode
+from cacheflow_common.sched.policies import POLICIES, Policy, make_policy
+from cacheflow_common.sched.policies import choose_mode as policy_mode
 from cacheflow_common.store.base import ChunkStore
 
 log = logging.getLogger(__name__)
 
-LINK_REPLAN_S = 0.005  # a loader declined by its planner asks again for a link slot after this
-POLICIES = ("compute-only", "load-only", "cake", "cacheflow-token", "cacheflow-layer", "cacheflow")
+__all__ = ["POLICIES", "RestoreJob", "RestoreResult", "choose_mode", "restore", "run_restore"]
 
 # The hidden states entering the stage's first layer for prefix tokens [start, end): [T, hidden].
 StageInput = Callable[[int, int], torch.Tensor]
@@ -86,12 +79,8 @@ class RestoreResult:
 
 
 def choose_mode(policy: str, n_tokens: int, l_delta: int) -> str:
-    """Token-wise or layer-wise for `policy`; `cacheflow` picks token-wise when N >= L_delta."""
-    if policy not in POLICIES:
-        raise ConfigError(f"unknown restore policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    if policy == "cacheflow":
-        return crossover_mode(n_tokens, l_delta)
-    return "layer" if policy == "cacheflow-layer" else "token"
+    """Token-wise or layer-wise for `policy`; the adaptive ones pick token-wise when N >= L_delta."""
+    return policy_mode(make_policy(policy), n_tokens, l_delta)
 
 
 def restore(
@@ -105,21 +94,18 @@ def restore(
     kv: KVBuffer | None = None,
     stage_input: StageInput | None = None,
     on_computed: ChunkComputed | None = None,
-    links: LoadArbiter | None = None,
 ) -> RestoreResult:
     """Restore `job` into `kv` (allocated if None) with `policy`; returns what was done.
 
     `costs` (the profile's cost model behind the link in use) is required by the CacheFlow
-    policies; `stage_input` defaults to the token embeddings (stage 0); `on_computed` and `links` as
-    in `run_restore` (the CacheFlow policies rank by remaining recomputation cost, the others by arrival).
+    policies; `stage_input` defaults to the token embeddings (stage 0); `on_computed` as in `run_restore`.
     """
     mode = choose_mode(policy, len(job.token_ids), l_delta)
     kv = kv if kv is not None else _kv_for(model, job)
     loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
-    planner = _planner(policy, mode, job, loader, costs)
+    planner = _planner(make_policy(policy), mode, job, loader, costs)
     return run_restore(job, model=model, loader=loader, mode=mode, planner=planner, policy=policy,
-                       stage_input=stage_input, on_computed=on_computed, links=links,
-                       links_by_cost=policy.startswith("cacheflow"))
+                       stage_input=stage_input, on_computed=on_computed)
 
 
 def run_restore(
@@ -133,15 +119,11 @@ def run_restore(
     stage_input: StageInput | None = None,
     on_computed: ChunkComputed | None = None,
     on_board: Callable[[TwoPointerBoard], None] | None = None,
-    links: LoadArbiter | None = None,
-    links_by_cost: bool = False,
 ) -> RestoreResult:
     """The restore loop: this thread is the compute pointer, a loader thread the I/O pointer.
 
     `on_computed` (token mode only) hears of every computed chunk; `on_board` gets the board before
-    the pointers start (to wake it when an outside input a planner waits for arrives). With `links`
-    (the stage's storage links, shared with the other requests restoring on it), every load first
-    waits for a slot there, ranked by this restore's remaining recomputation cost if `links_by_cost`.
+    the pointers start (to wake it when an outside input a planner waits for arrives).
     """
     kv = loader.kv
     if on_computed is not None and mode != "token":
@@ -155,10 +137,7 @@ def run_restore(
         on_board(board)
     load_unit = loader.load_chunk if mode == "token" else (lambda u: loader.load_layer(job.layers.start + u))
     loader_error: list[str] = []
-    unit_cost = len(job.token_ids) * len(job.layers) / n_units  # token-layers one unit restores
-    lane = None if links is None else links.lane(by_cost=links_by_cost,
-                                                 remaining_cost=lambda: board.loadable_units() * unit_cost)
-    thread = threading.Thread(target=_run_loader, args=(board, load_unit, loader_error, lane), daemon=True)
+    thread = threading.Thread(target=_run_loader, args=(board, load_unit, loader_error), daemon=True)
 
     start = time.perf_counter()
     thread.start()
@@ -212,23 +191,12 @@ def _compute_layers(board: TwoPointerBoard, model: Transformer, job: RestoreJob,
         board.compute_done(unit)
 
 
-def _run_loader(board: TwoPointerBoard, load_unit: Callable[[int], str], error: list[str],
-                lane: Lane | None) -> None:
+def _run_loader(board: TwoPointerBoard, load_unit: Callable[[int], str], error: list[str]) -> None:
     """The I/O pointer: load units from the back until the planner stops it or the pointers meet."""
     move_off_compute_cores()
     try:
-        while lane is None or _link_slot(board, lane):
-            try:
-                unit = board.claim_load(wait=lane is None)
-                if unit is None:
-                    break
-                reason = load_unit(unit) if unit != LOAD_DECLINED else ""
-            finally:
-                if lane is not None:
-                    lane.release()
-            if unit == LOAD_DECLINED:  # the planner re-plans later: the slot serves others meanwhile
-                time.sleep(LINK_REPLAN_S)
-                continue
+        while (unit := board.claim_load()) is not None:
+            reason = load_unit(unit)
             if reason:
                 board.load_missed(unit, reason)
             else:
@@ -239,25 +207,16 @@ def _run_loader(board: TwoPointerBoard, load_unit: Callable[[int], str], error: 
         board.abort_loader("loader-error")
 
 
-def _link_slot(board: TwoPointerBoard, lane: Lane) -> bool:
-    """Wait for a slot on the shared links (False: nothing is left to load); compute may take any unit meanwhile."""
-    board.load_stalled(True)
-    try:
-        return lane.acquire(lambda: board.loadable_units() > 0)
-    finally:
-        board.load_stalled(False)
-
-
-def _planner(policy: str, mode: str, job: RestoreJob, loader: KVLoader, costs: CostModel | None) -> Planner:
+def _planner(policy: Policy, mode: str, job: RestoreJob, loader: KVLoader, costs: CostModel | None) -> Planner:
     n_units = len(job.keys) if mode == "token" else len(job.layers)
-    if policy == "compute-only":
+    if policy.planner == "compute":
         return FixedSplitPlanner(n_units)
-    if policy == "load-only":
+    if policy.planner == "load":
         return FixedSplitPlanner(0)
-    if policy == "cake":
+    if policy.planner == "greedy":
         return GreedyPlanner()
     if costs is None:
-        raise ConfigError(f"policy {policy!r} needs a cost model: run `cacheflow profile` and pass its costs")
+        raise ConfigError(f"policy {policy.name!r} needs a cost model: run `cacheflow profile` and pass its costs")
     n_layers = len(job.layers)
     if mode == "token":
         compute = [costs.chunk_compute_s(k.token_start, k.token_end, n_layers) for k in job.keys]

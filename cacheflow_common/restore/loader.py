@@ -4,9 +4,15 @@ It moves bytes only (store reads into a reusable staging buffer, numpy copies in
 torch ops, so it does not fight the forward pass for torch's thread pool on the same cores. A KV
 buffer in GPU memory is filled through `DeviceLanding` (pinned host buffer, copy on its own stream).
 A load returns "" on success or the reason it missed; a miss writes nothing the compute side relies on.
+
+Several threads may load different units of one request at once (a stage worker's channels), each
+with a staging buffer of its own (`staging`, at least `staging_bytes` long); without one, the loader's
+own buffer is used, which only one thread may do at a time.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -52,7 +58,9 @@ class KVLoader:
             for k in keys
         ]
         largest = max((lay.sections_size for lay in self.layouts), default=0)
-        self._staging = memoryview(bytearray(max(largest, sum(lay.section_size for lay in self.layouts))))
+        self.staging_bytes = max(largest, sum(lay.section_size for lay in self.layouts))
+        self._staging = memoryview(bytearray(self.staging_bytes))
+        self._lock = threading.Lock()  # bytes_read, and the device landing's one pinned buffer
         # CPU: land straight into kv.data, [n_buf_layers, 2, Hkv, capacity, D * itemsize] bytes sharing its memory.
         # GPU: land in a pinned host buffer, then copy to the device.
         self._device = DeviceLanding(kv, self._landed_bytes()) if kv.data.is_cuda else None
@@ -61,35 +69,49 @@ class KVLoader:
     def names(self, index: int) -> str:
         return object_name(self.keys[index], "kv", self.layers.start, self.layers.stop)
 
-    def load_chunk(self, index: int) -> str:
+    def load_chunk(self, index: int, staging: memoryview | None = None) -> str:
         """Token mode: every layer of chunk `index` in one read. Returns "" or the miss reason."""
         layout = self.layouts[index]
-        buf = self._staging[: layout.sections_size]
+        buf = (self._staging if staging is None else staging)[: layout.sections_size]
         if not self.store.read_into(self.names(index), buf, 0):
             return "absent"
-        self.bytes_read += len(buf)
+        self._count(len(buf))
         key = self.keys[index]
         if self._device is None:
-            dst, token_start = self._host_kv(), key.token_start
-        else:
-            dst, token_start = self._device.tokens_target(layout.n_tokens), 0
+            return self._landed(buf, layout, key, self._host_kv(), key.token_start)
+        with self._lock:
+            reason = self._landed(buf, layout, key, self._device.tokens_target(layout.n_tokens), 0)
+            if not reason:
+                self._device.push_tokens(key.token_start, key.token_end)
+        return reason
+
+    def _landed(self, buf: memoryview, layout: ChunkLayout, key: ChunkKey, dst: np.ndarray, token_start: int) -> str:
         check = land_kv_sections(buf, layout=layout, key=key, layers=self.layers, dst=dst,
                                  dst_layer_start=self.kv.layer_start, token_start=token_start)
-        if check.ok and self._device is not None:
-            self._device.push_tokens(key.token_start, key.token_end)
         return "" if check.ok else check.reason
 
-    def load_layer(self, layer: int) -> str:
+    def load_layer(self, layer: int, staging: memoryview | None = None) -> str:
         """Layer mode: layer `layer` of every chunk, one ranged read per chunk. Returns "" or the miss reason."""
+        staging = self._staging if staging is None else staging
         offset = 0
         spans: list[tuple[int, memoryview]] = []
         for i, layout in enumerate(self.layouts):
-            buf = self._staging[offset : offset + layout.section_size]
+            buf = staging[offset : offset + layout.section_size]
             if not self.store.read_into(self.names(i), buf, layout.section_offset(layer)):
                 return "absent"
-            self.bytes_read += len(buf)
+            self._count(len(buf))
             spans.append((i, buf))
             offset += layout.section_size
+        if self._device is not None:
+            with self._lock:
+                return self._land_layer(layer, spans)
+        return self._land_layer(layer, spans)
+
+    def _count(self, n_bytes: int) -> None:
+        with self._lock:
+            self.bytes_read += n_bytes
+
+    def _land_layer(self, layer: int, spans: list[tuple[int, memoryview]]) -> str:
         n_tokens = self.keys[-1].token_end
         dst, dst_layer_start = (self._host_kv(), self.kv.layer_start) if self._device is None else (
             self._device.layer_target(n_tokens), layer)

@@ -16,7 +16,7 @@ chunk without it: the caller falls back to the pipelined restore (or a fresh pre
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
@@ -65,15 +65,18 @@ class BoundaryInput:
     Token mode computes chunk after chunk, so after serving chunk `i` it reads chunks `i+1 ..
     i+prefetch` in the background while chunk `i` computes: the read leaves the compute pointer's
     critical path. A prefetched chunk the loader takes instead is read for nothing (at most
-    `prefetch` chunks, at the meeting point; counted in `bytes_read`). Call `close()` when done.
+    `prefetch` chunks, at the meeting point; counted in `bytes_read`). `ready` tells whether a range
+    is in memory already (and starts its reads if not), so a compute loop serving many requests never
+    waits on one request's read; `on_read` is called after each background read. Call `close()` when done.
     """
 
     def __init__(self, job: RestoreJob, store: ChunkStore, *, device: torch.device | str = "cpu",
-                 prefetch: int = 1) -> None:
+                 prefetch: int = 1, on_read: Callable[[], None] | None = None) -> None:
         self.job = job
         self.store = store
         self.device = torch.device(device)
         self.prefetch = prefetch
+        self.on_read = on_read
         self._chunk_at = {k.token_start: i for i, k in enumerate(job.keys)}
         self._ahead: dict[int, Future[torch.Tensor]] = {}  # chunk index -> its read in flight
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="boundary") if prefetch > 0 else None
@@ -99,17 +102,32 @@ class BoundaryInput:
         return [i for i, k in enumerate(self.job.keys) if not self.store.exists(boundary_name(k, layer))]
 
     def __call__(self, start: int, end: int) -> torch.Tensor:
-        parts = []
+        indices = self._chunks(start, end)
+        parts = [self._take(index) for index in indices]  # [T_i, hidden] each
+        self._read_ahead(indices[-1] + 1)
+        return torch.cat(parts).to(self.device)  # [T, hidden]
+
+    def ready(self, start: int, end: int) -> bool:
+        """Whether the boundary of tokens [start, end) is in memory; if not, its reads start now."""
+        indices = self._chunks(start, end)
+        with self._lock:
+            if self._reader is None:
+                return True  # no background reads: a call reads synchronously
+            for index in indices:
+                self._submit(index)
+            return all(self._ahead[i].done() for i in indices)
+
+    def _chunks(self, start: int, end: int) -> list[int]:
+        """The chunks that make up tokens [start, end) exactly."""
+        indices = []
         index = self._chunk_at.get(start)
         while index is not None and start < end:
-            parts.append(self._take(index))  # [T_i, hidden]
+            indices.append(index)
             start = self.job.keys[index].token_end
             index = index + 1 if index + 1 < len(self.job.keys) else None
-        if start != end:
+        if start != end or not indices:
             raise ConfigError(f"boundary input asked for tokens up to {end}, not on chunk boundaries")
-        if index is not None:
-            self._read_ahead(index)
-        return torch.cat(parts).to(self.device)  # [T, hidden]
+        return indices
 
     def _take(self, index: int) -> torch.Tensor:
         """Chunk `index`'s boundary [T, hidden]: from its prefetch if one was started, else read now."""
@@ -124,8 +142,15 @@ class BoundaryInput:
             if self._reader is None:
                 return
             for index in range(first, min(first + self.prefetch, len(self.job.keys))):
-                if index not in self._ahead:
-                    self._ahead[index] = self._reader.submit(self._read, self.job.keys[index])
+                self._submit(index)
+
+    def _submit(self, index: int) -> None:
+        """Start reading chunk `index` in the background (once); the caller holds the lock."""
+        if index not in self._ahead and self._reader is not None:
+            future = self._ahead[index] = self._reader.submit(self._read, self.job.keys[index])
+            if self.on_read is not None:
+                on_read = self.on_read
+                future.add_done_callback(lambda _: on_read())
 
     def _read(self, key: ChunkKey) -> torch.Tensor:
         name = boundary_name(key, self.job.layers.start)

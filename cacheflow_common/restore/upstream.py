@@ -75,6 +75,12 @@ class UpstreamInput:
         with self._cond:
             return index in self._hidden
 
+    def ready(self, start: int, end: int) -> bool:
+        """Whether a call for tokens [start, end) would answer at once (its chunk is here, or never comes)."""
+        index = self._chunk_at.get(start)
+        with self._cond:
+            return index in self._hidden or self._finished or bool(self._failure)
+
     def __call__(self, start: int, end: int) -> torch.Tensor:
         index = self._chunk_at.get(start)
         if index is None or self.job.keys[index].token_end != end:

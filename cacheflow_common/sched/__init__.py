@@ -3,8 +3,8 @@
 The same `BatchScheduler` drives the workers and the discrete-event simulator (`cacheflow_common.sim`).
 """
 
-from cacheflow_common.sched.plan import NOT_STORED, RequestPlan, StagePlan, build_plan, choose_mode
-from cacheflow_common.sched.policies import POLICIES, Policy, make_policy
+from cacheflow_common.sched.plan import NOT_STORED, RequestPlan, StagePlan, build_plan
+from cacheflow_common.sched.policies import POLICIES, Policy, choose_mode, make_policy
 from cacheflow_common.sched.scheduler import BatchScheduler, ComputeTask, LoadTask
 
 __all__ = [

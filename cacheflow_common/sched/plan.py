@@ -63,11 +63,6 @@ class RequestPlan:
         return plan.tokens[unit] * layers / sum(s.n_layers for s in self.stages)
 
 
-def choose_mode(n_tokens: int, l_delta: int) -> str:
-    """Token-wise iff the prefix is at least L_delta tokens long (the profiled crossover), else layer-wise."""
-    return "token" if n_tokens >= l_delta else "layer"
-
-
 def chunk_costs(costs: CostModel, start: int, end: int, n_layers: int) -> tuple[float, float]:
     """(seconds, the batch-shared fixed part) to run `n_layers` layers over tokens [start, end)."""
     return costs.chunk_compute_s(start, end, n_layers), n_layers * costs.chunk_compute.fixed_s
@@ -81,14 +76,16 @@ def build_plan(
     costs: CostModel,
     stage_layers: Sequence[int],
     chunk_size: int,
-    l_delta: int,
+    mode: str,
     kv_bytes_per_token_layer: int,
     place: Placement,
 ) -> RequestPlan:
-    """The plan of a request with an `n_tokens` cached prefix over stages of `stage_layers` layers each."""
+    """The plan of a request with an `n_tokens` cached prefix over stages of `stage_layers` layers each.
+
+    `mode` "token": units are chunks of `chunk_size` tokens; "layer": units are the stages' layers.
+    """
     if chunk_size <= 0:
         raise ConfigError(f"chunk size must be positive, got {chunk_size}")
-    mode = choose_mode(n_tokens, l_delta)
     chunks = [(a, min(a + chunk_size, n_tokens)) for a in range(0, n_tokens, chunk_size)]
     stages = []
     for s, n_layers in enumerate(stage_layers):

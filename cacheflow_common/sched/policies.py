@@ -1,31 +1,39 @@
-"""Restore policies behind one interface: who computes what, and which request each I/O channel serves.
+"""Restore policies, registered once by name: the executor, the batch scheduler, the workers' engine, the
+simulator and the benchmarks all take them from `POLICIES`.
 
-Every policy advances the compute pointers of every active request (batched, oldest first); they differ
-in what the I/O channels do:
+A policy says what each side of the two pointers may do, how a request's prefix is cut into units
+(token chunks or layers), how the meeting point is found, and which request a free I/O channel serves:
 
-| policy               | channels serve                                 | compute takes           | modes           |
-|----------------------|------------------------------------------------|-------------------------|-----------------|
-| `cacheflow`          | the largest remaining recomputation cost first | any unit at its pointer | layer < L_delta |
-| `cake`               | the oldest request first (per-request Cake)    | any unit at its pointer | token           |
-| `compute-only`       | nothing                                        | everything              | token           |
-| `load-only`          | the oldest request first                       | only what cannot load   | token           |
-| `cacheflow-srpt`     | the least remaining recomputation cost first   | any unit at its pointer | layer < L_delta |
-| `cacheflow-progress` | the largest share of its own work done first   | any unit at its pointer | layer < L_delta |
+| policy               | mode          | meeting point          | channels serve first                           |
+|----------------------|---------------|------------------------|------------------------------------------------|
+| `compute-only`       | token         | everything computed    | nobody (vLLM on a miss)                        |
+| `load-only`          | token         | everything loaded      | the oldest request (LMCache)                   |
+| `cake`               | token         | where they meet        | the oldest request (per-request Cake)          |
+| `cacheflow`          | N >= L_delta  | planned, batch-aware   | the largest share of its own work done         |
+| `cacheflow-alg1`     | N >= L_delta  | planned, batch-aware   | the largest remaining recomputation (Alg. 1)   |
+| `cacheflow-srpt`     | N >= L_delta  | planned, batch-aware   | the least remaining recomputation              |
+| `cacheflow-progress` | N >= L_delta  | planned, batch-aware   | the largest share of its own work done         |
+| `cacheflow-token`    | token         | planned, batch-aware   | as `cacheflow`                                 |
+| `cacheflow-layer`    | layer         | planned, batch-aware   | as `cacheflow`                                 |
 
-The last two are other channel rankings for the simulator's study of Algorithm 1's
-(`python -m cacheflow_bench.sched_ranking`); the workers implement `cacheflow`'s and arrival order.
-
-"Remaining recomputation cost" (Algorithm 1 of the paper) is the predicted compute time of the
-request's units that nobody has restored or claimed yet, over all stages; it is re-evaluated at every
-decision, so a request that has been served falls behind one that has not.
+"Remaining recomputation" (Algorithm 1 of the paper) is the predicted compute time of the request's
+units that nobody has restored or claimed yet, over all its stages; it is re-evaluated at every
+decision, so a request that has been served falls behind one that has not. Which ranking is
+`cacheflow`'s default is measured, not assumed: `bench/results/sched_ranking.md` (simulator) and
+`bench/results/batch.md` (the real engine) compare them, and the README says which wins and why.
+When policies are mixed on one stage, requests of planned (CacheFlow) policies are served first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from cacheflow_common.errors import ConfigError
+
+MODES = ("adaptive", "token", "layer")
+PLANNERS = ("compute", "load", "greedy", "planned")  # fixed split at n, fixed split at 0, Cake's, CacheFlow's
+RANKINGS = ("arrival", "most-remaining", "least-remaining", "most-done")
 
 
 class LoadCandidate(Protocol):
@@ -44,89 +52,82 @@ class LoadCandidate(Protocol):
     def total_s(self) -> float: ...  # predicted compute seconds of all its units, over all stages
 
 
-class Policy(Protocol):
+@dataclass(frozen=True, kw_only=True)
+class Policy:
     name: str
-    loads: bool  # channels serve loads at all
-    computes_pending: bool  # compute may take a unit storage could still deliver
-    adaptive_mode: bool  # layer-wise below L_delta (else always token-wise)
+    mode: str  # "adaptive" (token-wise iff N >= L_delta), "token" or "layer"
+    planner: str  # how the meeting point is found (PLANNERS)
+    ranking: str  # which request a free channel serves (RANKINGS)
+    summary: str  # one line for help texts and reports
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES or self.planner not in PLANNERS or self.ranking not in RANKINGS:
+            raise ConfigError(f"policy {self.name!r}: bad mode, planner or ranking")
+
+    @property
+    def loads(self) -> bool:
+        """Channels serve this policy's requests at all."""
+        return self.planner != "compute"
+
+    @property
+    def computes_pending(self) -> bool:
+        """Compute may take a unit storage could still deliver (load-only computes only misses)."""
+        return self.planner != "load"
+
+    @property
+    def adaptive_mode(self) -> bool:
+        return self.mode == "adaptive"
+
+    @property
+    def plans_meeting(self) -> bool:
+        """The meeting point is planned from predicted costs (needs a profile); else found greedily."""
+        return self.planner == "planned"
 
     def load_rank(self, request: LoadCandidate) -> tuple[float, ...]:
         """Channels serve the request with the highest rank first."""
-        ...
+        ties = (-request.arrival_s, -request.order)
+        if self.ranking == "most-remaining":
+            return (1, request.remaining_s, *ties)
+        if self.ranking == "least-remaining":
+            return (1, -request.remaining_s, *ties)
+        if self.ranking == "most-done":
+            done = 1 - request.remaining_s / request.total_s if request.total_s > 0 else 1.0
+            return (1, done, *ties)
+        return (0, *ties)
 
 
-class CacheFlowPolicy:
-    """Algorithm 1: I/O goes where it saves the most recomputation (longest remaining work first)."""
-
-    name = "cacheflow"
-    loads = True
-    computes_pending = True
-    adaptive_mode = True
-
-    def load_rank(self, request: LoadCandidate) -> tuple[float, ...]:
-        return (request.remaining_s, -request.arrival_s, -request.order)
-
-
-class ShortestRemainingPolicy(CacheFlowPolicy):
-    """CacheFlow's two pointers, but channels serve the request with the least recomputation left."""
-
-    name = "cacheflow-srpt"
-
-    def load_rank(self, request: LoadCandidate) -> tuple[float, ...]:
-        return (-request.remaining_s, -request.arrival_s, -request.order)
-
-
-class MostProgressPolicy(CacheFlowPolicy):
-    """CacheFlow's two pointers, but channels serve the request nearest its end, as a share of its own work."""
-
-    name = "cacheflow-progress"
-
-    def load_rank(self, request: LoadCandidate) -> tuple[float, ...]:
-        done = 1 - request.remaining_s / request.total_s if request.total_s > 0 else 1.0
-        return (done, -request.arrival_s, -request.order)
-
-
-class _FirstComeFirstServed:
-    """Channels serve requests in arrival order."""
-
-    adaptive_mode = False
-
-    def load_rank(self, request: LoadCandidate) -> tuple[float, ...]:
-        return (-request.arrival_s, -request.order)
-
-
-class CakePolicy(_FirstComeFirstServed):
-    """Cake, request by request: two pointers per request, I/O to the oldest request."""
-
-    name = "cake"
-    loads = True
-    computes_pending = True
-
-
-class ComputeOnlyPolicy(_FirstComeFirstServed):
-    """vLLM on a cache miss: recompute everything, read nothing."""
-
-    name = "compute-only"
-    loads = False
-    computes_pending = True
-
-
-class LoadOnlyPolicy(_FirstComeFirstServed):
-    """LMCache: load everything; compute only units storage cannot deliver (misses, not stored, lost)."""
-
-    name = "load-only"
-    loads = True
-    computes_pending = False
-
-
-POLICIES: dict[str, Callable[[], Policy]] = {
-    p.name: p for p in (CacheFlowPolicy, CakePolicy, ComputeOnlyPolicy, LoadOnlyPolicy, ShortestRemainingPolicy,
-                        MostProgressPolicy)
-}
+_ALL = (
+    Policy(name="compute-only", mode="token", planner="compute", ranking="arrival",
+           summary="recompute the whole prefix (vLLM on a cache miss)"),
+    Policy(name="load-only", mode="token", planner="load", ranking="arrival",
+           summary="load the whole prefix; compute only misses (LMCache)"),
+    Policy(name="cake", mode="token", planner="greedy", ranking="arrival",
+           summary="Cake: token-wise two pointers per request, channels in arrival order"),
+    Policy(name="cacheflow", mode="adaptive", planner="planned", ranking="most-done",
+           summary="CacheFlow: adaptive mode, batch-aware meeting points, channels to the request nearest its end"),
+    Policy(name="cacheflow-alg1", mode="adaptive", planner="planned", ranking="most-remaining",
+           summary="CacheFlow with Algorithm 1's ranking: channels to the largest remaining recomputation"),
+    Policy(name="cacheflow-srpt", mode="adaptive", planner="planned", ranking="least-remaining",
+           summary="CacheFlow with channels to the least remaining recomputation"),
+    Policy(name="cacheflow-progress", mode="adaptive", planner="planned", ranking="most-done",
+           summary="CacheFlow with channels to the request with the largest share of its own work done"),
+    Policy(name="cacheflow-token", mode="token", planner="planned", ranking="most-done",
+           summary="CacheFlow, token-wise only"),
+    Policy(name="cacheflow-layer", mode="layer", planner="planned", ranking="most-done",
+           summary="CacheFlow, layer-wise only"),
+)
+POLICIES: dict[str, Policy] = {p.name: p for p in _ALL}
 
 
 def make_policy(name: str) -> Policy:
     try:
-        return POLICIES[name]()
+        return POLICIES[name]
     except KeyError:
-        raise ConfigError(f"unknown scheduling policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+        raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+
+
+def choose_mode(policy: Policy, n_tokens: int, l_delta: int) -> str:
+    """Token-wise or layer-wise: fixed by the policy, or token-wise iff the prefix has >= L_delta tokens."""
+    if policy.mode != "adaptive":
+        return policy.mode
+    return "token" if n_tokens >= l_delta else "layer"

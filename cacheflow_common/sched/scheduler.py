@@ -1,19 +1,28 @@
 """The batch-aware scheduler (Algorithm 1 of the paper) as pure policy, driven by events.
 
-Each request keeps its own two pointers per stage (`restore.pointers.TwoPointers`). The caller — the
-worker loop or the simulator — asks for decisions and reports what happened:
+Each request keeps its own two pointers per stage (`restore.pointers.TwoPointers`). The caller — a
+stage worker's engine or the simulator — asks for decisions and reports what happened, with the time
+(`now`, in whatever clock the caller keeps) where timing matters:
 
-    decisions                                     events
-    next_compute_batch(stage) -> [(req, unit)]    arrive(plan)
-    next_load(channel) -> (req, stage, unit)      computed / loaded / load_missed(stage, req, unit)
-    finished(), failed()                          channel_lost(channel), stage_lost(stage)
+    decisions                                          events
+    next_compute_batch(stage, max_tokens, now, ready)  arrive(plan, policy)
+      -> [(req, unit)]                                  computed(stage, req, unit)
+    next_load(channel, now) -> (req, stage, unit)      loaded(stage, req, unit, now) / load_missed(...)
+    finished(), failed()                               step_done(stage, seconds)
+                                                       channel_lost(channel), stage_lost(stage)
 
 * Compute advances every active request: a stage's batch holds the next compute unit of each request
-  on that stage (oldest first, optionally capped in tokens; the oldest is always included).
-* Each I/O channel (storage pod) serves the request the policy ranks highest among those with a
-  pending unit stored on it — for CacheFlow the largest remaining recomputation cost, re-evaluated at
-  every decision — and within it the stage with the most open work, at that stage's highest pending
-  unit on the channel (the I/O pointer, walking down).
+  on that stage (oldest first, capped in tokens; the oldest is always included), unless its unit is
+  not `ready` (its input has not arrived) or its policy would rather leave it to storage.
+* Each I/O channel (storage pod) serves the request its policy ranks highest among those with a
+  pending unit stored on it, re-evaluated at every decision; within it the stage with the most open
+  work, at that stage's highest pending unit on the channel (the I/O pointer, walking down).
+* The meeting point of a planned (CacheFlow) request is decided against the whole batch: its next
+  pending unit is computed only if the shared compute loop would get through the units up to the
+  best split sooner than the channels serving it would load the rest. Compute time is counted in
+  whole steps of the stage's loop (the measured step time, which grows with what the batch asks of
+  it), loads at their predicted times, recalibrated from measured loads. A request with no load in
+  flight always computes: nothing else is sure to come.
 * A request is finished when its pointers have met on every stage. A lost channel turns its pending
   and in-flight loads into compute work; a lost stage fails the requests with units on it.
 
@@ -24,13 +33,21 @@ are ignored and return False. Anything else that breaks the protocol raises `Inv
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import NamedTuple
 
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.restore.pointers import WAIT, InvalidTransitionError, Unit
 from cacheflow_common.sched.plan import RequestPlan
 from cacheflow_common.sched.policies import Policy, make_policy
-from cacheflow_common.sched.work import RequestWork
+from cacheflow_common.sched.work import RequestWork, StageWork
+
+# How fast calibration follows measurements: 0.3 tracks a machine whose speed drifts without chasing
+# one noisy load or step.
+CALIBRATION_WEIGHT = 0.3
+NEVER = float("inf")  # a unit no channel is loading for its request: it will not arrive on its own
+
+Ready = Callable[[str, int], bool]  # (request id, unit) -> may the unit be computed now
 
 
 class ComputeTask(NamedTuple):
@@ -44,29 +61,37 @@ class LoadTask(NamedTuple):
     unit: int
 
 
+class _Load(NamedTuple):
+    channel: int
+    started_s: float
+    predicted_s: float  # calibrated prediction when it started
+
+
 class BatchScheduler:
     """Decides what every stage computes and what every channel loads next, for a batch of requests."""
 
     def __init__(self, policy: Policy | str, *, n_stages: int) -> None:
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy  # the default per request
         self.n_stages = n_stages
         self.misses: Counter[str] = Counter()  # miss reasons reported by load_missed
         self._active: dict[str, RequestWork] = {}  # in arrival order
-        self._loads: dict[LoadTask, int] = {}  # loads in flight -> their channel
+        self._loads: dict[LoadTask, _Load] = {}  # loads in flight
         self._finished: dict[str, None] = {}  # in the order they finished
         self._failed: dict[str, str] = {}  # request -> why
         self._lost_channels: set[int] = set()
         self._lost_stages: set[int] = set()
         self._arrivals = 0
+        self._load_scale = 1.0  # measured / predicted load time (calibration)
+        self._step_s: dict[int, float] = {}  # stage -> measured seconds per compute step (moving average)
 
     # -- events ---------------------------------------------------------------------------------
-    def arrive(self, plan: RequestPlan) -> None:
+    def arrive(self, plan: RequestPlan, policy: Policy | None = None) -> None:
         if len(plan.stages) != self.n_stages:
             raise BadRequestError(f"request {plan.request_id} is planned for {len(plan.stages)} stages, "
                                   f"not {self.n_stages}")
         if plan.request_id in self._active or plan.request_id in self._failed or plan.request_id in self._finished:
             raise BadRequestError(f"request {plan.request_id} arrived twice")
-        request = RequestWork(plan, order=self._arrivals)
+        request = RequestWork(plan, order=self._arrivals, policy=policy or self.policy)
         self._arrivals += 1
         self._active[plan.request_id] = request
         for channel in self._lost_channels:
@@ -86,9 +111,14 @@ class BatchScheduler:
         self._finish_if_complete(request)
         return True
 
-    def loaded(self, stage: int, request_id: str, unit: int) -> bool:
-        if self._loads.pop(LoadTask(request_id, stage, unit), None) is None:
+    def loaded(self, stage: int, request_id: str, unit: int, now: float | None = None) -> bool:
+        """The load landed; with `now`, its measured time recalibrates the load predictions."""
+        load = self._loads.pop(LoadTask(request_id, stage, unit), None)
+        if load is None:
             return False
+        if now is not None and load.predicted_s > 0:
+            measured = (now - load.started_s) / load.predicted_s * self._load_scale
+            self._load_scale += CALIBRATION_WEIGHT * (measured - self._load_scale)
         request = self._active[request_id]
         request.stages[stage].pointers.loaded(unit)
         self._finish_if_complete(request)
@@ -102,10 +132,15 @@ class BatchScheduler:
         self.misses[reason] += 1
         return True
 
+    def step_done(self, stage: int, seconds: float) -> None:
+        """A compute step of `stage` took `seconds`: what the next one is expected to take."""
+        previous = self._step_s.get(stage)
+        self._step_s[stage] = seconds if previous is None else previous + CALIBRATION_WEIGHT * (seconds - previous)
+
     def channel_lost(self, channel: int) -> None:
         """Storage behind `channel` is gone: its pending and in-flight loads become compute work."""
         self._lost_channels.add(channel)
-        self._loads = {task: ch for task, ch in self._loads.items() if ch != channel}
+        self._loads = {task: load for task, load in self._loads.items() if load.channel != channel}
         for request in self._active.values():
             for stage in request.stages:
                 stage.lose_channel(channel)
@@ -117,9 +152,18 @@ class BatchScheduler:
             if request.plan.stages[stage].n_units:
                 self._fail(request, f"stage {stage} lost")
 
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        """Stop restoring a request (its client went away); its loads in flight become stale."""
+        request = self._active.get(request_id)
+        if request is None:
+            return False
+        self._fail(request, reason)
+        return True
+
     # -- decisions ------------------------------------------------------------------------------
-    def next_compute_batch(self, stage: int, max_tokens: int | None = None) -> list[ComputeTask]:
-        """Claim the next compute unit of every active request on `stage` that has one ready."""
+    def next_compute_batch(self, stage: int, max_tokens: int | None = None, *, now: float = 0.0,
+                           ready: Ready | None = None) -> list[ComputeTask]:
+        """Claim the next compute unit of every active request on `stage` that should compute one now."""
         if stage in self._lost_stages:
             return []
         batch: list[ComputeTask] = []
@@ -127,9 +171,9 @@ class BatchScheduler:
         for request in self._active.values():
             work = request.stages[stage]
             unit = work.pointers.next_compute()
-            if unit is None or unit == WAIT:
+            if unit is None or unit == WAIT or (ready is not None and not ready(request.request_id, unit)):
                 continue
-            if work.pointers.states[unit] is Unit.PENDING and not self.policy.computes_pending:
+            if work.pointers.states[unit] is Unit.PENDING and not self._compute_takes(request, stage, unit, now):
                 continue
             size = work.plan.tokens[unit]
             if batch and max_tokens is not None and tokens + size > max_tokens:
@@ -139,21 +183,21 @@ class BatchScheduler:
             tokens += size
         return batch
 
-    def next_load(self, channel: int) -> LoadTask | None:
-        """Claim the next load for `channel`: the policy's top request, its busiest stage, its highest unit."""
-        if not self.policy.loads or channel in self._lost_channels:
+    def next_load(self, channel: int, now: float = 0.0) -> LoadTask | None:
+        """Claim the next load for `channel`: the top-ranked request, its busiest stage, its highest unit."""
+        if channel in self._lost_channels:
             return None
-        candidates = [r for r in self._active.values() if r.pending_on[channel] > 0]
+        candidates = [r for r in self._active.values() if r.policy.loads and r.pending_on[channel] > 0]
         if not candidates:
             return None
-        request = max(candidates, key=self.policy.load_rank)
+        request = max(candidates, key=lambda r: r.policy.load_rank(r))
         tops = {s: unit for s, work in enumerate(request.stages)
                 if (unit := work.highest_pending_on(channel)) is not None}
         stage = max(tops, key=lambda s: (request.stages[s].open_s, -s))
         unit = tops[stage]
         request.stages[stage].claim_load(unit)
         task = LoadTask(request.request_id, stage, unit)
-        self._loads[task] = channel
+        self._loads[task] = _Load(channel, now, self._predicted_load_s(request.stages[stage], unit))
         return task
 
     # -- what the caller reads ------------------------------------------------------------------
@@ -177,6 +221,62 @@ class BatchScheduler:
     def unit_states(self, request_id: str, stage: int) -> list[Unit]:
         return list(self._active[request_id].stages[stage].pointers.states)
 
+    def forget(self, request_id: str) -> None:
+        """Drop a finished or failed request's record (a long-running worker would keep them all)."""
+        self._finished.pop(request_id, None)
+        self._failed.pop(request_id, None)
+
+    # -- the batch-level meeting point ----------------------------------------------------------
+    def _compute_takes(self, request: RequestWork, stage: int, unit: int, now: float) -> bool:
+        """May compute take `unit`, which storage could still deliver?"""
+        policy = request.policy
+        if not policy.computes_pending:
+            return False
+        if not policy.plans_meeting:
+            return True  # Cake: the pointers meet wherever they meet
+        in_flight = {load.channel: load for task, load in self._loads.items()
+                     if task.request_id == request.request_id and task.stage == stage}
+        if not in_flight:
+            return True
+        work = request.stages[stage]
+        pending = list(work.pointers.pending_span())  # the units between the pointers, `unit` first
+        step_s = self._step_s.get(stage) or work.plan.compute_s[unit]
+        return self._best_split(work, pending, in_flight, step_s, now) > 0
+
+    def _best_split(self, work: StageWork, pending: list[int], in_flight: dict[int, _Load], step_s: float,
+                    now: float) -> int:
+        """How many of `pending` (lowest first) compute should take: the split that ends the restore first.
+
+        Compute gets through one unit per step of the stage's loop. Each channel loading for this
+        request goes on down its pending units after its load in flight; a unit on a channel that is
+        not serving this request will not arrive on its own, so it stays on the compute side.
+        """
+        position = {u: i for i, u in enumerate(pending)}
+        load_after = [[0.0] * (len(pending) + 1) for _ in in_flight]  # per channel: seconds to load units >= k
+        blocked_below = 0  # every split must lie above the highest unit no serving channel holds
+        on_serving = set()
+        for c, (channel, load) in enumerate(in_flight.items()):
+            ready = max(0.0, load.started_s + load.predicted_s - now)
+            for u in work.pending_on_channel(channel):
+                on_serving.add(u)
+                load_after[c][position[u]] += self._predicted_load_s(work, u)
+            for k in reversed(range(len(pending))):
+                load_after[c][k] += load_after[c][k + 1]
+            for k in range(len(pending) + 1):
+                load_after[c][k] += ready
+        for i, u in enumerate(pending):
+            if u not in on_serving:
+                blocked_below = i + 1
+        best_k, best_t = len(pending), NEVER
+        for k in range(blocked_below, len(pending) + 1):
+            t = max(k * step_s, max(channel_s[k] for channel_s in load_after))
+            if t < best_t:
+                best_k, best_t = k, t
+        return best_k
+
+    def _predicted_load_s(self, work: StageWork, unit: int) -> float:
+        return work.plan.load_s[unit] * self._load_scale
+
     # -- internals ------------------------------------------------------------------------------
     def _request(self, request_id: str) -> RequestWork | None:
         """The active request; None if it failed (its events are stale); an error if it never arrived."""
@@ -193,4 +293,4 @@ class BatchScheduler:
     def _fail(self, request: RequestWork, reason: str) -> None:
         del self._active[request.request_id]
         self._failed[request.request_id] = reason
-        self._loads = {task: ch for task, ch in self._loads.items() if task.request_id != request.request_id}
+        self._loads = {task: load for task, load in self._loads.items() if task.request_id != request.request_id}

@@ -8,6 +8,7 @@ from collections import Counter
 
 from cacheflow_common.restore.pointers import OPEN, TwoPointers, Unit
 from cacheflow_common.sched.plan import NOT_STORED, RequestPlan, StagePlan
+from cacheflow_common.sched.policies import Policy
 
 
 class StageWork:
@@ -27,6 +28,10 @@ class StageWork:
             else:
                 self._by_channel.setdefault(channel, []).append(unit)
                 pending_on[channel] += 1
+
+    def pending_on_channel(self, channel: int) -> list[int]:
+        """The units `channel` could still load for this stage, highest first (the order it loads them)."""
+        return [u for u in self._by_channel.get(channel, []) if self.pointers.states[u] is Unit.PENDING]
 
     def highest_pending_on(self, channel: int) -> int | None:
         """The I/O pointer for `channel`: its highest unit still PENDING (units never return to PENDING)."""
@@ -70,9 +75,10 @@ class StageWork:
 class RequestWork:
     """One request's restore on every stage, as a policy sees it (`LoadCandidate`)."""
 
-    def __init__(self, plan: RequestPlan, *, order: int) -> None:
+    def __init__(self, plan: RequestPlan, *, order: int, policy: Policy) -> None:
         self.plan = plan
         self.order = order
+        self.policy = policy
         self.pending_on: Counter[int] = Counter()  # channel -> PENDING units it holds, over all stages
         self.stages = [StageWork(s, token_mode=plan.mode == "token", pending_on=self.pending_on)
                        for s in plan.stages]

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from cacheflow_common.errors import CacheFlowError, ConfigError
 from cacheflow_common.sched.plan import Placement, RequestPlan, build_plan, chunk_costs
-from cacheflow_common.sched.policies import make_policy
+from cacheflow_common.sched.policies import choose_mode, make_policy
 from cacheflow_common.sched.scheduler import BatchScheduler, ComputeTask, LoadTask
 from cacheflow_common.sim.config import SimConfig
 from cacheflow_common.sim.result import RequestResult, SimResult
@@ -133,7 +133,7 @@ class _Simulation:
             costs=self.costs,
             stage_layers=self.layers,
             chunk_size=self.config.chunk_size,
-            l_delta=self.config.l_delta if self.policy.adaptive_mode else 0,
+            mode=choose_mode(self.policy, request.cached_tokens, self.config.l_delta),
             kv_bytes_per_token_layer=self.config.model.kv_bytes_per_token_layer,
             place=self._placement(request.request_id, order),
         )
@@ -164,7 +164,7 @@ class _Simulation:
         prefills = self._take_prefill_chunks(stage)
         cap = self.config.max_batch_tokens
         room = None if cap is None else max(0, cap - sum(c.end - c.start for c in prefills))
-        tasks = self.scheduler.next_compute_batch(stage, room)
+        tasks = self.scheduler.next_compute_batch(stage, room, now=self.now)
         if not tasks and not prefills:
             return
         items = [self._unit_costs(stage, t) for t in tasks] + [self._prefill_costs(stage, c) for c in prefills]
@@ -173,7 +173,7 @@ class _Simulation:
             seconds -= sum(fixed for _, fixed in items) - max(fixed for _, fixed in items)
         batch = self._batches[stage] = _Batch(tasks, prefills)
         self._stage_busy[stage] += seconds
-        self._at(self.now + seconds, lambda: self._batch_done(stage, batch))
+        self._at(self.now + seconds, lambda: self._batch_done(stage, batch, seconds))
 
     def _unit_costs(self, stage: int, task: ComputeTask) -> tuple[float, float]:
         plan = self._plans[task.request_id].stages[stage]
@@ -194,8 +194,9 @@ class _Simulation:
             del waiting[rid]
         return chunks
 
-    def _batch_done(self, stage: int, batch: _Batch) -> None:
+    def _batch_done(self, stage: int, batch: _Batch, seconds: float) -> None:
         self._batches[stage] = None
+        self.scheduler.step_done(stage, seconds)
         self._wake_stages.add(stage)
         for task in batch.tasks:
             if self.scheduler.computed(stage, task.request_id, task.unit):
@@ -214,7 +215,7 @@ class _Simulation:
 
     # -- channels --------------------------------------------------------------------------------
     def _start_load(self, channel: int) -> None:
-        task = self.scheduler.next_load(channel)
+        task = self.scheduler.next_load(channel, self.now)
         if task is None:
             return
         seconds = self._plans[task.request_id].stages[task.stage].load_s[task.unit]
@@ -226,7 +227,7 @@ class _Simulation:
         self._loads[channel] = None
         self._wake_channels.add(channel)
         self._wake_stages.add(task.stage)  # a landed unit may unblock that stage's compute pointer
-        if self.scheduler.loaded(task.stage, task.request_id, task.unit):
+        if self.scheduler.loaded(task.stage, task.request_id, task.unit, self.now):
             self._loaded[task.request_id] += self._plans[task.request_id].unit_tokens(task.stage, task.unit)
             self._check_restored(task.request_id)
 

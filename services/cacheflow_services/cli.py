@@ -118,6 +118,9 @@ def _worker(args: argparse.Namespace) -> int:
         next_stage=args.next_stage,
         policy=args.policy,
         profile=Path(args.profile) if args.profile else None,
+        link_gbps=args.link_gbps,
+        step_tokens=args.step_tokens,
+        prefill_tokens=args.prefill_tokens,
         pool_tokens=args.pool_tokens,
         upstream_timeout_s=args.upstream_timeout_s,
         host=args.host,
@@ -140,6 +143,12 @@ def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
     wk.add_argument("--next-stage", default="", help="control URL of the next stage (none on the last)")
     wk.add_argument("--policy", default="cacheflow", help="restore policy (the CacheFlow ones need --profile)")
     wk.add_argument("--profile", default="", help="profile file from `cacheflow profile`")
+    wk.add_argument("--link-gbps", type=float, default=None,
+                    help="each storage pod's link rate, if known (load-time predictions; else learnt from loads)")
+    wk.add_argument("--step-tokens", type=int, default=2048,
+                    help="the compute loop's token budget per step (restore units, prefill slices, decode tokens)")
+    wk.add_argument("--prefill-tokens", type=int, default=2048,
+                    help="compute-only restores recompute the prefix in units this long")
     wk.add_argument("--pool-tokens", type=int, default=1 << 17, help="KV pool capacity in tokens")
     wk.add_argument("--upstream-timeout-s", type=float, default=30.0,
                     help="pipelined restore: longest wait for the previous stage's next chunk")

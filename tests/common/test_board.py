@@ -119,17 +119,3 @@ def test_predictive_planner_leaves_the_last_unit_to_the_side_that_finishes_it_fi
     planner.observe(0, "compute", 0.1)
     planner.observe(0, "compute", 0.1)
     assert planner.compute_may_take(view) and not planner.load_may_take(view)
-
-
-def test_compute_takes_a_unit_planned_for_loading_while_the_loader_waits_for_a_link():
-    board = TwoPointerBoard(1, planner=PredictivePlanner([5.0], [1.0]), compute_skips_loaded=True)
-    claimed: list[int | None] = []
-    compute = threading.Thread(target=lambda: claimed.append(board.claim_compute()))
-    compute.start()
-    compute.join(timeout=0.3)
-    assert compute.is_alive() and not claimed  # loading is 5x faster: compute leaves the unit to the loader
-    board.load_stalled(True)  # ... until the loader has to wait for a link other requests hold
-    compute.join(timeout=10)
-    assert claimed == [0]
-    board.load_stalled(False)
-    assert board.claim_load() is None  # nothing left for the loader

@@ -8,7 +8,15 @@ import pytest
 from cacheflow_common.errors import BadRequestError, ConfigError
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 from cacheflow_common.restore.pointers import InvalidTransitionError, Unit
-from cacheflow_common.sched import NOT_STORED, BatchScheduler, RequestPlan, StagePlan, build_plan, make_policy
+from cacheflow_common.sched import (
+    NOT_STORED,
+    BatchScheduler,
+    RequestPlan,
+    StagePlan,
+    build_plan,
+    choose_mode,
+    make_policy,
+)
 from cacheflow_common.sched.scheduler import ComputeTask, LoadTask
 
 COSTS = CostModel(chunk_compute=LinearCost(fixed_s=1e-3, per_token_s=1e-5, per_token_ctx_s=1e-8),
@@ -35,10 +43,10 @@ def scheduler(policy: str, *plans: RequestPlan) -> BatchScheduler:
 
 
 # -- the priority rule ------------------------------------------------------------------------------
-def test_cacheflow_serves_the_largest_remaining_recomputation_cost_cake_the_oldest():
+def test_algorithm_1_serves_the_largest_remaining_recomputation_cost_cake_the_oldest():
     short = plan("short", stage([1.0, 1.0, 1.0]), arrival=0.0)
     long = plan("long", stage([1.0, 2.0, 3.0, 4.0, 5.0]), arrival=1.0)
-    assert scheduler("cacheflow", short, long).next_load(0) == LoadTask("long", 0, 4)
+    assert scheduler("cacheflow-alg1", short, long).next_load(0) == LoadTask("long", 0, 4)
     assert scheduler("cake", short, long).next_load(0) == LoadTask("short", 0, 2)
     assert scheduler("load-only", short, long).next_load(0) == LoadTask("short", 0, 2)
     assert scheduler("compute-only", short, long).next_load(0) is None
@@ -57,7 +65,7 @@ def test_the_studied_rankings_serve_the_least_remaining_cost_or_the_largest_shar
 def test_priority_is_re_evaluated_at_every_decision():
     a = plan("a", stage([5.0, 5.0]))  # remaining 10
     b = plan("b", stage([3.0, 3.0, 3.0]), arrival=1.0)  # remaining 9
-    s = scheduler("cacheflow", a, b)
+    s = scheduler("cacheflow-alg1", a, b)
     assert s.next_load(0) == LoadTask("a", 0, 1)  # a drops to 5 (a unit in flight is no longer open work)
     assert s.remaining_s("a") == 5.0
     assert s.next_load(0) == LoadTask("b", 0, 2)  # b (9) now leads; then b has 6
@@ -66,7 +74,7 @@ def test_priority_is_re_evaluated_at_every_decision():
 
 
 def test_a_miss_puts_the_work_back_into_the_remaining_cost():
-    s = scheduler("cacheflow", plan("a", stage([5.0, 5.0])))
+    s = scheduler("cacheflow-alg1", plan("a", stage([5.0, 5.0])))
     task = s.next_load(0)
     assert task is not None and s.remaining_s("a") == 5.0
     assert s.load_missed(task.stage, task.request_id, task.unit, "absent")
@@ -159,8 +167,9 @@ def test_an_empty_prefix_is_finished_on_arrival():
 
 # -- plans from the cost model -------------------------------------------------------------------------
 def _build(n_tokens: int, l_delta: int) -> RequestPlan:
+    mode = choose_mode(make_policy("cacheflow"), n_tokens, l_delta)
     return build_plan(request_id="r", arrival_s=0.0, n_tokens=n_tokens, costs=COSTS, stage_layers=[3, 2],
-                      chunk_size=256, l_delta=l_delta, kv_bytes_per_token_layer=100,
+                      chunk_size=256, mode=mode, kv_bytes_per_token_layer=100,
                       place=lambda s, u: NOT_STORED if (s, u) == (1, 0) else (s + u) % 2)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cacheflow_common.errors import BadRequestError
-from cacheflow_common.restore.executor import POLICIES
+from cacheflow_common.sched.policies import POLICIES
 from cacheflow_services.coordinator.admission import Admission, Ticket
 from cacheflow_services.coordinator.cluster import Cluster, ModelInfo
 from cacheflow_services.coordinator.config import CoordinatorConfig

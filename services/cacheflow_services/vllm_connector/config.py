@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from cacheflow_common.errors import ConfigError
-from cacheflow_common.restore.executor import POLICIES
+from cacheflow_common.sched.policies import POLICIES
 
 ON_MISS = ("cacheflow", "vllm")
 

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.restore.stages import BoundaryMissingError
 from cacheflow_common.transport import frames
+from cacheflow_services.worker.core import RestoreCancelledError
 from cacheflow_services.worker.engine import ConflictError, StageEngine, UnknownRequestError
 from cacheflow_services.worker.next_stage import NextStageError
 from cacheflow_services.worker.pool import PoolFullError
@@ -76,7 +77,8 @@ def _request_id(value: str) -> str:
 
 
 _STATUS: list[tuple[type[Exception], int]] = [
-    (UnknownRequestError, 404), (ConflictError, 409), (BoundaryMissingError, 409), (PoolFullError, 503),
+    (UnknownRequestError, 404), (ConflictError, 409), (BoundaryMissingError, 409), (RestoreCancelledError, 409),
+    (PoolFullError, 503),
     (NextStageError, 502), (BadRequestError, 400),
 ]
 
@@ -108,7 +110,8 @@ def create_app(engine: StageEngine, *, max_body_bytes: int) -> FastAPI:
                 "model": engine.model.fingerprint(), "chunk_size": c.chunk_size, "dtype": str(engine.model.dtype),
                 "pool_blocks": engine.pool.capacity_blocks, "block_tokens": c.block_tokens,
                 "vocab_size": engine.model.config.vocab_size,
-                "max_tokens": min(engine.model.config.max_position_embeddings, c.max_request_tokens)}
+                "max_tokens": min(engine.model.config.max_position_embeddings, c.max_request_tokens),
+                "policy": c.policy, "step_tokens": c.step_tokens, "busy": engine.busy()}
 
     @app.post("/v1/restore")
     def restore(body: RestoreBody) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cacheflow_common.errors import ConfigError
-from cacheflow_common.restore.executor import POLICIES
+from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.transport.pod_client import PodAddress
 
 
@@ -17,13 +17,19 @@ class WorkerConfig:
     last_stage: bool  # owns the final norm and LM head (samples the next token)
     model: str = "tiny"  # tiny | smollm2 | qwen3-8b | a model directory (same on every stage)
     dtype: str = "auto"
-    chunk_size: int = 256  # the restore's chunk size (DESIGN.md default); the same on every stage
+    chunk_size: int = 256  # the restore's chunk size (docs/architecture.md); the same on every stage
     pods: tuple[PodAddress, ...] = ()  # storage pods (placement by rendezvous hashing over them)
     pod_tokens: dict[str, str] = field(default_factory=dict)  # tenant -> bearer token for the pods
     replicas: int = 1  # copies of each saved chunk
     next_stage: str = ""  # control URL of stage s+1 ("" on the last stage)
     policy: str = "cacheflow"  # restore policy; the CacheFlow ones need a profile
     profile: Path | None = None  # from `cacheflow profile`; without it the policy falls back to cake
+    link_gbps: float | None = None  # each pod's link rate, if known: the profile's load costs behind it
+    # The compute loop's token budget per step: restore units, suffix-prefill slices and decode tokens of
+    # every request share it (one restore unit always fits). 2048 keeps a step near 0.1-0.3 s on 2 CPU
+    # cores for small models, so decode tokens are not held up long by a batch of restores.
+    step_tokens: int = 2048
+    prefill_tokens: int = 2048  # compute-only recomputes in units this long (its fastest prefill here)
     pool_tokens: int = 1 << 17  # KV pool capacity, tokens of this stage's layers
     block_tokens: int = 16  # the pool's allocation unit
     upstream_timeout_s: float = 30.0  # pipelined restore: longest wait for the previous stage's next chunk
@@ -39,6 +45,8 @@ class WorkerConfig:
             raise ConfigError("every stage but the last needs --next-stage (the last must not have one)")
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if min(self.step_tokens, self.prefill_tokens) <= 0 or (self.link_gbps is not None and self.link_gbps <= 0):
+            raise ConfigError("step and prefill token budgets and the link rate must be positive")
         if self.chunk_size <= 0 or self.block_tokens <= 0 or self.pool_tokens < self.block_tokens:
             raise ConfigError("chunk size, block size and pool size must be positive (pool >= one block)")
         if not self.pods or not self.pod_tokens:

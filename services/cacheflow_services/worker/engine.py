@@ -1,25 +1,28 @@
-"""What a stage worker does, whatever the transport: restore a request's prefix on its layers, run its
-layers over new tokens (suffix prefill, decode), store what it computes, release the request.
+"""What a stage worker does, whatever the transport: one engine per stage (docs/architecture.md, "The
+stage engine").
+
+* One compute loop owns the model (`step_loop.StepLoop`): every step runs one batched forward over
+  what the batch scheduler picked across all requests on this stage — restore units, suffix-prefill
+  slices, decode tokens — within a token budget.
+* One loader per storage channel (`channels.ChannelLoader`) asks the scheduler what to load next.
+* Request threads (the HTTP handlers) only check, admit and wait: `restore` hands the loop a
+  `StageRestore` and waits for its answer; `forward` queues its tokens and waits for their rows.
 
 Per request it keeps a `Session`: the KV buffer from the pool, how many tokens it holds, the token
-ids so far (every stage needs them: chunk keys chain over token ids), and this stage's inputs for
-tokens not yet stored (a stage's boundary activation *is* its input). Whole chunks are stored as
-they fill up, and a prompt's partial last chunk as its own object (its key differs from the whole
-chunk's), by a saver thread, off the request's critical path.
+ids so far (chunk keys chain over token ids), and this stage's inputs for tokens not yet stored (a
+stage's boundary activation *is* its input). Whole chunks are stored as they fill up, and a prompt's
+partial last chunk as its own object, by a saver thread, off the critical path.
 
-Restores take their input from (DESIGN.md §1):
-* stage 0: the token embeddings;
-* `input="boundary"`: the boundary activations in storage (all stages at once, independently);
-* `input="pipelined"`: the previous stage's output, chunk by chunk (`UpstreamInput`); deliveries may
-  arrive before this stage's restore call does, so they wait in a mailbox until it comes;
-* `input="sequential"`: the same, but each stage sends its output only once it is done (a baseline).
+Restores take their input from: stage 0, the token embeddings; `input="boundary"`, the boundary
+activations in storage (all stages at once, independently); `input="pipelined"`, the previous
+stage's output chunk by chunk (deliveries may arrive before this stage's restore call does, so they
+wait in a mailbox); `input="sequential"`, the same, sent only once the previous stage is done.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,21 +32,25 @@ import torch
 
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.model.kv_buffer import KVBuffer
-from cacheflow_common.model.transformer import Span, Transformer
-from cacheflow_common.restore.arbiter import LoadArbiter
-from cacheflow_common.restore.executor import POLICIES, RestoreJob, RestoreResult, restore
+from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.restore.executor import RestoreJob
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.save import make_job, save_chunks
-from cacheflow_common.restore.stages import BoundaryInput, BoundaryMissingError, save_boundaries
-from cacheflow_common.restore.upstream import UpstreamInput, restore_from_upstream
+from cacheflow_common.restore.stages import save_boundaries
+from cacheflow_common.restore.upstream import UpstreamInput
+from cacheflow_common.sched.policies import make_policy
 from cacheflow_common.store.base import ChunkStore
+from cacheflow_services.worker.channels import ChannelLoader
 from cacheflow_services.worker.config import WorkerConfig
+from cacheflow_services.worker.core import EngineCore, ForwardItem, RestoreCancelledError
 from cacheflow_services.worker.metrics import WorkerMetrics
 from cacheflow_services.worker.next_stage import DeliverySender, NextStage
 from cacheflow_services.worker.pool import KVPool
+from cacheflow_services.worker.restore_builder import UPSTREAM_FED, RestoreBuilder
+from cacheflow_services.worker.stage_restore import StageRestore
+from cacheflow_services.worker.step_loop import StepLoop, StepPlan
 
 log = logging.getLogger(__name__)
-UPSTREAM_FED = ("pipelined", "sequential")  # restore inputs taken from the previous stage's output
 MAILBOX_CHUNKS = 65536  # deliveries held for restores not yet started (bounds memory if one never comes)
 
 
@@ -72,17 +79,32 @@ class StageEngine:
         self.model = model
         self.layers = config.layers
         self.stores = stores  # tenant -> placement over the storage pods
-        self.profile = profile
         self.next_stage = next_stage
-        self.metrics = WorkerMetrics()
-        self.links = LoadArbiter(len(config.pods))  # the storage links, shared by the requests restoring here
+        self.metrics = WorkerMetrics(n_channels=len(config.pods))
         self.pool = KVPool(model, config.layers, capacity_tokens=config.pool_tokens, block_tokens=config.block_tokens)
+        self.core = EngineCore(make_policy(config.policy), stage=config.stage)
+        self.builder = RestoreBuilder(config, model, profile, on_input=self.core.wake)
         self._sessions: dict[str, Session] = {}
         self._upstreams: dict[str, UpstreamInput] = {}
         self._mailbox: dict[str, list[Callable[[UpstreamInput], None]]] = {}
-        self._boundary_bytes: dict[str, int] = {}  # request id -> boundary bytes its restore read
         self._lock = threading.Lock()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saver")
+        self.loop = StepLoop(self.core, model, config.layers, step_tokens=config.step_tokens, sampler=sample,
+                             on_step=self._stepped)
+        self._loop_thread = threading.Thread(target=self.loop.run, name=f"stage-{config.stage}-loop", daemon=True)
+        self._loop_thread.start()
+        self._channels = [ChannelLoader(self.core, c, on_load=self.metrics.channel_busy).start()
+                          for c in range(len(config.pods))]
+
+    def close(self) -> None:
+        """Stop the loop and the channels (requests in flight get no answer), after queued saves."""
+        with self.core.cond:
+            self.core.stopped = True
+            self.core.cond.notify_all()
+        self._loop_thread.join(timeout=10)
+        for channel in self._channels:
+            channel.join(timeout=10)
+        self.flush()
 
     # ------------------------------------------------------------------------------------ restore
     def restore(self, request_id: str, token_ids: list[int], *, tenant: str, input_mode: str,
@@ -92,13 +114,18 @@ class StageEngine:
         self._check_tokens(token_ids, reserve_tokens)
         job = make_job(self.model, token_ids, tenant=tenant, chunk_size=self.config.chunk_size, layers=self.layers)
         self._check_new(request_id)
+        upstream_fed = input_mode in UPSTREAM_FED and self.config.stage > 0
         kv = self.pool.allocate(request_id, len(token_ids) + reserve_tokens)
         sender = self._sender(request_id, hold=input_mode == "sequential") if input_mode in UPSTREAM_FED else None
-        start = time.perf_counter()
         try:
-            result = self._run_restore(request_id, job, store, kv, input_mode, sender, policy or self.config.policy)
+            inputs = self._attach_upstream(request_id, job) if upstream_fed else None
+            restore = self.builder.build(request_id, job, store, kv, policy or self.config.policy,
+                                         input_mode=input_mode, upstream=inputs,
+                                         on_computed=sender.deliver if sender is not None else None)
+            self.core.admit(restore)
+            summary = restore.done.result()
         except BaseException as exc:
-            self.pool.release(request_id)
+            self._abandon(request_id)
             if sender is not None:
                 sender.fail(f"stage {self.config.stage} failed: {exc}")
             raise
@@ -109,70 +136,30 @@ class StageEngine:
             sender.finish()
         with self._lock:
             self._sessions[request_id] = Session(tenant=tenant, kv=kv, token_ids=list(token_ids), save=True,
-                                                 saved_tokens=len(token_ids),
-                                                 unsaved_input=self.model.embed(torch.zeros(0, dtype=torch.long)))
-        self._save_recomputed(job, result, store)
-        elapsed = time.perf_counter() - start
-        self.metrics.restores.labels(input_mode, result.mode).inc()
-        self.metrics.restore_seconds.observe(elapsed)
+                                                 saved_tokens=len(token_ids), unsaved_input=self._no_rows())
+        self._save_recomputed(job, restore, store)
+        self.metrics.restores.labels(input_mode, summary["mode"]).inc()
+        self.metrics.restore_seconds.observe(summary["elapsed_s"])
         self._refresh_pool_gauges()
-        sources = result.sources()
-        return {"stage": self.config.stage, "input": input_mode, "mode": result.mode, "elapsed_s": elapsed,
-                "computed": sources.count("computed"), "loaded": sources.count("loaded"),
-                "misses": dict(result.misses), "bytes_loaded": result.bytes_loaded,
-                "boundary_bytes_read": self._boundary_bytes.pop(request_id, 0)}
+        return summary
 
-    def _run_restore(self, request_id: str, job: RestoreJob, store: ChunkStore, kv: KVBuffer, input_mode: str,
-                     sender: DeliverySender | None, policy: str) -> RestoreResult:
-        deliver = sender.deliver if sender is not None else None
-        if input_mode in UPSTREAM_FED and self.config.stage > 0:
-            upstream = self._attach_upstream(request_id, job)
-            return restore_from_upstream(job, model=self.model, store=store, upstream=upstream, kv=kv,
-                                         on_computed=deliver)
-        policy, costs, l_delta = self._policy(policy, token_wise=deliver is not None,
-                                              pipeline=self.config.stage > 0 or self.next_stage is not None)
-        if self.config.stage == 0:
-            return restore(job, model=self.model, store=store, policy=policy, costs=costs, l_delta=l_delta, kv=kv,
-                           on_computed=deliver, links=self.links)
-        with BoundaryInput(job, store, device=self.model.device) as inputs:
-            if missing := inputs.missing():
-                raise BoundaryMissingError(f"boundary activations missing for chunks "
-                                           f"{missing[:8]}{'...' if len(missing) > 8 else ''}; restore pipelined")
-            result = restore(job, model=self.model, store=store, policy=policy, costs=costs, l_delta=l_delta,
-                             kv=kv, stage_input=inputs, on_computed=deliver, links=self.links)
-        self._boundary_bytes[request_id] = inputs.bytes_read
-        return result
-
-    def _policy(self, policy: str, *, token_wise: bool, pipeline: bool) -> tuple[str, Any, int]:
-        """`policy`, with its costs; without a profile the CacheFlow ones fall back to Cake's (no costs).
-
-        Adaptive `cacheflow` goes token-wise on every stage of a multi-stage pipeline: a layer-wise
-        restore on stage s > 0 reads the whole prefix's boundary activations before its first layer, a
-        cost the single-stage profile behind L_delta does not see (bench/results/batch.md measures it),
-        and all stages take one mode, as the scheduler and simulator plan a request.
-        """
-        if policy not in POLICIES:
-            raise BadRequestError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        if policy.startswith("cacheflow") and self.profile is None:
-            return "cake", None, 0
-        if token_wise and policy in ("cacheflow", "cacheflow-layer"):
-            policy = "cacheflow-token"  # the next stage consumes our chunks as they are computed
-        if pipeline and policy == "cacheflow":
-            policy = "cacheflow-token"
-        if self.profile is None:
-            return policy, None, 0
-        return policy, self.profile.cost_model(None), self.profile.l_delta_for(None)
+    def _abandon(self, request_id: str) -> None:
+        """A restore that will not finish: out of the scheduler, its KV back to the pool."""
+        with self.core.cond:
+            if request_id in self.core.restores:
+                self.core.fail(request_id, RestoreCancelledError(f"request {request_id!r} was abandoned"))
+        self.pool.release(request_id)
 
     def _sender(self, request_id: str, *, hold: bool) -> DeliverySender | None:
         return None if self.next_stage is None else DeliverySender(self.next_stage, request_id, hold=hold)
 
-    def _save_recomputed(self, job: RestoreJob, result: RestoreResult, store: ChunkStore) -> None:
+    def _save_recomputed(self, job: RestoreJob, restore: StageRestore, store: ChunkStore) -> None:
         """Store again the chunks a restore recomputed because their load missed."""
-        missed = [i for i, u in enumerate(result.units) if u.miss_reason]
+        missed = restore.missed_units()
         if not missed:
             return
-        keys = [job.keys[i] for i in missed] if result.mode == "token" else list(job.keys)
-        self._saver.submit(self._guarded, save_chunks, result.kv, job, store,
+        keys = [job.keys[i] for i in missed] if restore.spec.mode == "token" else list(job.keys)
+        self._saver.submit(self._guarded, save_chunks, restore.kv, job, store,
                            model_fingerprint=self.model.fingerprint(), keys=keys)
 
     # ------------------------------------------------------------------------------------ pipelined input
@@ -195,6 +182,7 @@ class StageEngine:
 
     def _attach_upstream(self, request_id: str, job: RestoreJob) -> UpstreamInput:
         upstream = UpstreamInput(job, timeout_s=self.config.upstream_timeout_s)
+        upstream.on_wake(self.core.wake)
         with self._lock:
             self._upstreams[request_id] = upstream
             early = self._mailbox.pop(request_id, [])
@@ -204,7 +192,8 @@ class StageEngine:
 
     # ------------------------------------------------------------------------------------ forward
     def forward(self, meta: dict[str, Any], hidden: torch.Tensor | None) -> dict[str, Any]:
-        """Run this stage's layers over new tokens of a request, then the next stage's (or sample)."""
+        """Run this stage's layers over new tokens of a request (in the engine's next steps), then the
+        next stage's (or sample the next token)."""
         request_id, start, token_ids = meta["request_id"], meta["start"], meta["token_ids"]
         session = self._session_for(meta)
         if start != len(session.token_ids):
@@ -212,7 +201,12 @@ class StageEngine:
         if start + len(token_ids) > session.kv.capacity:
             raise ConflictError(f"request {request_id!r} would exceed its reserved {session.kv.capacity} tokens")
         x = self._stage_input(token_ids, hidden)  # [T, hidden]
-        out = self.model.forward_layers(x, self.layers, [Span(session.kv, start, len(token_ids))])  # [T, hidden]
+        sample_with = (meta.get("temperature", 0.0), meta.get("seed", 0)) if self.next_stage is None else None
+        item = ForwardItem(request_id=request_id, kv=session.kv, start=start, rows=x, sample=sample_with)
+        with self.core.cond:
+            self.core.forwards.append(item)
+            self.core.cond.notify_all()
+        out = item.future.result()
         session.token_ids.extend(token_ids)
         if session.save and self.config.stage > 0:  # stage 0's input is the embedding: never stored
             session.unsaved_input = torch.cat([session.unsaved_input, x])
@@ -221,9 +215,9 @@ class StageEngine:
             self._save_filled(session)
             if len(token_ids) > 1:  # a prompt's prefill: its partial last chunk too, so it restores whole
                 self._save_tail(session)
-        if self.next_stage is None:
-            return {"token": sample(self.model.logits(out[-1:])[0], meta.get("temperature", 0.0),
-                                    meta.get("seed", 0), position=start + len(token_ids))}
+        if isinstance(out, int):
+            return {"token": out}
+        assert self.next_stage is not None  # only the last stage samples
         return self.next_stage.forward(meta, out)
 
     def _session_for(self, meta: dict[str, Any]) -> Session:
@@ -240,7 +234,7 @@ class StageEngine:
         self._check_new(request_id)
         kv = self.pool.allocate(request_id, len(meta["token_ids"]) + reserve)
         session = Session(tenant=meta["tenant"], kv=kv, token_ids=[], save=bool(meta.get("save", True)),
-                          saved_tokens=0, unsaved_input=self.model.embed(torch.zeros(0, dtype=torch.long)))
+                          saved_tokens=0, unsaved_input=self._no_rows())
         with self._lock:
             self._sessions[request_id] = session
         self._refresh_pool_gauges()
@@ -254,6 +248,9 @@ class StageEngine:
         if hidden is None or tuple(hidden.shape) != expected:
             raise BadRequestError(f"stage {self.config.stage} needs hidden states of shape {expected}")
         return hidden.to(self.model.device, self.model.dtype)
+
+    def _no_rows(self) -> torch.Tensor:
+        return self.model.embed(torch.zeros(0, dtype=torch.long))  # [0, hidden]
 
     def _save_filled(self, session: Session) -> None:
         """Queue the whole chunks that filled up since the last save: KV, and the boundary (stage > 0)."""
@@ -302,6 +299,10 @@ class StageEngine:
 
     # ------------------------------------------------------------------------------------ housekeeping
     def release(self, request_id: str) -> bool:
+        """Free a request's KV; a restore still running for it stops (its caller gets an error)."""
+        with self.core.cond:
+            if request_id in self.core.restores:
+                self.core.fail(request_id, RestoreCancelledError(f"request {request_id!r} was released"))
         with self._lock:
             self._sessions.pop(request_id, None)
             self._mailbox.pop(request_id, None)
@@ -317,9 +318,27 @@ class StageEngine:
             raise UnknownRequestError(f"request {request_id!r} has no KV on stage {self.config.stage}")
         return session.kv.data[:, :, :, : len(session.token_ids)]
 
+    def busy(self) -> dict[str, Any]:
+        """Seconds the compute loop and each channel have been busy since start (utilisation = rate)."""
+        return self.metrics.busy_totals()
+
     def flush(self) -> None:
         """Wait for every queued save (tests, shutdown)."""
         self._saver.submit(lambda: None).result()
+
+    def _stepped(self, plan: StepPlan, seconds: float) -> None:
+        requests = {t.request_id for t in (*plan.token_units, *plan.layer_units)} | {i.request_id for i, _, _ in
+                                                                                    plan.forwards}
+        self.metrics.step(seconds, tokens=plan.tokens + sum(self._unit_tokens(t.request_id, t.unit)
+                                                              for t in plan.token_units), requests=len(requests))
+
+    def _unit_tokens(self, request_id: str, unit: int) -> int:
+        with self.core.cond:
+            restore = self.core.restores.get(request_id)
+        if restore is None:
+            return 0
+        start, end = restore.unit_tokens[unit]
+        return end - start
 
     def _store(self, tenant: str) -> ChunkStore:
         store = self.stores.get(tenant)
@@ -344,10 +363,11 @@ class StageEngine:
         self.metrics.requests.set(self.pool.requests())
 
 
-def sample(logits: torch.Tensor, temperature: float, seed: int, *, position: int) -> int:
+def sample(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
     """The next token from logits [vocab]: greedy at temperature 0, else sampled reproducibly (seed, position)."""
     if temperature <= 0:
         return int(torch.argmax(logits))
     generator = torch.Generator().manual_seed(seed * 1_000_003 + position)
     probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)  # [vocab]
     return int(torch.multinomial(probs, 1, generator=generator))
+

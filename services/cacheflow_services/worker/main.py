@@ -39,4 +39,4 @@ def serve(config: WorkerConfig) -> None:
     try:
         server.run(sockets=[http])  # returns on SIGINT/SIGTERM
     finally:
-        engine.flush()
+        engine.close()

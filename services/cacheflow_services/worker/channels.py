@@ -1,0 +1,80 @@
+"""The stage's I/O resources: one loader thread per storage channel (a pod link).
+
+Each asks the batch scheduler for the next (request, unit) its channel should load, loads it into that
+request's KV buffer (bytes only: no torch ops, so it does not take compute's threads; pinned off the
+compute cores as well), and reports it loaded or missed. A failed read is a miss: the unit goes back
+to compute. Threads stay off the compute cores (`move_off_compute_cores`), as on a GPU the copy
+engines are not the SMs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from cacheflow_common.restore.cores import move_off_compute_cores
+from cacheflow_common.sched.scheduler import LoadTask
+from cacheflow_services.worker.core import STAGE, EngineCore
+from cacheflow_services.worker.stage_restore import StageRestore
+
+log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.05  # an idle channel re-checks this often (every event also wakes it)
+
+
+class ChannelLoader:
+    def __init__(self, core: EngineCore, channel: int, *, on_load: Callable[[int, float], None]) -> None:
+        self.core = core
+        self.channel = channel
+        self.on_load = on_load  # metrics: (channel, busy seconds) after every load
+        self._staging = memoryview(bytearray(0))
+        self._thread = threading.Thread(target=self._run, name=f"channel-{channel}", daemon=True)
+
+    def start(self) -> ChannelLoader:
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        move_off_compute_cores()
+        while (claim := self._next()) is not None:
+            task, restore = claim
+            started = time.perf_counter()
+            miss = self._load(restore, task.unit)
+            ended = time.perf_counter()
+            restore.loaded(task.unit, started, ended, miss)
+            self._report(task, miss, ended)
+            self.on_load(self.channel, ended - started)
+
+    def _next(self) -> tuple[LoadTask, StageRestore] | None:
+        """Wait for the scheduler to give this channel a load; None once the engine stops."""
+        core = self.core
+        with core.cond:
+            while not core.stopped:
+                task = core.scheduler.next_load(self.channel, time.perf_counter())
+                if task is not None:
+                    return task, core.restores[task.request_id]
+                core.cond.wait(timeout=IDLE_WAIT_S)
+        return None
+
+    def _load(self, restore: StageRestore, unit: int) -> str:
+        if len(self._staging) < restore.loader.staging_bytes:
+            self._staging = memoryview(bytearray(restore.loader.staging_bytes))
+        try:
+            return restore.load(unit, self._staging)
+        except Exception as exc:  # a read that failed in any way is a miss: the unit is recomputed
+            log.warning("channel %d: loading unit %d of %s failed: %s", self.channel, unit, restore.request_id, exc)
+            return f"loader-error: {type(exc).__name__}"
+
+    def _report(self, task: LoadTask, miss: str, ended: float) -> None:
+        core = self.core
+        with core.cond:
+            if miss:
+                core.scheduler.load_missed(STAGE, task.request_id, task.unit, miss)
+            else:
+                core.scheduler.loaded(STAGE, task.request_id, task.unit, ended)
+            core.settle()
+            core.cond.notify_all()

@@ -1,0 +1,127 @@
+"""Turning a restore request into the engine's `StageRestore`: the policy actually used (and why, when it
+differs from the one asked for), the mode, the plan the scheduler ranks and times it by, the loader,
+and where the compute side's inputs come from.
+
+* Units: token chunks of `chunk_size` (what storage holds, so that either side can take any unit);
+  compute-only restores recompute in the engine's prefill size (`prefill_tokens`) instead — its
+  fastest recompute, the strongest form of the baseline. Layer mode: one unit per layer.
+* Channels: a token unit loads from the pod that holds its chunk (the first of its placement); a
+  layer unit reads every chunk, and goes to channel `layer % pods`.
+* Costs: the profile's, behind the link rate the worker was told (`link_gbps`); without a profile,
+  the planned (CacheFlow) policies fall back to Cake's greedy meeting point, and the answer says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from cacheflow_common.errors import BadRequestError
+from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
+from cacheflow_common.restore.executor import ChunkComputed, RestoreJob
+from cacheflow_common.restore.loader import KVLoader
+from cacheflow_common.restore.profile import Profile
+from cacheflow_common.restore.stages import BoundaryInput, BoundaryMissingError
+from cacheflow_common.restore.upstream import UpstreamInput
+from cacheflow_common.sched.plan import build_plan
+from cacheflow_common.sched.policies import POLICIES, choose_mode, make_policy
+from cacheflow_common.store.base import ChunkStore
+from cacheflow_services.worker.config import WorkerConfig
+from cacheflow_services.worker.stage_restore import EmbeddingInput, RestoreSpec, StageInput, StageRestore
+
+UPSTREAM_FED = ("pipelined", "sequential")  # restore inputs taken from the previous stage's output
+# Without a profile the plan's numbers only order units (the greedy and fixed policies use no times).
+UNPROFILED = CostModel(chunk_compute=LinearCost(fixed_s=0.0, per_token_s=1e-6, per_token_ctx_s=1e-9),
+                       layer_compute=LinearCost(fixed_s=0.0, per_token_s=1e-6, per_token_ctx_s=1e-9),
+                       load=LoadCost(bytes_per_s=1e9, latency_s=0.0))
+
+
+class RestoreBuilder:
+    def __init__(self, config: WorkerConfig, model: Transformer, profile: Profile | None, *,
+                 on_input: Callable[[], None]) -> None:
+        self.config = config
+        self.model = model
+        self.profile = profile
+        self.on_input = on_input  # told when a background read of inputs lands (wakes the compute loop)
+        link = None if config.link_gbps is None else config.link_gbps * 1e9 / 8
+        self.costs = profile.cost_model(link) if profile else UNPROFILED
+        self.l_delta = profile.l_delta_for(link) if profile else 0
+
+    def build(self, request_id: str, job: RestoreJob, store: ChunkStore, kv: KVBuffer, policy_name: str, *,
+              input_mode: str, upstream: UpstreamInput | None, on_computed: ChunkComputed | None) -> StageRestore:
+        spec = self.spec(request_id, job, policy_name, input_mode=input_mode, upstream=upstream is not None,
+                         delivers=on_computed is not None)
+        loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
+        unit_size = self._unit_size(spec, delivers=on_computed is not None)
+        units = _units(spec.mode, len(job.token_ids), unit_size, len(job.layers))
+        plan = build_plan(request_id=request_id, arrival_s=time.perf_counter(), n_tokens=len(job.token_ids),
+                          costs=self.costs, stage_layers=[len(job.layers)], chunk_size=unit_size, mode=spec.mode,
+                          kv_bytes_per_token_layer=self.model.kv_bytes_per_token_per_layer,
+                          place=self._placement(store, loader, spec.mode))
+        inputs, closers = self._inputs(job, store, spec, upstream)
+        return StageRestore(spec, plan=plan, kv=kv, loader=loader, inputs=inputs, unit_tokens=units,
+                            on_computed=on_computed, closers=closers)
+
+    def spec(self, request_id: str, job: RestoreJob, policy_name: str, *, input_mode: str, upstream: bool,
+             delivers: bool) -> RestoreSpec:
+        """The policy and mode this stage restores with, and why they differ from what was asked, if they do.
+
+        A stage fed by the previous one computes only what was delivered: Cake's greedy pointers. A
+        restore that delivers its chunks (the next stage is fed by it), and every stage of a multi-stage
+        pipeline, goes token-wise: a layer-wise restore on stage s > 0 would read the whole prefix's
+        boundary activations before its first layer, a cost the single-stage L_delta does not see.
+        """
+        if policy_name not in POLICIES:
+            raise BadRequestError(f"unknown policy {policy_name!r}; choose one of {', '.join(POLICIES)}")
+        policy, fallback = make_policy(policy_name), ""
+        if upstream:
+            policy, fallback = make_policy("cake"), "fed by the previous stage: greedy pointers"
+        elif policy.plans_meeting and self.profile is None:
+            policy, fallback = make_policy("cake"), "no profile: run `cacheflow profile` for CacheFlow's planning"
+        mode = choose_mode(policy, len(job.token_ids), self.l_delta)
+        pipeline = self.config.stage > 0 or not self.config.last_stage
+        if mode == "layer" and (delivers or (pipeline and policy.adaptive_mode)):
+            mode = "token"
+        return RestoreSpec(request_id=request_id, job=job, policy=policy, mode=mode, input_mode=input_mode,
+                           fallback=fallback)
+
+    def _unit_size(self, spec: RestoreSpec, *, delivers: bool) -> int:
+        chunk = self.config.chunk_size
+        if spec.policy.planner != "compute" or delivers:
+            return chunk
+        return max(chunk, self.config.prefill_tokens // chunk * chunk)  # whole chunks: keys stay aligned
+
+    def _placement(self, store: ChunkStore, loader: KVLoader, mode: str) -> Callable[[int, int], int]:
+        pods = [address.pod_id for address in self.config.pods]
+        placement = getattr(store, "placement", None)
+
+        def channel(_stage: int, unit: int) -> int:
+            if mode == "layer" or placement is None:
+                return unit % len(pods)
+            primary = placement(loader.names(unit))[0]
+            return pods.index(primary) if primary in pods else unit % len(pods)
+
+        return channel
+
+    def _inputs(self, job: RestoreJob, store: ChunkStore, spec: RestoreSpec,
+                upstream: UpstreamInput | None) -> tuple[StageInput, tuple[Callable[[], None], ...]]:
+        if upstream is not None:
+            return upstream, ()
+        if self.config.stage == 0:
+            return EmbeddingInput(self.model, job.token_ids), ()
+        boundary = BoundaryInput(job, store, device=self.model.device, on_read=self.on_input)
+        if missing := boundary.missing():
+            boundary.close()
+            raise BoundaryMissingError(f"boundary activations missing for chunks "
+                                       f"{missing[:8]}{'...' if len(missing) > 8 else ''}; restore pipelined")
+        return boundary, (boundary.close,)
+
+
+def _units(mode: str, n_tokens: int, unit_size: int, n_layers: int) -> list[tuple[int, int]]:
+    """Each unit's token range: chunks of `unit_size` (token mode), or the whole prefix per layer."""
+    if mode == "layer":
+        return [(0, n_tokens)] * n_layers
+    return [(a, min(a + unit_size, n_tokens)) for a in range(0, n_tokens, unit_size)]
+

@@ -1,0 +1,159 @@
+"""One request's restore on this stage, as the engine carries it out: where its units' inputs come
+from, how one unit is computed or loaded, what happened to each unit, and the summary it answers with.
+
+The decisions (which unit computes next, which a channel loads) are the batch scheduler's; this object
+only does the work a decision names and records it. Units are token chunks (token mode; compute-only
+recomputes in the engine's prefill size instead of the storage chunk size) or layers (layer mode).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.model.transformer import Span, Transformer
+from cacheflow_common.restore.board import UnitRecord
+from cacheflow_common.restore.executor import ChunkComputed, RestoreJob
+from cacheflow_common.restore.loader import KVLoader
+from cacheflow_common.restore.upstream import UpstreamInput
+from cacheflow_common.sched.plan import RequestPlan
+from cacheflow_common.sched.policies import Policy
+
+
+class StageInput(Protocol):
+    """The hidden states entering the stage for prefix tokens [start, end): [T, hidden]."""
+
+    def __call__(self, start: int, end: int) -> torch.Tensor: ...
+
+    def ready(self, start: int, end: int) -> bool: ...  # in memory now (and if not, on its way)
+
+
+class EmbeddingInput:
+    """Stage 0's input: the token embeddings (always ready)."""
+
+    def __init__(self, model: Transformer, token_ids: tuple[int, ...]) -> None:
+        self.model = model
+        self.ids = torch.tensor(token_ids, dtype=torch.long)  # [N]
+
+    def __call__(self, start: int, end: int) -> torch.Tensor:
+        return self.model.embed(self.ids[start:end])  # [T, hidden]
+
+    def ready(self, start: int, end: int) -> bool:
+        return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreSpec:
+    """What the engine was asked to restore, and how."""
+
+    request_id: str
+    job: RestoreJob
+    policy: Policy
+    mode: str  # "token" | "layer"
+    input_mode: str  # "boundary" | "pipelined" | "sequential" (stage 0: its embeddings in every case)
+    fallback: str = ""  # why the policy differs from the one asked for ("" when it does not)
+
+
+class StageRestore:
+    def __init__(self, spec: RestoreSpec, *, plan: RequestPlan, kv: KVBuffer, loader: KVLoader,
+                 inputs: StageInput, unit_tokens: list[tuple[int, int]],
+                 on_computed: ChunkComputed | None = None, closers: tuple[Callable[[], None], ...] = ()) -> None:
+        self.spec = spec
+        self.plan = plan
+        self.kv = kv
+        self.loader = loader
+        self.inputs = inputs
+        self.unit_tokens = unit_tokens  # token mode: each unit's token range; layer mode: (0, N) per layer
+        self.on_computed = on_computed
+        self.records = [UnitRecord() for _ in unit_tokens]
+        self.done: Future[dict[str, Any]] = Future()
+        self.started = time.perf_counter()
+        self._closers = closers
+        self._hidden: torch.Tensor | None = None  # layer mode: [N, hidden] entering the next layer to compute
+        self._lock = threading.Lock()  # records, touched by the loop and the channels
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.spec.job.token_ids)
+
+    # -- compute (the engine's loop) -----------------------------------------------------------
+    def ready(self, unit: int) -> bool:
+        """Whether compute may take `unit` now without waiting for its input.
+
+        Fed by the previous stage, a chunk it did not deliver is left to the loader; only once its
+        load missed does compute try it (and fail the restore clearly: it has no input for it).
+        """
+        start, end = self.unit_tokens[unit]
+        if self.spec.mode == "layer" and self._hidden is not None:
+            return True
+        if isinstance(self.inputs, UpstreamInput) and not self.records[unit].miss_reason:
+            return self.inputs.delivered(unit)
+        return self.inputs.ready(start, end)
+
+    def token_span(self, unit: int) -> tuple[torch.Tensor, Span]:
+        """Token mode: the unit's input rows [T, hidden] and where its KV goes."""
+        start, end = self.unit_tokens[unit]
+        return self.inputs(start, end), Span(self.kv, start, end - start)
+
+    def compute_layer(self, model: Transformer, unit: int) -> None:
+        """Layer mode: run layer `unit` of the stage over the whole prefix (writes its KV)."""
+        if self._hidden is None:
+            self._hidden = self.inputs(0, self.n_tokens)  # [N, hidden]
+        layer = self.spec.job.layers.start + unit
+        self._hidden = model.forward_layers(self._hidden, range(layer, layer + 1), [Span(self.kv, 0, self.n_tokens)])
+
+    def computed(self, unit: int, out: torch.Tensor | None, started: float, ended: float) -> None:
+        """The loop computed `unit`; `out` [T, hidden] is what leaves the stage for it (token mode)."""
+        self._record(unit, "computed", started, ended)
+        if self.on_computed is not None and out is not None:
+            self.on_computed(unit, out)
+
+    # -- loads (a channel's thread) -------------------------------------------------------------
+    def load(self, unit: int, staging: memoryview) -> str:
+        """Load `unit` (bytes only, no torch ops); "" or the reason it missed."""
+        if self.spec.mode == "token":
+            return self.loader.load_chunk(unit, staging)
+        return self.loader.load_layer(self.spec.job.layers.start + unit, staging)
+
+    def loaded(self, unit: int, started: float, ended: float, miss: str) -> None:
+        if miss:
+            with self._lock:
+                self.records[unit].miss_reason = miss
+        else:
+            self._record(unit, "loaded", started, ended)
+
+    # -- the end ----------------------------------------------------------------------------------
+    def summary(self, stage: int) -> dict[str, Any]:
+        sources = [r.source for r in self.records]
+        misses = Counter(r.miss_reason for r in self.records if r.miss_reason)
+        return {"stage": stage, "input": self.spec.input_mode, "policy": self.spec.policy.name,
+                "fallback": self.spec.fallback, "mode": self.spec.mode,
+                "elapsed_s": time.perf_counter() - self.started, "computed": sources.count("computed"),
+                "loaded": sources.count("loaded"), "misses": dict(misses), "bytes_loaded": self.loader.bytes_read,
+                "boundary_bytes_read": int(getattr(self.inputs, "bytes_read", 0))}
+
+    def missed_units(self) -> list[int]:
+        return [u for u, r in enumerate(self.records) if r.miss_reason]
+
+    def close(self) -> None:
+        """Stop background reads of its inputs; the hidden state of layer mode is dropped."""
+        self._hidden = None
+        for close in self._closers:
+            close()
+
+    def _record(self, unit: int, source: str, started: float, ended: float) -> None:
+        with self._lock:
+            record = self.records[unit]
+            record.source, record.start_s, record.end_s = source, started - self.started, ended - self.started

@@ -1,0 +1,210 @@
+"""The stage engine in this process (no HTTP): one compute loop and one loader per channel serve many
+requests at once. A tiny seeded model, chunks in memory stores, loads slowed by a token bucket so that
+both pointers take units.
+
+* a batch of concurrent restores gives each request the KV of its own full prefill;
+* the compute loop runs one batched forward per step over several requests, not one request at a time;
+* continuous batching (prefill and decode of several requests in the same steps) gives each request the
+  greedy tokens it gets alone;
+* the worker's scheduler decisions are a function of the events it was told: replayed into a fresh
+  `BatchScheduler` — the class the simulator drives — the same events give the same decisions.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from cacheflow_common.model.transformer import Span, Transformer
+from cacheflow_common.restore.profile import Crossover, Profile
+from cacheflow_common.restore.save import compute_prefix_kv, make_job, save_prefix
+from cacheflow_common.sched.scheduler import BatchScheduler
+from cacheflow_common.store.memory import MemoryStore
+from cacheflow_common.store.shaped import ShapedStore
+from cacheflow_common.transport.pod_client import PodAddress
+from cacheflow_common.transport.shaping import TokenBucket
+from cacheflow_services.worker.config import WorkerConfig
+from cacheflow_services.worker.engine import StageEngine
+from tests.factories import TINY_COSTS, greedy_reference, tiny_model
+
+CHUNK = 16
+TENANT = "alpha"
+LOAD_BYTES_PER_S = 2e6  # a chunk of the tiny model (~14 KB) loads in ~7 ms: both pointers take units
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return tiny_model(seed=3, num_layers=4)
+
+
+def _profile(model: Transformer) -> Profile:
+    return Profile(model=model.fingerprint(), model_name="tiny", dtype="float32", chunk_size=CHUNK, threads=1,
+                   costs=TINY_COSTS, crossovers=(Crossover(link_bytes_per_s=LOAD_BYTES_PER_S, l_delta=0),))
+
+
+def _engine(model: Transformer, store: Any, *, policy: str = "cacheflow", pods: int = 2, **options: Any) -> StageEngine:
+    config = WorkerConfig(stage=0, layers=range(model.config.num_layers), last_stage=True, chunk_size=CHUNK,
+                          pods=tuple(PodAddress.parse(f"pod-{i}=127.0.0.1:{7400 + i}") for i in range(pods)),
+                          pod_tokens={TENANT: "unused: the stores are given"}, policy=policy, **options)
+    return StageEngine(config, model, {TENANT: store}, _profile(model), None)
+
+
+@pytest.fixture
+def engines() -> Iterator[list[StageEngine]]:
+    made: list[StageEngine] = []
+    yield made
+    for engine in made:
+        engine.close()
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(384) for _ in range(CHUNK * rng.randint(3, 6) + rng.randrange(CHUNK))] for _ in range(n)]
+
+
+def _in_threads(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Run every call at once, each in its own thread; their results in order (re-raising a failure)."""
+    results: list[Any] = [None] * len(calls)
+    barrier = threading.Barrier(len(calls))
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+def _saved_store(model: Transformer, prompts: list[list[int]]) -> ShapedStore:
+    inner = MemoryStore()
+    for ids in prompts:
+        save_prefix(model, make_job(model, ids, tenant=TENANT, chunk_size=CHUNK), inner)
+    return ShapedStore(inner, TokenBucket(LOAD_BYTES_PER_S))
+
+
+@pytest.mark.parametrize("policy", ["cacheflow", "cake", "load-only", "compute-only", "cacheflow-layer"])
+def test_concurrent_restores_each_equal_their_own_prefill(model, engines, policy):
+    prompts = _prompts(4)
+    engine = _engine(model, _saved_store(model, prompts), policy=policy)
+    engines.append(engine)
+    summaries = _in_threads([lambda i=i, ids=ids: engine.restore(f"r{i}", ids, tenant=TENANT, input_mode="boundary",
+                                                                   reserve_tokens=0)
+                             for i, ids in enumerate(prompts)])
+    for i, (ids, summary) in enumerate(zip(prompts, summaries, strict=True)):
+        expected = compute_prefix_kv(model, make_job(model, ids, tenant=TENANT, chunk_size=CHUNK)).data
+        torch.testing.assert_close(engine.kv_of(f"r{i}"), expected[:, :, :, : len(ids)], atol=1e-4, rtol=1e-4)
+        assert summary["policy"] == policy and not summary["misses"]
+        units = {"cacheflow-layer": model.config.num_layers, "compute-only": 1}  # one prefill: the strongest
+        assert summary["computed"] + summary["loaded"] == units.get(policy, -(-len(ids) // CHUNK))
+    totals = [(s["computed"], s["loaded"]) for s in summaries]
+    if policy == "load-only":
+        assert all(c == 0 for c, _ in totals)
+    if policy == "compute-only":
+        assert all(loaded == 0 for _, loaded in totals)
+    if policy in ("cacheflow", "cake"):  # the two pointers met inside the batch's prefixes
+        assert sum(c for c, _ in totals) > 0 and sum(loaded for _, loaded in totals) > 0
+
+
+def test_the_compute_loop_runs_one_batch_per_step_not_one_request(model, engines, monkeypatch):
+    prompts = _prompts(4, seed=1)
+    calls: list[int] = []  # per forward: how many requests' KV buffers it wrote
+    forward = model.forward_layers
+
+    def counting(hidden: torch.Tensor, layers: range, spans: list[Span]) -> torch.Tensor:
+        calls.append(len({id(s.kv) for s in spans}))
+        return forward(hidden, layers, spans)
+
+    store = _saved_store(model, prompts)
+    monkeypatch.setattr(model, "forward_layers", counting)
+    engine = _engine(model, store, policy="compute-only", prefill_tokens=CHUNK)
+    engines.append(engine)
+    _in_threads([lambda i=i, ids=ids: engine.restore(f"r{i}", ids, tenant=TENANT, input_mode="boundary",
+                                                     reserve_tokens=0) for i, ids in enumerate(prompts)])
+    units = sum(-(-len(ids) // CHUNK) for ids in prompts)
+    assert max(calls) == len(prompts), "some step ran a unit of every request restoring"
+    assert len(calls) < units, f"{len(calls)} forwards for {units} units: one request per step"
+    assert engine.busy()["compute_s"] > 0
+
+
+def test_continuous_batching_gives_each_request_its_greedy_tokens_alone(model, engines):
+    prompts = _prompts(4, seed=2)
+    n_new = 6
+    engine = _engine(model, MemoryStore())
+    engines.append(engine)
+
+    def generate(i: int, ids: list[int]) -> list[int]:
+        meta = {"request_id": f"g{i}", "tenant": TENANT, "reserve_tokens": len(ids) + n_new, "save": False,
+                "temperature": 0.0, "seed": 0}
+        tokens = [engine.forward({**meta, "start": 0, "token_ids": ids}, None)["token"]]
+        while len(tokens) < n_new:
+            position = len(ids) + len(tokens) - 1
+            tokens.append(engine.forward({**meta, "start": position, "token_ids": tokens[-1:]}, None)["token"])
+        return tokens
+
+    together = _in_threads([lambda i=i, ids=ids: generate(i, ids) for i, ids in enumerate(prompts)])
+    alone = [greedy_reference(model, ids, n_new)[1] for ids in prompts]
+    assert together == alone
+    assert engine.metrics.step_requests.collect()[0].samples  # steps were recorded
+
+
+class RecordingScheduler(BatchScheduler):
+    """A `BatchScheduler` that records every event and decision, and the `ready` answers it was given."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[tuple[str, tuple[Any, ...], dict[str, Any], Any, list[bool]]] = []
+
+    def _record(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        answers: list[bool] = []
+        if kwargs.get("ready") is not None:
+            ready = kwargs["ready"]
+
+            def recorded(request_id: str, unit: int) -> bool:
+                answers.append(ready(request_id, unit))
+                return answers[-1]
+
+            kwargs["ready"] = recorded
+        result = getattr(super(), name)(*args, **kwargs)
+        self.log.append((name, args, {k: v for k, v in kwargs.items() if k != "ready"}, result, answers))
+        return result
+
+
+for _name in ("arrive", "computed", "loaded", "load_missed", "step_done", "cancel", "forget",
+              "next_compute_batch", "next_load"):
+    setattr(RecordingScheduler, _name, lambda self, *a, _n=_name, **k: self._record(_n, *a, **k))
+
+
+def test_worker_decisions_replay_exactly_in_a_fresh_scheduler(model, engines):
+    prompts = _prompts(5, seed=4)
+    engine = _engine(model, _saved_store(model, prompts))
+    engines.append(engine)
+    recorder = RecordingScheduler(engine.core.scheduler.policy, n_stages=1)
+    engine.core.scheduler = recorder
+    _in_threads([lambda i=i, ids=ids: engine.restore(f"r{i}", ids, tenant=TENANT, input_mode="boundary",
+                                                     reserve_tokens=0) for i, ids in enumerate(prompts)])
+    with engine.core.cond:
+        log = list(recorder.log)
+    decisions = [entry for entry in log if entry[0].startswith("next_") and entry[3]]
+    assert len(decisions) > len(prompts) and any(e[0] == "next_load" for e in decisions)
+
+    fresh = BatchScheduler(recorder.policy, n_stages=1)
+    for name, args, kwargs, result, answers in log:
+        if name == "next_compute_batch":
+            replies = iter(answers)
+            kwargs = {**kwargs, "ready": lambda _r, _u, replies=replies: next(replies)}
+        assert getattr(fresh, name)(*args, **kwargs) == result, f"{name}{args} decided differently"
