@@ -33,7 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from cacheflow_bench.batch_report import by_batch_and_policy
-from cacheflow_bench.common import RESULTS_DIR, TRACE, command_line, machine_facts, markdown_table, write_json
+from cacheflow_bench.common import (
+    TRACE,
+    add_out_option,
+    command_line,
+    machine_facts,
+    markdown_table,
+    results_dir,
+    write_json,
+)
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.sim import ModelShape, SimConfig, simulate
 from cacheflow_common.sim.config import balanced_link_gbps
@@ -65,7 +73,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--batches", default="2,4,8")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--repeats", type=int, default=3, help="runs per batch size and policy (medians reported)")
-    p.add_argument("--out", default=str(RESULTS_DIR))
+    add_out_option(p)
     p.add_argument("--quick", action="store_true", help="smoke run: few short requests, batch 2 and 8")
     args = p.parse_args(argv)
     if args.quick:
@@ -293,8 +301,9 @@ def report(args: argparse.Namespace, requests: list[ReplayRequest], link: float,
     from cacheflow_bench.batch_report import summary_of, write_markdown, write_plot
 
     summary = summary_of(runs, errors)
-    out = Path(args.out)
-    body = {"summary": summary, "machine": machine_facts(), "command": command_line(), "link_gbps_per_pod": link,
+    out = results_dir(args)
+    body = {"summary": summary, "machine": machine_facts(), "command": command_line(), "quick": args.quick,
+            "link_gbps_per_pod": link,
             "cluster_requests": args.cluster_requests, "cluster_time_scale": args.cluster_time_scale,
             "calibration": asdict(calibration),
             "requests": [{"id": r.trace.request_id, "arrival_s": r.trace.arrival_s, "tokens": r.trace.input_length,

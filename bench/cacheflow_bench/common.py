@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -15,7 +16,8 @@ from typing import Any
 import torch
 
 BENCH_DIR = Path(__file__).resolve().parents[1]  # bench/: this package, its results and the trace
-RESULTS_DIR = BENCH_DIR / "results"
+RESULTS_DIR = BENCH_DIR / "results"  # the committed results (what `cacheflow bench report` publishes)
+SCRATCH_DIR = RESULTS_DIR / "tmp"  # git-ignored: where --quick runs write unless --out says otherwise
 # The Mooncake conversation trace (FAST'25 release, Apache-2.0: LICENSE-APACHE-mooncake beside it).
 TRACE = BENCH_DIR / "traces" / "mooncake_conversation_trace.jsonl.gz"
 
@@ -54,6 +56,29 @@ def command_line() -> str:
     program = Path(sys.argv[0]).stem
     head = ["cacheflow"] if program == "cacheflow" else ["python", "-m", f"cacheflow_bench.{program}"]
     return " ".join([*head, *sys.argv[1:]])
+
+
+def add_out_option(parser: argparse.ArgumentParser) -> None:
+    """`--out`: by default the committed results, or with --quick the scratch folder (see `results_dir`)."""
+    parser.add_argument("--out", default=None,
+                        help=f"output directory (default: {RESULTS_DIR}; with --quick: {SCRATCH_DIR}, git-ignored)")
+
+
+def results_dir(args: argparse.Namespace) -> Path:
+    """Where a run writes: --out, else a --quick run's scratch folder (said on the terminal: a smoke run
+    never overwrites the committed results), else the committed results folder."""
+    if args.out:
+        return Path(args.out)
+    if args.quick:
+        print(f"--quick: results go to {SCRATCH_DIR} (the committed ones in {RESULTS_DIR} are left alone)",
+              flush=True)
+        return SCRATCH_DIR
+    return RESULTS_DIR
+
+
+def provenance(quick: bool) -> dict[str, Any]:
+    """What every result file records: the machine, the command, and whether it was a --quick smoke run."""
+    return {"machine": machine_facts(), "command": command_line(), "quick": quick}
 
 
 def median(xs: Sequence[float]) -> float:

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from cacheflow_bench.common import (
-    RESULTS_DIR,
-    command_line,
-    machine_facts,
+    add_out_option,
     markdown_table,
     median,
+    provenance,
+    results_dir,
     write_json,
 )
 from cacheflow_common.model.kv_buffer import KVBuffer
@@ -65,7 +65,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto (cuda when there is a GPU) | cpu | cuda")
     p.add_argument("--links-gbps", default="", help="fixed link speeds in Gbit/s instead of --ratios, e.g. 10,40,80")
     p.add_argument("--stem", default="restore_single", help="result file names: STEM.json, STEM.md, STEM.png")
-    p.add_argument("--out", default=str(RESULTS_DIR), help="output directory")
+    add_out_option(p)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, short prefixes, one repeat")
     args = p.parse_args(argv)
     if args.quick:  # smoke settings, for whatever was not given explicitly
@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ratios = [float(x) for x in args.ratios.split(",")]
     cells: list[dict[str, Any]] = []
     profiles: dict[str, Any] = {}
-    out = Path(args.out)
+    out = results_dir(args)
     with tempfile.TemporaryDirectory(prefix="cacheflow-bench-") as tmp:
         for name in args.models.split(","):
             device = default_device() if args.device == "auto" else args.device
@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _write(out: Path, args: argparse.Namespace, profiles: dict[str, Any],
            cells: list[dict[str, Any]]) -> dict[str, Any]:
-    body = {"summary": summarize(cells), "machine": machine_facts(), "command": command_line(),
+    body = {"summary": summarize(cells), **provenance(args.quick),
             "settings": {k: v for k, v in vars(args).items() if k != "out"}, "profiles": profiles, "cells": cells}
     write_json(out / f"{args.stem}.json", body)
     (out / f"{args.stem}.md").write_text(render_markdown(body))

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cacheflow_bench.common import RESULTS_DIR, command_line, machine_facts, markdown_table, write_json
+from cacheflow_bench.common import RESULTS_DIR, markdown_table, provenance, write_json
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 from cacheflow_common.sim import ModelShape, SimConfig, simulate
 from cacheflow_common.sim.config import balanced_link_gbps
@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = run((1.0, 0.2, 0.05), (0.0, 0.5, 0.9))
     better = {p: sum(r[f"{p}_mean_s"] < r["cake_mean_s"] for r in rows) for p in RANKINGS if p != "cake"}
     summary = {"cells": len(rows), "cacheflow_better_cells": better["cacheflow"], "better_cells": better}
-    body = {"machine": machine_facts(), "command": command_line(), "summary": summary, "rows": rows}
+    body = {**provenance(False), "summary": summary, "rows": rows}
     out = Path(args.out)
     write_json(out / "sched_ranking.json", body)
     (out / "sched_ranking.md").write_text(report(body))

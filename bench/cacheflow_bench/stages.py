@@ -32,7 +32,16 @@ from typing import Any
 import httpx
 import torch
 
-from cacheflow_bench.common import RESULTS_DIR, command_line, machine_facts, markdown_table, median, write_json
+from cacheflow_bench.common import (
+    add_out_option,
+    command_line,
+    machine_facts,
+    markdown_table,
+    median,
+    provenance,
+    results_dir,
+    write_json,
+)
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import RANDOM_SHAPES, load_model
@@ -58,7 +67,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--stages", default="", help="stage counts (default: 1, 2 and 4 where the cores allow)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--policy", default="cake", help="the two-pointer policy every stage uses (token-wise)")
-    p.add_argument("--out", default=str(RESULTS_DIR))
+    add_out_option(p)
     p.add_argument("--quick", action="store_true", help="smoke run: short prefix, one repeat")
     args = p.parse_args(argv)
     if args.quick:
@@ -258,10 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarize(rows)
     setup = {"model": args.model, "tokens": args.tokens, "chunk_size": args.chunk_size, "policy": args.policy,
              "repeats": args.repeats, "rate_gbps": rate_gbps, "compute_only_s": compute_s, "kv_bytes": kv_bytes}
-    out = Path(args.out)
+    out = results_dir(args)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "stages.json", {"summary": summary, "setup": setup, "machine": machine_facts(),
-                                     "command": command_line(), "rows": rows})
+    write_json(out / "stages.json", {"summary": summary, "setup": setup, **provenance(args.quick), "rows": rows})
     write_markdown(out / "stages.md", summary, rows, setup)
     plot(out / "stages.png", rows)
     print("summary: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))

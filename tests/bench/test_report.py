@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+import json
 import shutil
+import sys
+from pathlib import Path
+
+import pytest
 
 from cacheflow_bench import report
-from cacheflow_bench.common import RESULTS_DIR
+from cacheflow_bench.common import RESULTS_DIR, SCRATCH_DIR, results_dir
 
 
 def test_report_from_the_committed_results_has_every_figure(tmp_path):
@@ -47,3 +53,26 @@ def test_recorded_commands_read_as_the_user_typed_them(monkeypatch):
     assert command_line() == "cacheflow bench batch --quick"
     monkeypatch.setattr("sys.argv", ["/work/main/bench/vllm.py", "--quick"])
     assert command_line() == "python -m cacheflow_bench.vllm --quick"
+
+
+def test_results_of_quick_runs_are_refused_unless_the_report_is_a_smoke_report(tmp_path, capsys):
+    body = json.loads((RESULTS_DIR / "storage.json").read_text())
+    (tmp_path / "storage.json").write_text(json.dumps({**body, "quick": True}))
+    shutil.copy(RESULTS_DIR / "stages.json", tmp_path)
+    assert report.main(["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"storage.json in {tmp_path} come from --quick runs" in err
+    assert "stages.json" not in err and not (tmp_path / "REPORT.md").exists()
+    assert report.main(["--out", str(tmp_path), "--quick"]) == 0
+    assert "Smoke report (`--quick`)" in (tmp_path / "REPORT.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["restore_single", "storage", "stages", "batch", "vllm"])
+def test_quick_runs_write_to_the_scratch_folder_unless_told_otherwise(name, capsys, monkeypatch):
+    module = importlib.import_module(f"cacheflow_bench.{name}")
+    if name == "vllm":  # its parser insists on vLLM's virtual environment
+        monkeypatch.setattr(module, "VLLM_PYTHON", Path(sys.executable))
+    assert results_dir(module.parse_args(["--quick"])) == SCRATCH_DIR
+    assert f"--quick: results go to {SCRATCH_DIR}" in capsys.readouterr().out
+    assert results_dir(module.parse_args([])) == RESULTS_DIR
+    assert results_dir(module.parse_args(["--quick", "--out", "elsewhere"])) == Path("elsewhere")

@@ -11,6 +11,7 @@ def test_quick_run_writes_every_policy_and_the_summary(tmp_path):
     assert restore_single.main(["--quick", "--lengths", "256,512", "--ratios", "1", "--chunk-size", "128",
                                 "--out", str(tmp_path)]) == 0
     body = json.loads((tmp_path / "restore_single.json").read_text())
+    assert body["quick"] is True  # `cacheflow bench report` refuses it
     assert {"max_ratio_to_bound", "ratio_to_best_baseline_at_balance", "max_adaptive_regret"} <= set(body["summary"])
     assert len(body["cells"]) == 2
     for cell in body["cells"]:
