@@ -21,27 +21,18 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("CACHEFLOW_CACHE", Path.home() / ".cache" / "cacheflow"))
 
 
+def default_profile_path(model: str) -> Path:
+    return default_cache_dir() / f"profile-{model.replace('/', '_')}.json"
+
+
 def _profile(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from cacheflow_common.restore.profiler import NEVER_TOKEN_WISE, ProfileSettings
+    from cacheflow_services.profiling import measure
 
-    from cacheflow_common.model.sources import load_model, parse_dtype
-    from cacheflow_common.restore.profiler import NEVER_TOKEN_WISE, ProfileSettings, profile_model
-    from cacheflow_common.store.base import open_store
-
-    torch.set_num_threads(args.threads)
-    model = load_model(args.model, dtype=parse_dtype(args.dtype))
     settings = (ProfileSettings.quick(args.chunk_size, args.max_tokens) if args.quick
                 else ProfileSettings(chunk_size=args.chunk_size, max_tokens=args.max_tokens))
-    steps = 3 + len(settings.crossover_ratios)
-    with tqdm(total=steps, disable=not sys.stderr.isatty(), desc="profiling") as bar:
-
-        def progress(msg: str) -> None:
-            bar.set_postfix_str(msg)
-            bar.update(1)
-
-        profile = profile_model(model, store=open_store(args.store), settings=settings,
-                                model_name=args.model, progress=progress)
-    out = Path(args.out) if args.out else default_cache_dir() / f"profile-{args.model.replace('/', '_')}.json"
+    profile = measure(args.model, dtype=args.dtype, settings=settings, threads=args.threads, store=args.store)
+    out = Path(args.out).expanduser() if args.out else default_profile_path(args.model)
     profile.save(out)
     print(f"profile written to {out}")
     for c in profile.crossovers:
@@ -51,13 +42,16 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
+BENCHMARKS = {"restore": "restore_single", "storage": "storage", "stages": "stages", "batch": "batch",
+              "vllm": "vllm", "report": "report"}  # `cacheflow bench NAME` -> its module in cacheflow_bench
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Hand the rest of the command line (`--help` included) to the benchmark's own parser."""
     import importlib
 
-    module = {"restore": "restore_single", "storage": "storage", "stages": "stages", "batch": "batch",
-              "vllm": "vllm", "report": "report"}[args.name]
-    bench_main = importlib.import_module(f"cacheflow_bench.{module}").main
-    return int(bench_main(list(rest)))
+    bench_main = importlib.import_module(f"cacheflow_bench.{BENCHMARKS[args.name]}").main
+    return int(bench_main(list(args.args)))
 
 
 def _storage(args: argparse.Namespace) -> int:
@@ -173,6 +167,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         model_name=args.model,
         tokenizer=tokenizer_dir(args.model) if args.tokenizer == "auto" else tokenizer,
         replicas=args.replicas,
+        policy=args.policy,
         batch_window_s=args.batch_window_ms / 1e3,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
@@ -192,6 +187,8 @@ def _add_coordinator_parser(sub: argparse._SubParsersAction) -> None:
     co.add_argument("--model", default="tiny", help="the model the workers serve (clients name it)")
     co.add_argument("--tokenizer", default="auto", help="tokenizer directory; auto: the model's own; none")
     co.add_argument("--replicas", type=int, default=1, help="copies of each chunk (as the workers store them)")
+    co.add_argument("--policy", default="cacheflow", help="restore policy of a request that names none "
+                    "(the CacheFlow ones run as Cake on workers without a profile)")
     co.add_argument("--batch-window-ms", type=float, default=20.0, help="a batch forms within this window ...")
     co.add_argument("--max-batch", type=int, default=8, help="... or at this many requests (the most at once)")
     co.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
@@ -234,13 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_parser(sub)
     demo_run.add_parser(sub)
 
-    bench = sub.add_parser("bench", help="run a benchmark")
-    bench.add_argument("name", choices=["restore", "storage", "stages", "batch", "vllm", "report"],
+    bench = sub.add_parser("bench", help="run a benchmark (`cacheflow bench NAME --help`: its options)")
+    bench.add_argument("name", choices=list(BENCHMARKS),
                        help="restore: single-request restore vs the bound; storage: data-plane rates; "
                             "stages: parallel stages from boundary activations vs pipelined; "
                             "batch: trace replay per policy and batch size, and the simulator; "
                             "vllm: vLLM's TTFT with the connector (needs .venv-vllm); "
                             "report: REPORT.md with the paper's figures from the results (--run: the suite first)")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (NAME --help)")
     return parser
 
 
@@ -254,23 +252,26 @@ def _demo(args: argparse.Namespace) -> int:
 
 SERVICES = {"demo": _demo, "storage": _storage, "worker": _worker, "coordinator": _coordinator, "up": _up,
             "operator": _operator}
+LONG_RUNNING = ("storage", "worker", "coordinator", "operator")  # their logs are files worth reading: INFO
+
+
+def configure_logging(command: str, verbose: bool) -> None:
+    """INFO for the services (their log files say what they serve), WARNING for the commands a person
+    watches (no library's INFO lines between the progress lines); DEBUG with -v."""
+    level = logging.DEBUG if verbose else logging.INFO if command in LONG_RUNNING else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.getLogger("httpx").setLevel(max(level, logging.WARNING))  # one line per HTTP call otherwise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, rest = build_parser().parse_known_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call otherwise
+    args = build_parser().parse_args(argv)
+    configure_logging(args.command, args.verbose)
     try:
         if args.command == "profile":
-            if rest:
-                build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
             return _profile(args)
-        if args.command in SERVICES:
-            if rest:
-                build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
-            return SERVICES[args.command](args)
-        return _bench(args, rest)
+        if args.command == "bench":
+            return _bench(args)
+        return SERVICES[args.command](args)
     except CacheFlowError as exc:
         print(f"cacheflow: error: {exc}", file=sys.stderr)
         return 2

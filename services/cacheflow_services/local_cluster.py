@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,8 @@ class ClusterSpec:
     pods: int = 2  # storage pods
     chunk_size: int = 256
     dtype: str = "auto"
-    policy: str = "cacheflow"  # the workers' default restore policy (CacheFlow's need `profile`, else Cake)
-    profile: str = ""  # from `cacheflow profile`
+    policy: str = "cacheflow"  # the default restore policy (a request may name another)
+    profile: str = ""  # from `cacheflow profile` (`cacheflow up` measures one when none is given)
     backend: str = "filesystem"  # filesystem | memory | redis
     redis_url: str = ""
     directory: str = ""  # chunks, tokens and logs (default: <cache>/cluster)
@@ -72,6 +73,10 @@ class ClusterSpec:
     def workdir(self, cache_dir: Path) -> Path:
         return Path(self.directory).expanduser() if self.directory else cache_dir / "cluster"
 
+    def threads(self) -> int:
+        """Torch threads per worker: `threads_per_stage`, or this machine's cores shared evenly."""
+        return self.threads_per_stage or max(1, (os.cpu_count() or 1) // self.stages)
+
 
 @dataclass
 class LocalCluster:
@@ -104,8 +109,23 @@ def _token_file(path: Path, tenant: str) -> str:
     return token
 
 
+def preflight(spec: ClusterSpec) -> list[range]:
+    """What can fail before any process starts: the model (SmolLM2 is converted here, once) and the
+    coordinator's port. Returns the stages' layer ranges."""
+    split = balanced_split(model_config(spec.model).num_layers, spec.stages)
+    if spec.port:
+        try:
+            socket.create_server(("127.0.0.1", spec.port)).close()
+        except OSError as exc:
+            raise ConfigError(f"port {spec.port} (the coordinator's) is in use ({exc.strerror}): stop what listens "
+                              "there, or choose another port (--port, or `port:` in the cluster spec)") from None
+    return split
+
+
 def start_cluster(spec: ClusterSpec, workdir: Path) -> LocalCluster:
-    """Start pods, then workers, then the coordinator; on any failure stop what started."""
+    """Check the spec (`preflight`), then start pods, then workers, then the coordinator; on any failure
+    stop what started."""
+    split = preflight(spec)
     workdir.mkdir(parents=True, exist_ok=True)
     pod_token_file, api_token_file = workdir / "pod-tokens", workdir / "api-tokens"
     pod_tokens = {spec.tenant: _token_file(pod_token_file, spec.tenant)}
@@ -118,13 +138,11 @@ def start_cluster(spec: ClusterSpec, workdir: Path) -> LocalCluster:
             pods.append(launch_pod(workdir / f"pod-{i}", *extra, backend=spec.backend, transport=spec.transport,
                                    tokens=pod_tokens))
         addresses = [f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(pods)]
-        threads = spec.threads_per_stage or max(1, (os.cpu_count() or 1) // spec.stages)
-        split = balanced_split(model_config(spec.model).num_layers, spec.stages)
         workers = launch_stages(workdir, split=split, pods=addresses, pod_token_file=pod_token_file, model=spec.model,
                                 chunk_size=spec.chunk_size, dtype=spec.dtype, policy=spec.policy, profile=spec.profile,
-                                threads=threads, cpus=spec.stage_cpus, extra=spec.worker_args)
+                                threads=spec.threads(), cpus=spec.stage_cpus, extra=spec.worker_args)
         extra = ["--max-batch", str(spec.max_batch), "--max-queue", str(spec.max_queue),
-                 "--batch-window-ms", str(spec.batch_window_ms)]
+                 "--batch-window-ms", str(spec.batch_window_ms), "--policy", spec.policy]
         coordinator = launch_coordinator(workdir, stages=[w.url for w in workers], pods=addresses,
                                          pod_token_file=pod_token_file, token_file=api_token_file, model=spec.model,
                                          extra=extra, http_port=spec.port)

@@ -1,23 +1,58 @@
 """Start a `cacheflow` service as a local process and wait until it serves (tests, benchmarks, one-machine runs).
 
 A service prints one JSON line when it is ready (its ports); `start_service` waits for that line and
-then for its HTTP API to answer /healthz.
+then for its HTTP API to answer /healthz. A service that does not get there raises ServiceStartError,
+one line naming the service, why, and its log. Inside `reporting_ready(callback)`, every service that
+becomes ready is told to `callback` (what `cacheflow up` prints while the cluster starts).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from cacheflow_common.errors import CacheFlowError
+
 STARTUP_S = 90.0  # a service imports torch and fastapi (and may load a model): seconds on a busy machine
+ReadyCallback = Callable[[str, dict[str, Any], float], None]  # (service, its ready line, seconds it took)
+_on_ready: ContextVar[ReadyCallback | None] = ContextVar("on_ready", default=None)
+
+
+class ServiceStartError(CacheFlowError):
+    """A local service exited or did not answer before it was ready; the message names its log."""
+
+
+@contextlib.contextmanager
+def reporting_ready(callback: ReadyCallback) -> Iterator[None]:
+    """Tell `callback` of every service `start_service` brings up inside this block."""
+    token = _on_ready.set(callback)
+    try:
+        yield
+    finally:
+        _on_ready.reset(token)
+
+
+def print_ready(service: str, ready: dict[str, Any], seconds: float) -> None:
+    """A `reporting_ready` callback: one line per service as it is ready."""
+    print(f"  {service} ready on port {ready['http_port']} ({seconds:.1f} s)", flush=True)
+
+
+def service_name(args: Sequence[str]) -> str:
+    """`cacheflow <args>` in a few words: "storage", "worker (stage 1)", "coordinator"."""
+    name = args[0] if args else "?"
+    if "--stage" in args[:-1]:
+        name += f" (stage {args[list(args).index('--stage') + 1]})"
+    return name
 
 
 def free_port() -> int:
@@ -29,7 +64,8 @@ def free_port() -> int:
 def start_service(args: list[str], log_path: Path, *, prefix: Sequence[str] = ()
                   ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """Run `cacheflow <args>` (behind `prefix`, e.g. taskset); returns the process and its ready line
-    once its API answers."""
+    once its API answers (ServiceStartError if it exits or does not answer first)."""
+    began = time.monotonic()
     with open(log_path, "a") as log:  # stderr to a file: an unread pipe would block a chatty service
         proc = subprocess.Popen([*prefix, sys.executable, "-m", "cacheflow_services.cli", *args],
                                 stdout=subprocess.PIPE, stderr=log, text=True)
@@ -38,11 +74,27 @@ def start_service(args: list[str], log_path: Path, *, prefix: Sequence[str] = ()
     while line and not line.startswith("{"):  # the ready line (a native library may print before it)
         line = proc.stdout.readline()
     if not line:
-        proc.wait(STARTUP_S)
-        raise RuntimeError(f"`cacheflow {args[0]}` failed to start: {log_path.read_text()[-2000:]}")
+        code = proc.wait(STARTUP_S)
+        raise ServiceStartError(f"`cacheflow {service_name(args)}` exited (status {code}) before it was ready: "
+                                f"{last_line(log_path)} (its log: {log_path})")
     ready: dict[str, Any] = json.loads(line)
-    wait_http(f"http://127.0.0.1:{ready['http_port']}/healthz")
+    try:
+        wait_http(f"http://127.0.0.1:{ready['http_port']}/healthz")
+    except ServiceStartError as exc:
+        stop_process(proc)
+        raise ServiceStartError(f"`cacheflow {service_name(args)}`: {exc} (its log: {log_path})") from None
+    if callback := _on_ready.get():
+        callback(service_name(args), ready, time.monotonic() - began)
     return proc, ready
+
+
+def last_line(log_path: Path) -> str:
+    """The last non-empty line of a log (a failed command's error, or an exception's last line)."""
+    try:
+        lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1] if lines else "nothing logged"
 
 
 def wait_http(url: str) -> None:
@@ -53,7 +105,7 @@ def wait_http(url: str) -> None:
                 return
         except httpx.HTTPError:
             time.sleep(0.05)
-    raise RuntimeError(f"{url} did not answer")
+    raise ServiceStartError(f"{url} did not answer within {STARTUP_S:.0f} s")
 
 
 def stop_process(proc: subprocess.Popen[str] | None, *, kill: bool = False) -> None:

@@ -1,5 +1,9 @@
 """`cacheflow up`: start the local cluster, say where everything listens, stop it all on Ctrl-C.
 
+Before anything starts it checks the model and the coordinator's port; without a `profile` in the
+spec it profiles the model on this machine once (a quick profile, reused afterwards), so that the
+CacheFlow policies run as themselves rather than as Cake. Each process is reported as it is ready.
+
 With `--demo`, it sends one long prompt twice through the coordinator instead of waiting: the first
 is prefilled and stored, the second restores the stored prefix; it prints both TTFTs and stops.
 """
@@ -11,14 +15,23 @@ import signal
 import subprocess
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 
-from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
+from cacheflow_common.errors import CacheFlowError
+from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, preflight, start_cluster
+from cacheflow_services.local_process import print_ready, reporting_ready
+from cacheflow_services.profiling import ensure_quick_profile
 
 DEMO_TEXT = ("CacheFlow restores the KV cache of a long prompt by recomputing its front while it loads its back "
              "from storage, meeting in the middle. ")
+DEMO_STEPS = (("first (prefill, then stored)", "prefilling it through the stages and storing its KV chunks (the "
+                                              "first request also warms the workers up: tens of seconds on a CPU)"),
+              ("second (restored)", "the same prompt: its prefix is restored from storage, front recomputed while "
+                                    "the back loads"))
+PROFILE_TOKENS = 2048  # the longest prefix the quick profile times (as long as --demo's prompt)
 
 
 def describe(cluster: LocalCluster, workdir: Path, model: str) -> str:
@@ -34,36 +47,52 @@ def describe(cluster: LocalCluster, workdir: Path, model: str) -> str:
     return "\n".join(lines)
 
 
-def demo(cluster: LocalCluster, model: str, prompt_tokens: int) -> None:
+def demo(cluster: LocalCluster, model: str, prompt_tokens: int, workdir: Path) -> None:
     """The same long prompt twice: prefilled (and stored), then restored."""
     headers = {"Authorization": f"Bearer {cluster.token}"}
     with httpx.Client(base_url=cluster.coordinator.url, headers=headers, timeout=600) as client:
         prompt: str | list[int] = (DEMO_TEXT * (prompt_tokens // 20 + 1))
         if model == "tiny":  # no tokenizer: token ids
             prompt = [(7 * i + 3) % 1000 for i in range(prompt_tokens)]
-        for attempt in ("first (prefill, then stored)", "second (restored)"):
+        for attempt, doing in DEMO_STEPS:
+            print(f"{attempt} request, about {prompt_tokens} prompt tokens: {doing} ...", flush=True)
             began = time.perf_counter()
             r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 8})
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise CacheFlowError(f"the {attempt} request failed: HTTP {r.status_code}: "
+                                     f"{' '.join(r.text[:300].split())} (logs in {workdir})")
             body = r.json()
             extra = body["cacheflow"]
             print(f"{attempt}: {body['usage']['prompt_tokens']} prompt tokens, "
-                  f"{extra['prompt_tokens_restored']} restored from storage, TTFT {extra['ttft_s']:.3f} s, "
-                  f"total {time.perf_counter() - began:.3f} s: {body['choices'][0]['text']!r}")
+                  f"{extra['prompt_tokens_restored']} restored from storage (policy {extra['policy']}, stage modes "
+                  f"{', '.join(extra['stage_modes']) or '-'}), TTFT {extra['ttft_s']:.3f} s, "
+                  f"total {time.perf_counter() - began:.3f} s: {body['choices'][0]['text']!r}", flush=True)
             time.sleep(1.0)  # the workers store the first request's chunks in the background
+
+
+def with_profile(spec: ClusterSpec, cache_dir: Path) -> ClusterSpec:
+    """The spec with a profile: its own, or the quick one measured here for its model and settings."""
+    if spec.profile:
+        return spec
+    path = ensure_quick_profile(cache_dir, spec.model, dtype=spec.dtype, chunk_size=spec.chunk_size,
+                                max_tokens=PROFILE_TOKENS, threads=spec.threads())
+    return replace(spec, profile=str(path))
 
 
 def run(args: argparse.Namespace, cache_dir: Path) -> int:
     spec = ClusterSpec.load(Path(args.spec) if args.spec else None, model=args.model, stages=args.stages,
                             pods=args.pods, port=args.port, directory=args.dir)
     workdir = spec.workdir(cache_dir)
+    preflight(spec)  # a wrong model or a busy port fails here, before anything starts
+    spec = with_profile(spec, cache_dir)
     print(f"starting {spec.pods} storage pod(s), {spec.stages} stage worker(s) and a coordinator "
-          f"for model {spec.model!r} ...", flush=True)
-    cluster = start_cluster(spec, workdir)
+          f"for model {spec.model!r} (restore policy {spec.policy}; logs in {workdir}) ...", flush=True)
+    with reporting_ready(print_ready):
+        cluster = start_cluster(spec, workdir)
     try:
         print(describe(cluster, workdir, spec.model), flush=True)
         if args.demo:
-            demo(cluster, spec.model, args.demo_tokens)
+            demo(cluster, spec.model, args.demo_tokens, workdir)
             return 0
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

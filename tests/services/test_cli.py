@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.restore.profile import Profile
+from cacheflow_services.cli import BENCHMARKS, configure_logging, main
 from cacheflow_services.local_cluster import ClusterSpec
 
 
@@ -41,3 +43,39 @@ def test_a_cluster_spec_pins_each_stage_or_none(tmp_path):
     spec.write_text("stages: 2\nstage_cpus: ['0']\n")
     with pytest.raises(ConfigError, match="1 CPU sets for 2 stages"):
         ClusterSpec.load(spec)
+
+
+@pytest.fixture
+def restored_logging():
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_services_log_at_info_and_interactive_commands_show_no_library_info(restored_logging):
+    configure_logging("coordinator", verbose=False)
+    assert logging.getLogger("cacheflow_services.coordinator.service").isEnabledFor(logging.INFO)
+    for command in ("demo", "up", "profile", "bench"):
+        configure_logging(command, verbose=False)
+        assert not logging.getLogger("matplotlib.font_manager").isEnabledFor(logging.INFO), command
+    configure_logging("demo", verbose=True)
+    assert logging.getLogger("cacheflow_services").isEnabledFor(logging.DEBUG)
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_each_benchmark_prints_its_own_help(name, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", name, "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: cacheflow bench {name} ") and "--out" in out, out
+
+
+def test_a_coordinator_refuses_an_unknown_default_policy(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("acme secret\n")
+    run = _cacheflow("coordinator", "--stages", "http://127.0.0.1:1", "--pods", "127.0.0.1:1",
+                     "--pod-token-file", str(tokens), "--token-file", str(tokens), "--policy", "fastest")
+    assert run.returncode == 2 and "unknown policy 'fastest'" in run.stderr

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -73,15 +74,48 @@ def test_completion_is_prefilled_then_restored_and_both_equal_a_single_process_r
     assert first["choices"][0]["token_ids"] == expected
     assert first["cacheflow"]["prompt_tokens_restored"] == 0
     assert first["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 6, "total_tokens": len(prompt) + 6}
-    for _ in range(50):  # the workers store the chunks in the background
-        second = _complete(client, prompt)
-        if second["cacheflow"]["prompt_tokens_restored"]:
-            break
+    second = _until_restored(client, prompt)
     assert second["cacheflow"]["prompt_tokens_restored"] == 5 * CHUNK
     assert [s["loaded"] for s in second["cacheflow"]["stages"]] != [0, 0]
     assert second["choices"][0]["token_ids"] == expected
     timing = second["cacheflow"]  # TTFT counts from before the prefix lookup
     assert timing["lookup_s"] > 0 and timing["lookup_s"] + timing["queue_s"] + timing["restore_s"] < timing["ttft_s"]
+
+
+def _until_restored(client: httpx.Client, prompt: list[int], **extra: Any) -> dict:
+    """Send `prompt` until its prefix is restored (the workers store the chunks in the background)."""
+    for _ in range(50):
+        body = _complete(client, prompt, **extra)
+        if body["cacheflow"]["prompt_tokens_restored"]:
+            break
+    return body
+
+
+def test_responses_and_the_cluster_name_the_policy_used_and_each_stages_mode(client):
+    prompt = _prompt(3 * CHUNK + 5, seed=60)
+    first = _complete(client, prompt)
+    assert first["cacheflow"]["policy"] == "cake"  # the cluster's default: the fixture's spec says cake
+    assert first["cacheflow"]["stage_modes"] == []  # nothing was restored
+    named = _until_restored(client, prompt, policy="compute-only")["cacheflow"]
+    assert named["policy"] == "compute-only"
+    assert named["stage_modes"] == [s["mode"] for s in named["stages"]] and len(named["stage_modes"]) == 2
+    assert set(named["stage_modes"]) <= {"token", "layer"}
+    status = client.get("/v1/cluster").json()
+    assert status["policy"] == "cake"
+    assert all(set(s["restore_modes"]) <= {"token", "layer"} and sum(s["restore_modes"].values()) >= 1
+               for s in status["stages"])
+
+
+def test_the_coordinator_logs_each_request_with_its_id(client, cluster):
+    _, workdir = cluster
+    prompt = _prompt(2 * CHUNK + 3, seed=61)
+    _complete(client, prompt)
+    body = _until_restored(client, prompt)
+    log = (workdir / "coordinator.log").read_text()
+    rid = body["id"]
+    assert f"{rid} queued: tenant default, {len(prompt)} prompt tokens, {2 * CHUNK} cached" in log
+    assert f"{rid} restored {2 * CHUNK} cached tokens in " in log and "0: token (" in log
+    assert f"{rid} first token: TTFT " in log
 
 
 def test_a_longer_prompt_restores_the_shared_prefix(client, reference):

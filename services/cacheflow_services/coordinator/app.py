@@ -108,7 +108,10 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
 
     @app.get("/v1/cluster")
     def cluster(_: Annotated[str, Depends(tenant)]) -> dict[str, Any]:
-        return {**coordinator.cluster.status(), "waiting": coordinator.admission.waiting,
+        status = coordinator.cluster.status()
+        for stage in status["stages"]:  # each stage's restores so far, by mode (token | layer)
+            stage["restore_modes"] = metrics.restore_modes(stage["stage"])
+        return {**status, "policy": config.policy, "waiting": coordinator.admission.waiting,
                 "running": coordinator.admission.running}
 
     @app.post("/v1/completions", response_model=None)
@@ -131,7 +134,8 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
         if stops and codec is None:
             raise BadRequestError("stop strings need a tokenizer; use stop_token_ids")
         stop_ids = frozenset(body.stop_token_ids) | (codec.eos_ids if codec and not body.ignore_eos else frozenset())
-        request = coordinator.admit(prompt, who, prefix_limit=len(prompt) - 1, policy=body.policy, kind="cmpl")
+        request = coordinator.admit(prompt, who, prefix_limit=len(prompt) - 1, policy=body.policy or config.policy,
+                                    kind="cmpl")
         tokens = coordinator.complete(request, max_new_tokens=max_new, temperature=body.temperature,
                                       seed=body.seed, stop_ids=stop_ids, save=body.save)
         deltas = _decoded(tokens, codec, stops, stop_ids, request.arrived)
@@ -152,7 +156,8 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
             raise BadRequestError("give the prefix as exactly one of token_ids or prompt")
         prefix = encode(body.prompt if body.prompt is not None else body.token_ids or [])
         coordinator.check_prompt(prefix, 1)
-        request = coordinator.admit(prefix, who, prefix_limit=len(prefix), policy=body.policy, kind="rst")
+        request = coordinator.admit(prefix, who, prefix_limit=len(prefix), policy=body.policy or config.policy,
+                                    kind="rst")
         metrics.requests.labels("restore", "200").inc()
         return coordinator.start_restore(request).view()
 
@@ -205,9 +210,11 @@ def _decoded(tokens: Iterator[int], codec: TextCodec | None, stops: list[str], s
 
 
 def _extra(request: Request, output: Output) -> dict[str, Any]:
-    return {"ttft_s": output.ttft_s, "prompt_tokens_restored": request.cached_tokens,
-            "policy": request.policy or "worker default", "batch": request.ticket.batch, "lookup_s": request.lookup_s,
-            "queue_s": request.queue_s, "restore_s": request.restore_s, "stages": request.stages}
+    """The response's `cacheflow` object: timings, the policy used and each stage's restore mode."""
+    return {"ttft_s": output.ttft_s, "prompt_tokens_restored": request.cached_tokens, "policy": request.policy,
+            "stage_modes": [s["mode"] for s in request.stages], "batch": request.ticket.batch,
+            "lookup_s": request.lookup_s, "queue_s": request.queue_s, "restore_s": request.restore_s,
+            "stages": request.stages}
 
 
 def _error(status: int, detail: str, error: str, request: HttpRequest, metrics: Any) -> JSONResponse:

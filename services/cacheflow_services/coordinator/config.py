@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cacheflow_common.errors import ConfigError
+from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.transport.pod_client import PodAddress
 
 
@@ -18,6 +19,7 @@ class CoordinatorConfig:
     model_name: str = "tiny"  # the name clients pass as "model"
     tokenizer: Path | None = None  # a directory with tokenizer.json (and chat template); None: token ids only
     replicas: int = 1  # as the workers store chunks
+    policy: str = "cacheflow"  # the restore policy of a request that names none
     batch_window_s: float = 0.02  # a batch forms within this window after its first request ...
     max_batch: int = 8  # ... or once this many wait; also the most restoring at once
     max_queue: int = 64  # requests waiting beyond the running batch; more are answered 429
@@ -39,3 +41,5 @@ class CoordinatorConfig:
             raise ConfigError("max batch and max new tokens must be positive, queue and window not negative")
         if not 1 <= self.replicas <= len(self.pods):
             raise ConfigError(f"{self.replicas} replicas over {len(self.pods)} storage pods")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")

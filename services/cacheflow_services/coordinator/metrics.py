@@ -35,6 +35,8 @@ class CoordinatorMetrics:
                                              "(computed or loaded)", ["how"], registry=r)
         self.stage_busy = Counter("cacheflow_stage_restore_busy_seconds", "Seconds a stage spent restoring",
                                   ["stage"], registry=r)
+        self.stage_restores = Counter("cacheflow_stage_restores", "Restores per stage, by mode (token or layer)",
+                                      ["stage", "mode"], registry=r)
         self.stage_loaded_bytes = Counter("cacheflow_stage_loaded_bytes", "KV bytes a stage loaded while restoring",
                                           ["stage"], registry=r)
         self.misses = Counter("cacheflow_misses", "Chunks that had to be recomputed, by cause", ["cause"], registry=r)
@@ -48,6 +50,7 @@ class CoordinatorMetrics:
         for summary, layers in zip(stages, stage_layers, strict=True):
             stage = str(summary["stage"])
             self.stage_busy.labels(stage).inc(summary["elapsed_s"])
+            self.stage_restores.labels(stage, summary["mode"]).inc()
             self.stage_loaded_bytes.labels(stage).inc(summary["bytes_loaded"])
             units = summary["computed"] + summary["loaded"]
             if units:
@@ -55,3 +58,9 @@ class CoordinatorMetrics:
                     self.restored_token_layers.labels(how).inc(n_tokens * layers * summary[how] / units)
             for cause, count in summary["misses"].items():
                 self.misses.labels(cause).inc(count)
+
+    def restore_modes(self, stage: int) -> dict[str, int]:
+        """How many restores `stage` ran in each mode so far."""
+        return {sample.labels["mode"]: int(sample.value) for metric in self.stage_restores.collect()
+                for sample in metric.samples
+                if sample.name.endswith("_total") and sample.labels["stage"] == str(stage)}
