@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -29,6 +29,13 @@ def warm_up(url: str, token: str, model: str, requests: list[ReplayRequest], wor
                 on_done()
     for worker in workers:
         httpx.post(f"{worker}/v1/flush", timeout=TIMEOUT_S).raise_for_status()
+
+
+class Replayer(Protocol):
+    """`replay`'s signature (the demo takes a stand-in in its tests)."""
+
+    def __call__(self, url: str, token: str, model: str, requests: list[ReplayRequest], policy: str,
+                 on_done: Callable[[], None] | None = None) -> list[dict[str, Any]]: ...
 
 
 def replay(url: str, token: str, model: str, requests: list[ReplayRequest], policy: str,

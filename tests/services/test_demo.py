@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
 
 from cacheflow_common.sim.replay import load_slice
 from cacheflow_services.cli import main
-from cacheflow_services.demo.run import POLICIES, SLICE
+from cacheflow_services.demo.report import POLICY_KEY, cdf_figure
+from cacheflow_services.demo.run import POLICIES, SLICE, DemoError, replay_policies, round_orders, step
+from cacheflow_services.replay import ReplayError
 
 
 def test_the_shipped_slice_keeps_what_the_trace_cached():
@@ -16,7 +22,7 @@ def test_the_shipped_slice_keeps_what_the_trace_cached():
     assert all(r.request.cached_tokens <= r.request.input_length for r in records)
 
 
-def test_demo_replays_every_policy_and_writes_its_report(tmp_path, monkeypatch):
+def test_demo_replays_every_policy_and_writes_its_report(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CACHEFLOW_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "report"
     assert main(["demo", "--model", "tiny", "--requests", "3", "--max-tokens", "512", "--chunk-size", "64",
@@ -24,11 +30,71 @@ def test_demo_replays_every_policy_and_writes_its_report(tmp_path, monkeypatch):
     body = json.loads((out / "demo.json").read_text())
     assert [r["policy"] for r in body["runs"]] == list(POLICIES)
     for run in body["runs"]:
-        assert len(run["requests"]) == 3
+        assert len(run["requests"]) == 3 * 2  # 2 rounds by default
+        assert sorted({r["round"] for r in run["requests"]}) == [0, 1]
         assert all(r["ttft_s"] > 0 for r in run["requests"])
+        assert run["max_s"] == max(r["ttft_s"] for r in run["requests"]) and "p99_s" not in run
         restored = [r["restored"] for r in run["requests"]]
         assert all(n >= 128 for n in restored)  # every request restored at least two chunks from storage
     report = (out / "demo.md").read_text()
     assert all(f"| {p} |" in report for p in POLICIES)
+    assert "max (s)" in report and "P99 (s)" not in report
+    assert all(POLICY_KEY[p] in report for p in POLICIES)  # the key: what each policy stands for
     assert (out / "demo.png").stat().st_size > 0
     assert body["link_gbps_per_pod"] > 0
+    assert list((tmp_path / "cache").glob("profile-quick-tiny-*.json"))  # profiled once, kept for the next run
+    printed = capsys.readouterr()
+    assert "profiling tiny on this machine" in printed.out and "worker (stage 1) ready on port" in printed.out
+    assert " INFO " not in printed.err  # no library's INFO lines (matplotlib's) among the demo's output
+
+
+def test_a_wrong_model_fails_in_one_line_before_anything_starts(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CACHEFLOW_CACHE", str(tmp_path / "cache"))
+    assert main(["demo", "--model", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is neither 'tiny'" in err and "Traceback" not in err
+    assert not (tmp_path / "cache" / "demo-cluster").exists()
+
+
+def test_bad_demo_settings_fail_in_one_line(capsys):
+    assert main(["demo", "--policies", "cake,fastest"]) == 2
+    assert "unknown policies ['fastest']" in capsys.readouterr().err
+    assert main(["demo", "--rounds", "0"]) == 2
+
+
+def test_a_failed_step_is_one_line_naming_it_and_the_logs(tmp_path):
+    with pytest.raises(DemoError) as caught, step("replaying the trace", tmp_path):
+        raise ReplayError("cake: requests ['1'] failed: 1: HTTP 502: stage 1:\n unreachable")
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("replaying the trace failed: cake: requests ['1']")
+    assert f"(the cluster's logs: {tmp_path})" in message
+
+
+def test_policy_order_rotates_each_round():
+    assert round_orders(["a", "b", "c"], 4) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+def test_replays_are_interleaved_after_one_warm_up_that_is_not_reported():
+    calls: list[str] = []
+
+    def fake(url: str, token: str, model: str, requests: list[Any], policy: str, on_done: Any = None
+             ) -> list[dict[str, Any]]:
+        calls.append(policy)
+        return [{"ttft_s": float(len(calls)) + i} for i in range(2)]
+
+    cluster = SimpleNamespace(coordinator=SimpleNamespace(url="http://nowhere"), token="t")
+    runs = replay_policies(cluster, "tiny", [], ["x", "y"], 2, send=fake)  # type: ignore[arg-type]
+    assert calls == ["y", "x", "y", "y", "x"]  # warm-up (the last policy), then round 1, then round 2 rotated
+    by_policy = {r["policy"]: r for r in runs}
+    assert [r["ttft_s"] for r in by_policy["x"]["requests"]] == [2.0, 3.0, 5.0, 6.0]  # the warm-up's are not in
+    assert [r["round"] for r in by_policy["y"]["requests"]] == [0, 0, 1, 1]
+    assert by_policy["x"]["max_s"] == 6.0 and by_policy["x"]["mean_s"] == 4.0
+
+
+def test_the_cdf_plot_starts_at_zero_and_keeps_every_policy_apart():
+    same = [{"ttft_s": t} for t in (5.0, 6.0, 7.0)]
+    fig = cdf_figure([{"policy": p, "requests": same} for p in POLICIES])  # identical lines
+    ax = fig.axes[0]
+    assert ax.get_xlim()[0] == 0
+    styles = {(line.get_linestyle(), line.get_marker()) for line in ax.get_lines()}
+    assert len(styles) == len(POLICIES)

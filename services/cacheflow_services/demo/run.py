@@ -3,35 +3,57 @@
 It profiles the model here once (a quick `cacheflow profile`, cached), starts the local cluster
 (`cacheflow up`'s pieces: storage pods, one worker per stage, a coordinator) with each pod's link
 shaped so that loading a stage's KV takes as long as recomputing it (Tio/Tcomp = 1), stores the
-cached prefixes of a slice of the Mooncake conversation trace shipped with the package, then replays
-the slice once per restore policy and reports TTFT per policy (table, CDF plot, Markdown report).
+cached prefixes of a slice of the Mooncake conversation trace shipped with the package, replays the
+slice once as a warm-up (not reported), then replays it per restore policy, policies interleaved
+(their order rotated each round), and reports TTFT per policy (table, CDF plot, Markdown report).
+A step that fails says so in one line, with where the logs are.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import shutil
-import subprocess
-import sys
+import statistics
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 from tqdm import tqdm
 
+from cacheflow_common.errors import CacheFlowError
 from cacheflow_common.model.sources import model_config
 from cacheflow_common.restore.profile import Profile
+from cacheflow_common.sched.policies import POLICIES as POLICY_NAMES
 from cacheflow_common.sim import ModelShape
 from cacheflow_common.sim.config import balanced_link_gbps
 from cacheflow_common.sim.replay import ReplayRequest, load_slice, select_requests
-from cacheflow_services.demo.report import print_table, write_report
+from cacheflow_services.demo.report import print_key, print_table, write_report
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
-from cacheflow_services.replay import replay, ttft_stats, warm_up
+from cacheflow_services.local_process import print_ready, reporting_ready
+from cacheflow_services.profiling import ensure_quick_profile
+from cacheflow_services.replay import Replayer, ReplayError, replay, warm_up
 
 POLICIES = ("compute-only", "load-only", "cake", "cacheflow")
 SLICE = Path(__file__).with_name("mooncake_slice.json")
 TOLERANCE = 1.25  # a lone restore's Tio/Tcomp within [1/1.25, 1.25] counts as balanced
+THREADS = 1  # torch threads per stage worker (and for the profile)
+
+
+class DemoError(CacheFlowError):
+    """A step of the demo failed; the message says which, and where the logs are."""
+
+
+@contextlib.contextmanager
+def step(what: str, logs: Path) -> Iterator[None]:
+    """Turn a failed request of this step into one line naming the step and the cluster's logs."""
+    try:
+        yield
+    except (ReplayError, httpx.HTTPError) as exc:
+        raise DemoError(f"{what} failed: {' '.join(str(exc).split())} (the cluster's logs: {logs})") from None
 
 
 def choose_requests(args: argparse.Namespace) -> list[ReplayRequest]:
@@ -44,14 +66,9 @@ def choose_requests(args: argparse.Namespace) -> list[ReplayRequest]:
 
 
 def ensure_profile(args: argparse.Namespace, cache_dir: Path) -> Path:
-    """A quick profile of the model with one torch thread (as each worker runs), made once per setting."""
-    path = cache_dir / f"profile-demo-{args.model}-c{args.chunk_size}.json"
-    if not path.exists():
-        print(f"profiling {args.model} on this machine (once; about a minute) ...", flush=True)
-        subprocess.run([sys.executable, "-m", "cacheflow_services.cli", "profile", "--quick", "--model", args.model,
-                        "--threads", "1", "--chunk-size", str(args.chunk_size), "--max-tokens",
-                        str(args.max_tokens), "--out", str(path)], check=True, stdout=subprocess.DEVNULL)
-    return path
+    """A quick profile of the model with the workers' torch threads, made once per setting."""
+    return ensure_quick_profile(cache_dir, args.model, dtype="auto", chunk_size=args.chunk_size,
+                                max_tokens=args.max_tokens, threads=THREADS)
 
 
 def balanced_link(args: argparse.Namespace, profile: Profile, requests: list[ReplayRequest]) -> float:
@@ -71,16 +88,39 @@ def measured_io_over_compute(cluster: LocalCluster, model: str, requests: list[R
     return load / compute
 
 
-def replay_policies(cluster: LocalCluster, model: str, requests: list[ReplayRequest], policies: list[str]
-                    ) -> list[dict[str, Any]]:
-    runs = []
-    with tqdm(total=len(requests) * len(policies), unit="request") as bar:
-        for policy in policies:
-            bar.set_description(f"replaying: {policy}")
-            per_request = replay(cluster.coordinator.url, cluster.token, model, requests, policy,
-                                 on_done=lambda: bar.update(1))
-            runs.append({"policy": policy, **ttft_stats([r["ttft_s"] for r in per_request]), "requests": per_request})
-    return runs
+def round_orders(policies: list[str], rounds: int) -> list[list[str]]:
+    """The policies' order in each round, rotated by one each round (none always goes first)."""
+    return [policies[r % len(policies):] + policies[: r % len(policies)] for r in range(rounds)]
+
+
+def replay_policies(cluster: LocalCluster, model: str, requests: list[ReplayRequest], policies: list[str],
+                    rounds: int, send: Replayer = replay) -> list[dict[str, Any]]:
+    """One warm-up replay (not reported), then `rounds` replays per policy, interleaved; per policy its
+    TTFT statistics over every round and the per-request results (with their round)."""
+    url, token = cluster.coordinator.url, cluster.token
+    print(f"warm-up replay ({policies[-1]}; not reported) ...", flush=True)
+    send(url, token, model, requests, policies[-1])
+    results: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    with tqdm(total=len(requests) * len(policies) * rounds, unit="request") as bar:
+        for number, order in enumerate(round_orders(policies, rounds)):
+            for policy in order:
+                bar.set_description(f"round {number + 1}/{rounds}: {policy}")
+                per_request = send(url, token, model, requests, policy, on_done=lambda: bar.update(1))
+                results[policy] += [{**r, "round": number} for r in per_request]
+    return [{"policy": p, **ttft_summary([r["ttft_s"] for r in rs]), "requests": rs} for p, rs in results.items()]
+
+
+def ttft_summary(ttfts: list[float]) -> dict[str, float]:
+    """Mean, median and maximum: over a few requests a "P99" is just the maximum, so it is called that."""
+    return {"mean_s": statistics.fmean(ttfts), "p50_s": statistics.median(ttfts), "max_s": max(ttfts)}
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Bad settings fail here, in one line, before anything is measured or started."""
+    if unknown := [p for p in args.policies.split(",") if p not in POLICY_NAMES]:
+        raise DemoError(f"unknown policies {unknown}; choose from {', '.join(POLICY_NAMES)}")
+    if args.rounds < 1 or args.requests < 1:
+        raise DemoError("--rounds and --requests must be at least 1")
 
 
 def balanced_cluster(spec: ClusterSpec, workdir: Path, requests: list[ReplayRequest]
@@ -88,12 +128,15 @@ def balanced_cluster(spec: ClusterSpec, workdir: Path, requests: list[ReplayRequ
     """Start the cluster, store the cached prefixes, and, if a lone restore's Tio/Tcomp is off 1 by more
     than TOLERANCE (the quick profile misjudges compute under the cluster's own load), restart the
     cluster once with its links rescaled (the stored chunks stay)."""
-    cluster = start_cluster(spec, workdir)
+    with reporting_ready(print_ready):
+        cluster = start_cluster(spec, workdir)
     try:
-        with tqdm(total=len(requests), desc="storing prefixes", unit="request") as bar:
+        with step("storing the cached prefixes", workdir), \
+                tqdm(total=len(requests), desc="storing prefixes", unit="request") as bar:
             warm_up(cluster.coordinator.url, cluster.token, spec.model, requests,
                     [w.url for w in cluster.workers], on_done=lambda: bar.update(1))
-        ratio = measured_io_over_compute(cluster, spec.model, requests)
+        with step("measuring a lone restore's Tio/Tcomp", workdir):
+            ratio = measured_io_over_compute(cluster, spec.model, requests)
     except BaseException:
         cluster.stop()
         raise
@@ -103,27 +146,32 @@ def balanced_cluster(spec: ClusterSpec, workdir: Path, requests: list[ReplayRequ
     spec = replace(spec, rate_gbps=spec.rate_gbps * ratio)
     print(f"a lone restore measured Tio/Tcomp = {ratio:.2f}: restarting with links of "
           f"{spec.rate_gbps * 1000:.1f} Mbit/s", flush=True)
-    return start_cluster(spec, workdir), spec
+    with reporting_ready(print_ready):
+        return start_cluster(spec, workdir), spec
 
 
 def run(args: argparse.Namespace, cache_dir: Path) -> int:
+    check_args(args)
     requests = choose_requests(args)
     profile_path = ensure_profile(args, cache_dir)
     link = balanced_link(args, Profile.load(profile_path), requests)
     workdir = cache_dir / "demo-cluster"
     shutil.rmtree(workdir, ignore_errors=True)  # every demo starts from empty storage
     spec = ClusterSpec(model=args.model, stages=args.stages, pods=args.pods, chunk_size=args.chunk_size,
-                       profile=str(profile_path), rate_gbps=link, port=0, threads_per_stage=1, directory=str(workdir))
+                       profile=str(profile_path), rate_gbps=link, port=0, threads_per_stage=THREADS,
+                       directory=str(workdir))
     print(f"{len(requests)} requests of the Mooncake conversation trace ({sum(r.trace.input_length for r in requests)} "
           f"tokens, {sum(r.trace.cached_tokens for r in requests)} of them cached); starting {args.pods} storage "
           f"pods (links of {link * 1000:.1f} Mbit/s: Tio/Tcomp = 1 by the profile), {args.stages} stage workers "
           f"and a coordinator for {args.model} ...", flush=True)
     cluster, spec = balanced_cluster(spec, workdir, requests)
     try:
-        runs = replay_policies(cluster, args.model, requests, args.policies.split(","))
+        with step("replaying the trace", workdir):
+            runs = replay_policies(cluster, args.model, requests, args.policies.split(","), args.rounds)
     finally:
         cluster.stop()
     print_table(runs)
+    print_key(runs)
     written = write_report(Path(args.out), runs, requests=requests, spec=spec)
     print(f"report: {written['md']}\nplot:   {written['png']}")
     return 0
@@ -132,7 +180,9 @@ def run(args: argparse.Namespace, cache_dir: Path) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="replay a trace slice on a local cluster per restore policy; TTFT report")
     demo.add_argument("--model", default="smollm2", help="tiny | smollm2 | a model directory")
-    demo.add_argument("--requests", type=int, default=8, help="trace requests replayed per policy")
+    demo.add_argument("--requests", type=int, default=8, help="trace requests replayed per policy and round")
+    demo.add_argument("--rounds", type=int, default=2,
+                      help="replays per policy, interleaved (the order rotated each round), after one warm-up")
     demo.add_argument("--token-scale", type=int, default=8, help="trace lengths are divided by this")
     demo.add_argument("--max-tokens", type=int, default=1536, help="longer (scaled) requests are skipped")
     demo.add_argument("--time-scale", type=float, default=0.05, help="trace arrival times are multiplied by this")
