@@ -83,12 +83,13 @@ class BoundaryInput:
         self._lock = threading.Lock()
         self.bytes_read = 0
 
-    def close(self) -> None:
-        """Stop reading ahead (reads in flight finish); later calls read synchronously."""
+    def close(self, *, wait: bool = True) -> None:
+        """Stop reading ahead; later calls read synchronously. With `wait` False, a read in flight ends in
+        the background (a caller holding a lock that `on_read` takes must not wait for it)."""
         with self._lock:
             reader, self._reader = self._reader, None
         if reader is not None:
-            reader.shutdown(wait=True, cancel_futures=True)
+            reader.shutdown(wait=wait, cancel_futures=True)
 
     def __enter__(self) -> BoundaryInput:
         return self

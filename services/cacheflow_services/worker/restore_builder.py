@@ -116,7 +116,7 @@ class RestoreBuilder:
             boundary.close()
             raise BoundaryMissingError(f"boundary activations missing for chunks "
                                        f"{missing[:8]}{'...' if len(missing) > 8 else ''}; restore pipelined")
-        return boundary, (boundary.close,)
+        return boundary, (lambda: boundary.close(wait=False),)  # closed under the engine's lock
 
 
 def _units(mode: str, n_tokens: int, unit_size: int, n_layers: int) -> list[tuple[int, int]]:
