@@ -3,20 +3,26 @@ and batch size, and the simulator's prediction of the same runs and of a cluster
 
 Real part: `cacheflow` processes on loopback (tiny model, 2 stage workers with one torch thread each,
 each pinned to its own core, 2 filesystem storage pods shaped so that Tio/Tcomp = 1 for a stage, one
-coordinator per batch size).
+coordinator per batch size). Each worker is one engine: a compute loop running one batched forward
+per step over every request on its stage, and one loader per pod, driven by the batch scheduler.
 The cached prefixes are stored once (a warm-up); each run replays the same requests at their (scaled)
-arrival times with `save: false`, so every policy meets the same storage. Policies: compute-only,
-load-only, cake (per-request token-wise two pointers) and cacheflow (mode by L_delta). TTFT is the
-coordinator's (arrival to first token: prefix lookup + queue + restore + suffix prefill).
+arrival times with `save: false`, so every policy meets the same storage. Policies: compute-only (the
+engine's best recompute: the whole prefix in prefill-sized units, batched like any prefill),
+load-only, cake (per-request token-wise two pointers, channels in arrival order) and cacheflow; the
+other channel rankings (`--rankings`) are replayed at the largest batch. TTFT is the coordinator's
+(arrival to first token: prefix lookup + queue + restore + suffix prefill). Each run also records the
+workers' compute-loop and channel busy shares (the paper's Fig. 5, measured).
 
 Simulator part: the same requests, batch sizes and link, with the costs `cacheflow profile` measured
-on this machine, fitted to the cluster by requests restored alone (restore times per request vs
-measured: `sim_max_rel_error`), then a cluster of 8
-stages and 8 storage channels with batches up to 64 at Tio/Tcomp of 2, 1 and 0.5, replaying more
-requests (100) at denser arrivals (x0.01) so that its batches fill up.
+on this machine, fitted to the cluster by requests restored alone; it models the engine (batched
+steps with the same token budget, prefill-sized compute-only units). Then a cluster of 8 stages and
+8 storage channels with batches up to 64 at Tio/Tcomp of 2, 1 and 0.5, replaying more requests (100)
+at denser arrivals (x0.01) so that its batches fill up.
 
-Writes bench/results/batch.{json,md,png}; the JSON's `summary` holds p99_ratio_vs_cake_b8,
-mean_speedup_vs_compute_only_b8 (both measured on the local cluster) and sim_max_rel_error.
+`batched_forward_speedup`: one forward over 8 requests' 64-token chunks against 8 single-request
+forwards, same model, one torch thread, interleaved repeats (median).
+
+Writes bench/results/batch.{json,md,png}; the JSON's `summary` holds the issue's targets.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from cacheflow_bench.batch_report import by_batch_and_policy
 from cacheflow_bench.common import (
@@ -50,8 +58,10 @@ from cacheflow_services.coordinator.config import CoordinatorConfig
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
 from cacheflow_services.replay import ReplayError, replay, ttft_stats, warm_up
+from cacheflow_services.worker.config import WorkerConfig
 
 POLICIES = ("compute-only", "load-only", "cake", "cacheflow")
+RANKINGS = ("cacheflow-alg1", "cacheflow-srpt")  # CacheFlow with other channel rankings, at the largest batch
 MODEL, DTYPE_BYTES, N_STAGES, N_PODS = "tiny", 4, 2, 2
 
 
@@ -72,6 +82,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--batches", default="2,4,8")
     p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--rankings", default=",".join(RANKINGS),
+                   help="CacheFlow's other channel rankings, replayed at the largest batch only ('' for none)")
     p.add_argument("--repeats", type=int, default=3, help="runs per batch size and policy (medians reported)")
     add_out_option(p)
     p.add_argument("--quick", action="store_true", help="smoke run: few short requests, batch 2 and 8")
@@ -80,6 +92,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.requests, args.max_tokens, args.batches, args.cluster_requests, args.repeats = 4, 512, "2,8", 8, 1
     args.batch_sizes = [int(b) for b in args.batches.split(",")]
     args.policy_names = args.policies.split(",")
+    args.ranking_names = [r for r in args.rankings.split(",") if r]
     return args
 
 
@@ -124,9 +137,6 @@ def coordinator_for(cluster: LocalCluster, workdir: Path, batch: int) -> LocalCo
 
 
 # -- the simulator ------------------------------------------------------------------------------------
-FORCED_MODE_L_DELTA = {"cacheflow-token": 0, "cacheflow-layer": 2**31 - 1}  # CacheFlow with its mode fixed
-
-
 @dataclass(frozen=True)
 class Calibration:
     """The simulator's cost model fitted to the cluster: factors on the profile's compute costs and load times,
@@ -138,17 +148,17 @@ class Calibration:
 
 
 def sim_config(profile: Profile, shape: ModelShape, *, policy: str, batch: int, n_stages: int, n_channels: int,
-               link_gbps: float, chunk_size: int, calibration: Calibration = Calibration(),
-               batched_compute: bool = False) -> SimConfig:
-    """The simulated cluster; adaptive `cacheflow` is token-wise on more than one stage, as the workers run it.
-    Without `batched_compute`, each request's units pay their own fixed costs, as the local workers (which
-    compute request by request) do; the cluster-scale what-if batches them, as the design does."""
-    l_delta = FORCED_MODE_L_DELTA.get(policy, 0 if n_stages > 1 else profile.l_delta_for(link_gbps * 1e9 / 8))
+               link_gbps: float, chunk_size: int, calibration: Calibration = Calibration()) -> SimConfig:
+    """The simulated cluster, modelling the workers' engines: batched steps within their token budget,
+    compute-only in prefill-sized units; adaptive policies are token-wise on more than one stage, as the
+    workers run them."""
+    l_delta = 0 if n_stages > 1 else profile.l_delta_for(link_gbps * 1e9 / 8)
     return SimConfig(model=shape, costs=profile.costs.scaled(compute=calibration.compute, load=calibration.load),
-                     policy="cacheflow" if policy in FORCED_MODE_L_DELTA else policy, n_stages=n_stages,
-                     n_channels=n_channels, link_gbps=link_gbps / calibration.load, chunk_size=chunk_size,
-                     l_delta=l_delta, max_batch=batch, batch_window_s=CoordinatorConfig.batch_window_s,
-                     restore_overhead_s=calibration.overhead_s, batched_compute=batched_compute)
+                     policy=policy, n_stages=n_stages, n_channels=n_channels, link_gbps=link_gbps / calibration.load,
+                     chunk_size=chunk_size, l_delta=l_delta, max_batch=batch,
+                     batch_window_s=CoordinatorConfig.batch_window_s, restore_overhead_s=calibration.overhead_s,
+                     batched_compute=True, max_batch_tokens=WorkerConfig.step_tokens,
+                     prefill_tokens=WorkerConfig.prefill_tokens)
 
 
 def calibrate(url: str, token: str, requests: list[ReplayRequest], profile: Profile, shape: ModelShape,
@@ -192,7 +202,7 @@ def cluster_scale(profile: Profile, shape: ModelShape, requests: list[ReplayRequ
         for batch in (8, 16, 32, 64):
             for policy in policies:
                 config = sim_config(profile, shape, policy=policy, batch=batch, n_stages=8, n_channels=8,
-                                    link_gbps=link, chunk_size=chunk_size, batched_compute=True)
+                                    link_gbps=link, chunk_size=chunk_size)
                 summary = simulate(trace, config).summary()
                 rows.append({"tio_over_tcomp": ratio, "link_gbps": link, "batch": batch, "policy": policy,
                              **{k: summary[f"ttft_{k}"] for k in ("mean_s", "p50_s", "p90_s", "p99_s")},
@@ -221,7 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     dense = select_requests(records, count=args.cluster_requests, token_scale=args.token_scale,
                             max_tokens=args.max_tokens, time_scale=args.cluster_time_scale)
     scale = cluster_scale(profile, shape, dense, args.policy_names, args.chunk_size)
-    report(args, requests, link, runs, errors, scale, calibration)
+    print("batched forward: one step over 8 requests vs 8 single-request steps ...", flush=True)
+    speedup = batched_forward_speedup()
+    report(args, requests, link, runs, errors, scale, calibration, speedup)
     return 0
 
 
@@ -237,12 +249,16 @@ def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest
             warm_up(first.url, cluster.token, MODEL, requests, [w.url for w in cluster.workers])
             calibration = calibrate(first.url, cluster.token, requests, profile, shape, link, args.chunk_size)
             print(f"calibration (measured / profiled, one request alone): {calibration}", flush=True)
+            workers = [w.url for w in cluster.workers]
             for repeat in range(args.repeats):  # policies interleaved: a slow spell of the machine hits them all
                 for batch, coordinator in coordinators.items():
-                    for policy in args.policy_names:
+                    rankings = args.ranking_names if batch == max(args.batch_sizes) else []
+                    for policy in [*args.policy_names, *rankings]:
+                        before = busy_totals(workers)
                         per_request, failure = replay_retried(coordinator.url, cluster.token, requests, policy)
                         stats = ttft_stats([r["ttft_s"] for r in per_request])
                         runs.append({"batch": batch, "policy": policy, "repeat": repeat, **stats,
+                                     **busy_shares(before, busy_totals(workers)),
                                      "failed_first_try": failure, "requests": per_request})
                         print(f"  run {repeat + 1}, batch {batch} {policy:>12}: TTFT mean {stats['mean_s']:.3f} s, "
                               f"p99 {stats['p99_s']:.3f} s", flush=True)
@@ -252,6 +268,58 @@ def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest
     finally:
         cluster.stop()
     return runs, calibration
+
+
+def busy_totals(workers: list[str]) -> list[dict[str, Any]]:
+    """Each worker's busy seconds since it started: its compute loop's and each of its channels'."""
+    return [httpx.get(f"{url}/v1/info", timeout=30).json()["busy"] for url in workers]
+
+
+def busy_shares(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, float]:
+    """The share of a run's wall time the stages' compute loops, and their channels, were busy (mean over
+    stages; channels: mean over a stage's channels)."""
+    compute, io = [], []
+    for b, a in zip(before, after, strict=True):
+        wall = a["uptime_s"] - b["uptime_s"]
+        compute.append((a["compute_s"] - b["compute_s"]) / wall)
+        io.append(statistics.mean(ac - bc for ac, bc in zip(a["channels_s"], b["channels_s"], strict=True)) / wall)
+    return {"compute_busy_share": statistics.mean(compute), "io_busy_share": statistics.mean(io)}
+
+
+def batched_forward_speedup(requests: int = 8, chunk: int = 64, context: int = 512, repeats: int = 7) -> float:
+    """Tokens per second of one forward over `requests` requests' `chunk`-token chunks (each after `context`
+    tokens of KV) over that of the same chunks one request per forward; one torch thread, as a worker."""
+    import time
+
+    import torch
+
+    from cacheflow_common.model.sources import load_model
+    from cacheflow_common.model.transformer import Span
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = load_model(MODEL, dtype=torch.float32)
+        kvs = [model.new_kv(model.layers, context + chunk) for _ in range(requests)]
+        rows = [model.embed(torch.randint(0, model.config.vocab_size, (chunk,))) for _ in kvs]  # [chunk, hidden]
+
+        def batched() -> None:
+            model.forward_layers(torch.cat(rows), model.layers, [Span(kv, context, chunk) for kv in kvs])
+
+        def one_by_one() -> None:
+            for x, kv in zip(rows, kvs, strict=True):
+                model.forward_layers(x, model.layers, [Span(kv, context, chunk)])
+
+        times: dict[str, list[float]] = {"batched": [], "single": []}
+        for i in range(repeats + 1):  # interleaved; the first round warms up and is dropped
+            for name, run in (("batched", batched), ("single", one_by_one)):
+                began = time.perf_counter()
+                run()
+                if i:
+                    times[name].append(time.perf_counter() - began)
+        return statistics.median(times["single"]) / statistics.median(times["batched"])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def replay_retried(url: str, token: str, requests: list[ReplayRequest], policy: str
@@ -281,7 +349,8 @@ def sim_errors(profile: Profile, shape: ModelShape, requests: list[ReplayRequest
                         for run in mine for i in timed)
         sim_mean = sum(predicted.values()) / len(predicted)
         real_mean = sum(m["restore_s"] for m in measured) / len(measured)
-        out.append({"batch": batch, "policy": policy, "runs": len(mine), "max_rel_error": max(errors, default=0.0),
+        out.append({"batch": batch, "policy": policy, "runs": len(mine), "errors": errors,
+                    "max_rel_error": max(errors, default=0.0),
                     "mean_rel_error": abs(sim_mean - real_mean) / real_mean if real_mean else 0.0,
                     "median_rel_error": errors[len(errors) // 2] if errors else 0.0,
                     "run_max_rel_spread": max(spread, default=0.0),
@@ -297,10 +366,11 @@ def _median_request(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def report(args: argparse.Namespace, requests: list[ReplayRequest], link: float, runs: list[dict[str, Any]],
-           errors: list[dict[str, Any]], scale: list[dict[str, Any]], calibration: Calibration) -> None:
+           errors: list[dict[str, Any]], scale: list[dict[str, Any]], calibration: Calibration,
+           speedup: float) -> None:
     from cacheflow_bench.batch_report import summary_of, write_markdown, write_plot
 
-    summary = summary_of(runs, errors)
+    summary = summary_of(runs, errors) | {"batched_forward_speedup": speedup}
     out = results_dir(args)
     body = {"summary": summary, "machine": machine_facts(), "command": command_line(), "quick": args.quick,
             "link_gbps_per_pod": link,

@@ -31,8 +31,8 @@ from cacheflow_services.demo.run import SLICE
 SHAPE = ModelShape(num_layers=32, kv_bytes_per_token_layer=4096)
 STAGES, CHUNK, BATCH = 4, 256, 8
 CHUNK_LAYER_S = 2e-3  # one layer over one 256-token chunk at the start of the prefix
-POLICIES = ("compute-only", "cake", "cacheflow", "cacheflow-srpt", "cacheflow-progress")
-RANKINGS = {"cake": "first come", "cacheflow": "Algorithm 1", "cacheflow-srpt": "least remaining",
+POLICIES = ("compute-only", "cake", "cacheflow-alg1", "cacheflow-srpt", "cacheflow-progress")
+RANKINGS = {"cake": "first come", "cacheflow-alg1": "Algorithm 1", "cacheflow-srpt": "least remaining",
             "cacheflow-progress": "most done"}  # channel rankings compared, by policy
 
 
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     rows = run((1.0, 0.2, 0.05), (0.0, 0.5, 0.9))
     better = {p: sum(r[f"{p}_mean_s"] < r["cake_mean_s"] for r in rows) for p in RANKINGS if p != "cake"}
-    summary = {"cells": len(rows), "cacheflow_better_cells": better["cacheflow"], "better_cells": better}
+    summary = {"cells": len(rows), "alg1_better_cells": better["cacheflow-alg1"], "better_cells": better}
     body = {**provenance(False), "summary": summary, "rows": rows}
     out = Path(args.out)
     write_json(out / "sched_ranking.json", body)

@@ -50,8 +50,8 @@ from cacheflow_common.restore.save import make_job
 from cacheflow_common.restore.stages import boundary_name
 from cacheflow_common.store.placement import ClusterStore
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
+from cacheflow_services.coordinator.stages import StageChain
 from cacheflow_services.storage.launch import LocalPod, launch_pod
-from cacheflow_services.worker.chain import StageChain
 from cacheflow_services.worker.launch import LocalWorker, launch_stages
 
 INPUTS = ("boundary", "pipelined", "sequential")
@@ -109,8 +109,8 @@ class Cluster:
         """Bytes the pods hold for the prompt: KV chunks of every stage, and boundary activations."""
         totals = {"kv": 0, "hidden": 0}
         for info in self.chain.info():
-            a, b = info["layers"]
-            job = make_job(model, ids, tenant="bench", chunk_size=info["chunk_size"], layers=range(a, b))
+            a, b = info.layers
+            job = make_job(model, ids, tenant="bench", chunk_size=info.chunk_size, layers=range(a, b))
             for key in job.keys:
                 totals["kv"] += self.store.size(object_name(key, "kv", a, b)) or 0
                 totals["hidden"] += (self.store.size(boundary_name(key, a)) or 0) if a else 0
@@ -141,7 +141,7 @@ def timed_restore(chain: StageChain, ids: list[int], input_mode: str, policy: st
     summaries = chain.restore(tag, ids, tenant="bench", input=input_mode, policy=policy)
     elapsed = time.perf_counter() - start
     chain.release(tag)
-    return {"elapsed_s": elapsed, "stages": summaries}
+    return {"elapsed_s": elapsed, "stages": [summary.model_dump() for summary in summaries]}
 
 
 def calibrate(workdir: Path, args: argparse.Namespace, ids: list[int], model: Transformer) -> tuple[float, int]:

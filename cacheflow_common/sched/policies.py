@@ -126,6 +126,14 @@ def make_policy(name: str) -> Policy:
         raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
 
 
+def token_unit(policy: Policy, chunk_size: int, prefill_tokens: int) -> int:
+    """Tokens per unit of a token-wise restore: the storage chunk (either side may take any unit), or for
+    compute-only, which never loads, the engine's prefill size in whole chunks (its fastest recompute)."""
+    if policy.planner != "compute":
+        return chunk_size
+    return max(chunk_size, prefill_tokens // chunk_size * chunk_size)
+
+
 def choose_mode(policy: Policy, n_tokens: int, l_delta: int) -> str:
     """Token-wise or layer-wise: fixed by the policy, or token-wise iff the prefix has >= L_delta tokens."""
     if policy.mode != "adaptive":

@@ -41,14 +41,15 @@ class SimConfig:
     n_stages: int = 1
     n_channels: int = 1  # storage pods; each serves one load at a time
     link_gbps: float | None = 10.0  # per channel; None: the cost model's load rate alone
-    chunk_size: int = 256  # tokens per restore chunk (DESIGN.md's default)
+    chunk_size: int = 256  # tokens per restore chunk (docs/architecture.md)
+    prefill_tokens: int = 2048  # compute-only recomputes in units this long, as a worker's engine does
     l_delta: int = 0  # token-wise iff the prefix has >= l_delta tokens (adaptive policies only)
     max_batch: int = 64  # requests admitted at once (restore to first token); later arrivals queue in order
     batch_window_s: float = 0.0  # a batch forms this long after its first request arrived (or when full)
     restore_overhead_s: float = 0.0  # per restore, between the pointers meeting and the suffix prefill (RPCs)
-    batched_compute: bool = True  # a stage's batch pays the shared fixed cost once; False: every unit pays its
-    # own, as workers that compute request by request do (the local cluster's)
-    max_batch_tokens: int | None = None  # cap on one compute batch (the oldest request always fits)
+    batched_compute: bool = True  # a stage's step pays the shared fixed cost once, as a worker's engine does;
+    # False: every unit pays its own (workers that compute request by request)
+    max_batch_tokens: int | None = None  # a step's token budget (the engine's step_tokens; one unit always fits)
     placement: str = "round-robin"  # which channel holds a unit: "round-robin" (even) or "hash"
     stage_layers: tuple[int, ...] = field(default=())  # layers per stage; () = an even split
 

@@ -11,7 +11,7 @@ reads like the worker's:
     -> start every idle stage and channel on what the scheduler decides
 
 A stage's compute batch holds the restore units the scheduler chose plus one suffix-prefill chunk of
-every request waiting at that stage (chunked prefill, `chunk_size` tokens). It costs the batch-shared
+every request waiting at that stage (chunked prefill, `prefill_tokens` tokens). It costs the batch-shared
 fixed part once (the largest among its items: per-layer launch costs) plus each item's own per-token
 and attention terms (with `batched_compute` off, every item pays its own fixed part too). A request's
 suffix enters stage 0 when its restore is done (plus `restore_overhead_s`), chunk by chunk; each chunk
@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from cacheflow_common.errors import CacheFlowError, ConfigError
 from cacheflow_common.sched.plan import Placement, RequestPlan, build_plan, chunk_costs
-from cacheflow_common.sched.policies import choose_mode, make_policy
+from cacheflow_common.sched.policies import choose_mode, make_policy, token_unit
 from cacheflow_common.sched.scheduler import BatchScheduler, ComputeTask, LoadTask
 from cacheflow_common.sim.config import SimConfig
 from cacheflow_common.sim.result import RequestResult, SimResult
@@ -132,7 +132,7 @@ class _Simulation:
             n_tokens=request.cached_tokens,
             costs=self.costs,
             stage_layers=self.layers,
-            chunk_size=self.config.chunk_size,
+            chunk_size=token_unit(self.policy, self.config.chunk_size, self.config.prefill_tokens),
             mode=choose_mode(self.policy, request.cached_tokens, self.config.l_delta),
             kv_bytes_per_token_layer=self.config.model.kv_bytes_per_token_layer,
             place=self._placement(request.request_id, order),
@@ -155,8 +155,9 @@ class _Simulation:
         request = self.trace[rid]
         if request.input_length == request.cached_tokens:
             self._first_token(rid)
-        for start in range(request.cached_tokens, request.input_length, self.config.chunk_size):
-            end = min(start + self.config.chunk_size, request.input_length)
+        size = self.config.prefill_tokens  # a worker runs the suffix as one item, in budget-sized slices
+        for start in range(request.cached_tokens, request.input_length, size):
+            end = min(start + size, request.input_length)
             self._queue_prefill(0, _PrefillChunk(rid, start, end))
 
     # -- stages ----------------------------------------------------------------------------------

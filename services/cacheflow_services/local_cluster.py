@@ -122,6 +122,11 @@ def preflight(spec: ClusterSpec) -> list[range]:
     return split
 
 
+def _link_hint(spec: ClusterSpec) -> list[str]:
+    """The workers are told the pods' shaped rate: their load-time predictions start from it."""
+    return ["--link-gbps", str(spec.rate_gbps)] if spec.rate_gbps > 0 else []
+
+
 def start_cluster(spec: ClusterSpec, workdir: Path) -> LocalCluster:
     """Check the spec (`preflight`), then start pods, then workers, then the coordinator; on any failure
     stop what started."""
@@ -140,7 +145,8 @@ def start_cluster(spec: ClusterSpec, workdir: Path) -> LocalCluster:
         addresses = [f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(pods)]
         workers = launch_stages(workdir, split=split, pods=addresses, pod_token_file=pod_token_file, model=spec.model,
                                 chunk_size=spec.chunk_size, dtype=spec.dtype, policy=spec.policy, profile=spec.profile,
-                                threads=spec.threads(), cpus=spec.stage_cpus, extra=spec.worker_args)
+                                threads=spec.threads(), cpus=spec.stage_cpus,
+                                extra=[*spec.worker_args, *_link_hint(spec)])
         extra = ["--max-batch", str(spec.max_batch), "--max-queue", str(spec.max_queue),
                  "--batch-window-ms", str(spec.batch_window_ms), "--policy", spec.policy]
         coordinator = launch_coordinator(workdir, stages=[w.url for w in workers], pods=addresses,

@@ -31,5 +31,6 @@ def test_the_summary_compares_medians_at_the_largest_batch_and_counts_repeated_r
                "run_median_rel_spread": 0.1}]
     s = summary_of(RUNS, errors)
     assert s["batch"] == 8 and s["p99_ratio_vs_cake_b8"] == pytest.approx(3.25 / 5.0)
+    assert s["best_baseline_b8"] == "cake" and s["mean_ratio_vs_best_baseline_b8"] == pytest.approx(2.1 / 2.5)
     assert s["mean_speedup_vs_compute_only_b8"] == pytest.approx(6.0 / 2.1) and s["runs_repeated_after_a_failure"] == 1
     assert _failures(RUNS)[2] == "* batch 8, cacheflow, run 2: HTTP 502: stage 1 failed"

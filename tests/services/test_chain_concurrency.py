@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from cacheflow_services.worker.chain import StageChain
+from cacheflow_services.coordinator.stages import StageChain
 
 STAGES, REQUESTS = 2, 6
 
@@ -26,7 +26,8 @@ def _barrier_stage(barrier: threading.Barrier) -> ThreadingHTTPServer:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             try:
                 barrier.wait()
-                status, answer = 200, {"stage": 0, "request": body["request_id"]}
+                status, answer = 200, {"request_id": body["request_id"], "stage": 0, "input": "boundary",
+                                       "policy": "cake", "mode": "token", "elapsed_s": 0.0, "computed": 0, "loaded": 0}
             except threading.BrokenBarrierError:
                 status, answer = 503, {"detail": "not every restore was in flight at once"}
             data = json.dumps(answer).encode()
@@ -62,4 +63,16 @@ def test_every_stage_call_of_every_request_is_in_flight_at_once(stage_urls):
                                        range(REQUESTS)))
     finally:
         chain.close()
-    assert [[stage["request"] for stage in r] for r in results] == [[f"r{i}"] * STAGES for i in range(REQUESTS)]
+    assert [[stage.request_id for stage in r] for r in results] == [[f"r{i}"] * STAGES for i in range(REQUESTS)]
+
+
+def test_the_stage_calls_share_one_thread_not_one_per_stage_per_request(stage_urls):
+    chain = StageChain(stage_urls, timeout_s=30, max_requests=REQUESTS)
+    try:
+        with ThreadPoolExecutor(REQUESTS) as clients:
+            list(clients.map(lambda i: chain.restore(f"r{i}", [1, 2, 3], tenant="t", input="boundary"),
+                             range(REQUESTS)))
+        started_by_chain = [t for t in threading.enumerate() if t.name == "stage-calls"]
+        assert len(started_by_chain) == 1  # the event loop every restore call of every request runs on
+    finally:
+        chain.close()

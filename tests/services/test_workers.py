@@ -25,7 +25,7 @@ from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.save import make_job
 from cacheflow_common.restore.stages import boundary_name
 from cacheflow_common.transport import frames
-from cacheflow_services.worker.chain import ChainError, StageChain
+from cacheflow_services.coordinator.stages import ChainError, StageChain
 from cacheflow_services.worker.launch import LocalWorker, launch_stages
 from tests.factories import greedy_reference
 from tests.services.procs import Pod, start_pod
@@ -125,10 +125,10 @@ def test_restored_kv_and_generated_tokens_equal_a_single_process_run(staged, inp
 
     request = f"restore-{input_mode}"
     summaries = chain.restore(request, ids[:PREFIX], tenant="alpha", input=input_mode, reserve_tokens=SUFFIX + NEW)
-    assert [s["input"] for s in summaries] == [input_mode] * len(chain.urls)
+    assert [s.input for s in summaries] == [input_mode] * len(chain.urls)
     info = chain.info()
     for stage, url in enumerate(chain.urls):
-        a, b = info[stage]["layers"]
+        a, b = info[stage].layers
         torch.testing.assert_close(_stage_kv(url, request), want_kv[a:b, :, :, :PREFIX], atol=ATOL, rtol=0)
     generation = chain.generate(request, ids[PREFIX:], start=PREFIX, tenant="alpha", max_new_tokens=NEW)
     assert generation.tokens == want_tokens
@@ -151,12 +151,12 @@ def test_missing_boundary_activations_fall_back_to_the_pipelined_restore(staged,
     ids = _prompt(PREFIX, seed=99)
     _save_prompt(chain, ids, "save-fallback")
     info = chain.info()
-    model_fp, last_layers = info[0]["model"], info[-1]["layers"]
+    model_fp, last_layers = info[0].model, info[-1].layers
     job = make_job(reference, ids, tenant="alpha", chunk_size=CHUNK)
     assert model_fp == reference.fingerprint()  # else the workers' chunk keys would differ from ours
     pod.client().delete(boundary_name(job.keys[1], last_layers[0]))
     summaries = chain.restore("fallback", ids, tenant="alpha", input="auto")
-    assert {s["input"] for s in summaries} == {"pipelined"}
+    assert {s.input for s in summaries} == {"pipelined"}
     want_kv, _ = greedy_reference(reference, ids, 1)
     a, b = last_layers
     torch.testing.assert_close(_stage_kv(chain.urls[-1], "fallback"), want_kv[a:b], atol=ATOL, rtol=0)

@@ -39,8 +39,8 @@ from cacheflow_services.coordinator.openai_api import (
     stop_strings,
 )
 from cacheflow_services.coordinator.service import Coordinator, Request, UnknownRestoreError
+from cacheflow_services.coordinator.stages import ChainError
 from cacheflow_services.coordinator.tokenizer import TextCodec
-from cacheflow_services.worker.chain import ChainError
 
 _STATUS: list[tuple[type[Exception], int]] = [
     (UnknownRestoreError, 404), (BadRequestError, 400), (QueueFullError, 429), (StageDownError, 503),
@@ -212,9 +212,9 @@ def _decoded(tokens: Iterator[int], codec: TextCodec | None, stops: list[str], s
 def _extra(request: Request, output: Output) -> dict[str, Any]:
     """The response's `cacheflow` object: timings, the policy used and each stage's restore mode."""
     return {"ttft_s": output.ttft_s, "prompt_tokens_restored": request.cached_tokens, "policy": request.policy,
-            "stage_modes": [s["mode"] for s in request.stages], "batch": request.ticket.batch,
+            "stage_modes": [s.mode for s in request.stages], "batch": request.ticket.batch,
             "lookup_s": request.lookup_s, "queue_s": request.queue_s, "restore_s": request.restore_s,
-            "stages": request.stages}
+            "stages": [s.model_dump() for s in request.stages]}
 
 
 def _error(status: int, detail: str, error: str, request: HttpRequest, metrics: Any) -> JSONResponse:

@@ -19,10 +19,11 @@ from typing import Any
 import httpx
 
 from cacheflow_common.errors import CacheFlowError, ConfigError
+from cacheflow_common.stage_api import WorkerInfo
 from cacheflow_common.store.placement import ClusterStore, tenant_stores
 from cacheflow_common.transport.pod_client import PodClient
 from cacheflow_services.coordinator.config import CoordinatorConfig
-from cacheflow_services.worker.chain import ChainError, StageChain
+from cacheflow_services.coordinator.stages import ChainError, StageChain
 
 log = logging.getLogger(__name__)
 PROBE_NAME = "cacheflow-health-probe"  # a name no chunk has: a pod that answers about it is up
@@ -118,19 +119,19 @@ class Cluster:
                 log.exception("health probe failed")
 
 
-def model_info(infos: list[dict[str, Any]]) -> ModelInfo:
+def model_info(infos: list[WorkerInfo]) -> ModelInfo:
     """What the stages serve; ConfigError when they do not form one pipeline of one model."""
     first = infos[0]
     for s, info in enumerate(infos):
         for key in ("model", "chunk_size", "vocab_size"):
-            if info[key] != first[key]:
-                raise ConfigError(f"stage {s} has {key} {info[key]!r}, stage 0 has {first[key]!r}")
-        if info["stage"] != s:
-            raise ConfigError(f"the worker listed as stage {s} says it is stage {info['stage']}")
-    layers = tuple(range(*info["layers"]) for info in infos)
+            if getattr(info, key) != getattr(first, key):
+                raise ConfigError(f"stage {s} has {key} {getattr(info, key)!r}, stage 0 has {getattr(first, key)!r}")
+        if info.stage != s:
+            raise ConfigError(f"the worker listed as stage {s} says it is stage {info.stage}")
+    layers = tuple(range(*info.layers) for info in infos)
     if layers[0].start != 0 or any(a.stop != b.start for a, b in pairwise(layers)):
         raise ConfigError(f"stage layer ranges {[(r.start, r.stop) for r in layers]} do not tile the model in order")
-    if not infos[-1]["last_stage"]:
+    if not infos[-1].last_stage:
         raise ConfigError("the last listed stage does not own the LM head")
-    return ModelInfo(fingerprint=first["model"], chunk_size=first["chunk_size"], vocab_size=first["vocab_size"],
-                     max_tokens=min(info["max_tokens"] for info in infos), stage_layers=layers)
+    return ModelInfo(fingerprint=first.model, chunk_size=first.chunk_size, vocab_size=first.vocab_size,
+                     max_tokens=min(info.max_tokens for info in infos), stage_layers=layers)

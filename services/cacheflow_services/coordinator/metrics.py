@@ -7,9 +7,9 @@ Compute and I/O utilisation per stage are the rates of the busy-time and loaded-
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from cacheflow_common.stage_api import RestoreSummary
 
 LATENCY_BUCKETS = (0.01, 0.03, 0.1, 0.3, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
@@ -45,18 +45,18 @@ class CoordinatorMetrics:
         self.stage_up = Gauge("cacheflow_stage_up", "Whether a stage worker answers its probe", ["stage"], registry=r)
         self.pod_up = Gauge("cacheflow_pod_up", "Whether a storage pod answers its probe", ["pod"], registry=r)
 
-    def record_restore(self, stages: list[dict[str, Any]], n_tokens: int, stage_layers: list[int]) -> None:
+    def record_restore(self, stages: list[RestoreSummary], n_tokens: int, stage_layers: list[int]) -> None:
         """Account one finished restore from the stages' summaries."""
         for summary, layers in zip(stages, stage_layers, strict=True):
-            stage = str(summary["stage"])
-            self.stage_busy.labels(stage).inc(summary["elapsed_s"])
-            self.stage_restores.labels(stage, summary["mode"]).inc()
-            self.stage_loaded_bytes.labels(stage).inc(summary["bytes_loaded"])
-            units = summary["computed"] + summary["loaded"]
+            stage = str(summary.stage)
+            self.stage_busy.labels(stage).inc(summary.elapsed_s)
+            self.stage_restores.labels(stage, summary.mode).inc()
+            self.stage_loaded_bytes.labels(stage).inc(summary.bytes_loaded)
+            units = summary.computed + summary.loaded
             if units:
-                for how in ("computed", "loaded"):
-                    self.restored_token_layers.labels(how).inc(n_tokens * layers * summary[how] / units)
-            for cause, count in summary["misses"].items():
+                for how, count in (("computed", summary.computed), ("loaded", summary.loaded)):
+                    self.restored_token_layers.labels(how).inc(n_tokens * layers * count / units)
+            for cause, count in summary.misses.items():
                 self.misses.labels(cause).inc(count)
 
     def restore_modes(self, stage: int) -> dict[str, int]:

@@ -21,12 +21,13 @@ from typing import Any
 
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.sched.policies import POLICIES
+from cacheflow_common.stage_api import RestoreSummary
 from cacheflow_services.coordinator.admission import Admission, Ticket
 from cacheflow_services.coordinator.cluster import Cluster, ModelInfo
 from cacheflow_services.coordinator.config import CoordinatorConfig
 from cacheflow_services.coordinator.metrics import CoordinatorMetrics
 from cacheflow_services.coordinator.prefix import cached_prefix_tokens
-from cacheflow_services.worker.chain import ChainError
+from cacheflow_services.coordinator.stages import ChainError
 
 log = logging.getLogger(__name__)
 ADMISSION_TIMEOUT_S = 600.0
@@ -50,7 +51,7 @@ class Request:
     arrived: float  # perf_counter() before its prefix lookup: TTFT counts from here
     lookup_s: float  # finding how much of the prompt the pods hold
     queue_s: float = 0.0  # lookup done -> admitted
-    stages: list[dict[str, Any]] = field(default_factory=list)  # per-stage restore summaries
+    stages: list[RestoreSummary] = field(default_factory=list)  # per-stage restore summaries
     restore_s: float = 0.0
 
 
@@ -66,7 +67,8 @@ class RestoreRecord:
         r = self.request
         return {"id": r.id, "state": self.state, "error": self.error, "prefix_tokens": len(r.token_ids),
                 "cached_tokens": r.cached_tokens, "policy": r.policy, "batch": r.ticket.batch,
-                "lookup_s": r.lookup_s, "queue_s": r.queue_s, "restore_s": r.restore_s, "stages": r.stages}
+                "lookup_s": r.lookup_s, "queue_s": r.queue_s, "restore_s": r.restore_s,
+                "stages": [s.model_dump() for s in r.stages]}
 
 
 class Coordinator:
@@ -155,8 +157,8 @@ class Coordinator:
                                                     policy=request.policy)
         request.restore_s = time.perf_counter() - began
         log.info("%s restored %d cached tokens in %.3f s; per stage: %s", request.id, request.cached_tokens,
-                 request.restore_s, ", ".join(f"{s.get('stage')}: {s.get('mode')} ({s.get('computed')} computed, "
-                                              f"{s.get('loaded')} loaded)" for s in request.stages))
+                 request.restore_s, ", ".join(f"{s.stage}: {s.policy} {s.mode} ({s.computed} computed, "
+                                              f"{s.loaded} loaded)" for s in request.stages))
         self.metrics.restore_seconds.observe(request.restore_s)
         self.metrics.record_restore(request.stages, request.cached_tokens, [len(r) for r in self.model.stage_layers])
 

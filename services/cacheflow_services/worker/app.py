@@ -12,69 +12,22 @@ boundary activations missing: restore pipelined instead), 502 the next stage fai
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real types of the route parameters.
-import re
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.restore.stages import BoundaryMissingError
+from cacheflow_common.stage_api import BusyTotals, DeliverMeta, ForwardMeta, RestoreRequest, RestoreSummary, WorkerInfo
 from cacheflow_common.transport import frames
 from cacheflow_services.worker.core import RestoreCancelledError
 from cacheflow_services.worker.engine import ConflictError, StageEngine, UnknownRequestError
 from cacheflow_services.worker.next_stage import NextStageError
 from cacheflow_services.worker.pool import PoolFullError
-
-REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-MAX_PROMPT_TOKENS = 1 << 20
-
-
-class RestoreBody(BaseModel):
-    request_id: str
-    tenant: str
-    token_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
-    input: Literal["boundary", "pipelined", "sequential"] = "boundary"
-    reserve_tokens: int = Field(default=0, ge=0)
-    policy: str = ""  # default: the worker's configured policy
-
-    @field_validator("request_id")
-    @classmethod
-    def _id(cls, value: str) -> str:
-        return _request_id(value)
-
-
-class ForwardMeta(BaseModel):
-    request_id: str
-    start: int = Field(ge=0)
-    token_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
-    tenant: str = ""
-    reserve_tokens: int = Field(default=0, ge=0)
-    save: bool = True
-    temperature: float = Field(default=0.0, ge=0.0)
-    seed: int = 0
-
-    @field_validator("request_id")
-    @classmethod
-    def _id(cls, value: str) -> str:
-        return _request_id(value)
-
-
-class DeliverMeta(BaseModel):
-    request_id: str
-    index: int = Field(default=0, ge=0)
-    finished: bool = False
-    failure: str = ""
-
-
-def _request_id(value: str) -> str:
-    if not REQUEST_ID.fullmatch(value):
-        raise ValueError("request_id: 1-128 characters of [A-Za-z0-9._:-]")
-    return value
-
 
 _STATUS: list[tuple[type[Exception], int]] = [
     (UnknownRequestError, 404), (ConflictError, 409), (BoundaryMissingError, 409), (RestoreCancelledError, 409),
@@ -104,17 +57,17 @@ def create_app(engine: StageEngine, *, max_body_bytes: int) -> FastAPI:
         return {"ready": True, "stage": engine.config.stage}
 
     @app.get("/v1/info")
-    def info() -> dict[str, Any]:
+    def info() -> WorkerInfo:
         c = engine.config
-        return {"stage": c.stage, "layers": [c.layers.start, c.layers.stop], "last_stage": c.last_stage,
-                "model": engine.model.fingerprint(), "chunk_size": c.chunk_size, "dtype": str(engine.model.dtype),
-                "pool_blocks": engine.pool.capacity_blocks, "block_tokens": c.block_tokens,
-                "vocab_size": engine.model.config.vocab_size,
-                "max_tokens": min(engine.model.config.max_position_embeddings, c.max_request_tokens),
-                "policy": c.policy, "step_tokens": c.step_tokens, "busy": engine.busy()}
+        return WorkerInfo(stage=c.stage, layers=(c.layers.start, c.layers.stop), last_stage=c.last_stage,
+                          model=engine.model.fingerprint(), chunk_size=c.chunk_size, dtype=str(engine.model.dtype),
+                          pool_blocks=engine.pool.capacity_blocks, block_tokens=c.block_tokens,
+                          vocab_size=engine.model.config.vocab_size,
+                          max_tokens=min(engine.model.config.max_position_embeddings, c.max_request_tokens),
+                          policy=c.policy, step_tokens=c.step_tokens, busy=BusyTotals(**engine.busy()))
 
     @app.post("/v1/restore")
-    def restore(body: RestoreBody) -> dict[str, Any]:
+    def restore(body: RestoreRequest) -> RestoreSummary:
         try:
             return engine.restore(body.request_id, body.token_ids, tenant=body.tenant, input_mode=body.input,
                                   reserve_tokens=body.reserve_tokens, policy=body.policy)

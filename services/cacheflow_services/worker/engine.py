@@ -39,6 +39,7 @@ from cacheflow_common.restore.save import make_job, save_chunks
 from cacheflow_common.restore.stages import save_boundaries
 from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.sched.policies import make_policy
+from cacheflow_common.stage_api import RestoreSummary
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.worker.channels import ChannelLoader
 from cacheflow_services.worker.config import WorkerConfig
@@ -108,7 +109,7 @@ class StageEngine:
 
     # ------------------------------------------------------------------------------------ restore
     def restore(self, request_id: str, token_ids: list[int], *, tenant: str, input_mode: str,
-                reserve_tokens: int, policy: str = "") -> dict[str, Any]:
+                reserve_tokens: int, policy: str = "") -> RestoreSummary:
         """Restore the prefix `token_ids` on this stage's layers; the KV stays for later forwards."""
         store = self._store(tenant)
         self._check_tokens(token_ids, reserve_tokens)
@@ -138,8 +139,8 @@ class StageEngine:
             self._sessions[request_id] = Session(tenant=tenant, kv=kv, token_ids=list(token_ids), save=True,
                                                  saved_tokens=len(token_ids), unsaved_input=self._no_rows())
         self._save_recomputed(job, restore, store)
-        self.metrics.restores.labels(input_mode, summary["mode"]).inc()
-        self.metrics.restore_seconds.observe(summary["elapsed_s"])
+        self.metrics.restores.labels(input_mode, summary.mode).inc()
+        self.metrics.restore_seconds.observe(summary.elapsed_s)
         self._refresh_pool_gauges()
         return summary
 

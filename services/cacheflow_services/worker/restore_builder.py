@@ -26,7 +26,7 @@ from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.stages import BoundaryInput, BoundaryMissingError
 from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.sched.plan import build_plan
-from cacheflow_common.sched.policies import POLICIES, choose_mode, make_policy
+from cacheflow_common.sched.policies import POLICIES, choose_mode, make_policy, token_unit
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.worker.config import WorkerConfig
 from cacheflow_services.worker.stage_restore import EmbeddingInput, RestoreSpec, StageInput, StageRestore
@@ -88,10 +88,9 @@ class RestoreBuilder:
                            fallback=fallback)
 
     def _unit_size(self, spec: RestoreSpec, *, delivers: bool) -> int:
-        chunk = self.config.chunk_size
-        if spec.policy.planner != "compute" or delivers:
-            return chunk
-        return max(chunk, self.config.prefill_tokens // chunk * chunk)  # whole chunks: keys stay aligned
+        if delivers:  # the next stage takes our output chunk by chunk
+            return self.config.chunk_size
+        return token_unit(spec.policy, self.config.chunk_size, self.config.prefill_tokens)
 
     def _placement(self, store: ChunkStore, loader: KVLoader, mode: str) -> Callable[[int, int], int]:
         pods = [address.pod_id for address in self.config.pods]

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -26,6 +26,7 @@ from cacheflow_common.restore.loader import KVLoader
 from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.sched.plan import RequestPlan
 from cacheflow_common.sched.policies import Policy
+from cacheflow_common.stage_api import RestoreSummary
 
 
 class StageInput(Protocol):
@@ -74,7 +75,7 @@ class StageRestore:
         self.unit_tokens = unit_tokens  # token mode: each unit's token range; layer mode: (0, N) per layer
         self.on_computed = on_computed
         self.records = [UnitRecord() for _ in unit_tokens]
-        self.done: Future[dict[str, Any]] = Future()
+        self.done: Future[RestoreSummary] = Future()
         self.started = time.perf_counter()
         self._closers = closers
         self._hidden: torch.Tensor | None = None  # layer mode: [N, hidden] entering the next layer to compute
@@ -135,14 +136,15 @@ class StageRestore:
             self._record(unit, "loaded", started, ended)
 
     # -- the end ----------------------------------------------------------------------------------
-    def summary(self, stage: int) -> dict[str, Any]:
+    def summary(self, stage: int) -> RestoreSummary:
         sources = [r.source for r in self.records]
         misses = Counter(r.miss_reason for r in self.records if r.miss_reason)
-        return {"stage": stage, "input": self.spec.input_mode, "policy": self.spec.policy.name,
-                "fallback": self.spec.fallback, "mode": self.spec.mode,
-                "elapsed_s": time.perf_counter() - self.started, "computed": sources.count("computed"),
-                "loaded": sources.count("loaded"), "misses": dict(misses), "bytes_loaded": self.loader.bytes_read,
-                "boundary_bytes_read": int(getattr(self.inputs, "bytes_read", 0))}
+        return RestoreSummary.model_validate({
+            "request_id": self.request_id, "stage": stage, "input": self.spec.input_mode,
+            "policy": self.spec.policy.name, "fallback": self.spec.fallback, "mode": self.spec.mode,
+            "elapsed_s": time.perf_counter() - self.started,
+            "computed": sources.count("computed"), "loaded": sources.count("loaded"), "misses": dict(misses),
+            "bytes_loaded": self.loader.bytes_read, "boundary_bytes_read": int(getattr(self.inputs, "bytes_read", 0))})
 
     def missed_units(self) -> list[int]:
         return [u for u, r in enumerate(self.records) if r.miss_reason]

@@ -1,12 +1,15 @@
-"""Driving a request through the stage workers: restore on every stage at once, then generate.
+"""The coordinator's client of the stage workers: restore on every stage at once, then generate.
 
-This is what the coordinator does for one request (and what tests and benchmarks use directly):
+This is what the coordinator does for one request (and what tests and benchmarks use directly), in the
+typed messages of `cacheflow_common.stage_api`:
 
-1. `restore`: `POST /v1/restore` to every stage concurrently. With `input="auto"` it asks for the
-   boundary-activation restore and, if any stage lacks its boundary activations, releases and
-   restores pipelined instead.
-2. `generate`: the suffix goes to stage 0, which forwards hidden states stage to stage; the last
-   stage answers with the next token (TTFT); then one token at a time.
+1. `restore`: `POST /v1/restore` to every stage concurrently; each stage's engine batches it with the
+   other requests restoring there and answers once its pointers have met. With `input="auto"` it asks
+   for the boundary-activation restore and, if any stage lacks its boundary activations, releases and
+   restores pipelined instead. The calls of every request in flight share one event loop (one thread),
+   not a thread per stage per request.
+2. `generate` / `stream`: the suffix goes to stage 0, which forwards hidden states stage to stage; the
+   last stage answers with the next token (TTFT); then one token at a time.
 3. `release`: every stage frees the request's KV (also done on any failure).
 
 A stage that dies or fails makes the call raise `ChainError` naming the stage and the reason; the
@@ -15,16 +18,18 @@ time that takes is bounded by the HTTP timeout (and, pipelined, by the workers' 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from cacheflow_common.errors import CacheFlowError
+from cacheflow_common.stage_api import ForwardMeta, RestoreRequest, RestoreSummary, WorkerInfo
 from cacheflow_common.transport import frames
 
 
@@ -43,27 +48,26 @@ class Generation:
     tokens: list[int]
     ttft_s: float  # suffix sent -> first token back
     total_s: float
-    restore: list[dict[str, Any]] = field(default_factory=list)  # per stage, when the prefix was restored
+    restore: list[RestoreSummary] = field(default_factory=list)  # per stage, when the prefix was restored
 
 
 class StageChain:
-    """The stage workers of one pipeline, shared by up to `max_requests` requests in flight at once.
-
-    Every request's per-stage calls run at once, so the thread pool and the HTTP connection pool are
-    sized for all of them (stages x requests): a smaller pool would queue one request's restore behind
-    another's and serialize a batch.
-    """
+    """The stage workers of one pipeline, shared by up to `max_requests` requests in flight at once."""
 
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 120.0, max_requests: int = 64) -> None:
         self.urls = [u.rstrip("/") for u in urls]
-        calls = max(1, len(self.urls)) * max(1, max_requests)
-        self._http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=calls,
-                                                                        max_keepalive_connections=calls))
-        self._pool = ThreadPoolExecutor(max_workers=calls, thread_name_prefix="chain")
+        calls = max(1, len(self.urls)) * max(1, max_requests)  # every request's restore on every stage at once
+        self.timeout_s = timeout_s
+        self._limits = httpx.Limits(max_connections=calls, max_keepalive_connections=calls)
+        self._http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=max(1, max_requests) * 2))
+        self._loop = asyncio.new_event_loop()
+        self._async_http: httpx.AsyncClient | None = None
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="stage-calls", daemon=True)
+        self._loop_thread.start()
 
     # ------------------------------------------------------------------------------------ restore
     def restore(self, request_id: str, token_ids: Sequence[int], *, tenant: str, input: str = "auto",
-                reserve_tokens: int = 0, policy: str = "") -> list[dict[str, Any]]:
+                reserve_tokens: int = 0, policy: str = "") -> list[RestoreSummary]:
         """Restore the prefix on every stage at once; per-stage summaries in stage order."""
         if input == "auto":
             try:
@@ -73,19 +77,31 @@ class StageChain:
                 if exc.error != "BoundaryMissingError":
                     raise
             input = "pipelined"
-        body = {"request_id": request_id, "tenant": tenant, "token_ids": list(token_ids), "input": input,
-                "reserve_tokens": reserve_tokens, "policy": policy}
-        futures = [self._pool.submit(self._call, s, "POST", "/v1/restore", json=body) for s in range(len(self.urls))]
-        results, errors = [], []
-        for future in futures:  # wait for every stage (each bounded), so none is left holding KV
-            try:
-                results.append(future.result())
-            except ChainError as exc:
-                errors.append(exc)
-        if errors:
+        body = RestoreRequest.model_validate({"request_id": request_id, "tenant": tenant, "token_ids": list(token_ids),
+                                              "input": input, "reserve_tokens": reserve_tokens, "policy": policy})
+        outcomes = asyncio.run_coroutine_threadsafe(self._restore_all(body), self._loop).result()
+        errors = [o for o in outcomes if isinstance(o, ChainError)]
+        if errors:  # every stage answered (each bounded by the timeout), so none is left holding KV
             self.release(request_id)
             raise min(errors, key=_root_cause_first)
-        return results
+        return [o for o in outcomes if isinstance(o, RestoreSummary)]
+
+    async def _restore_all(self, body: RestoreRequest) -> list[RestoreSummary | ChainError]:
+        if self._async_http is None:  # created on the loop it serves
+            self._async_http = httpx.AsyncClient(timeout=self.timeout_s, limits=self._limits)
+        http = self._async_http
+
+        async def one(stage: int) -> RestoreSummary | ChainError:
+            try:
+                response = await http.post(self.urls[stage] + "/v1/restore", json=body.model_dump())
+            except httpx.HTTPError as exc:
+                return ChainError(stage, f"unreachable ({type(exc).__name__}: {exc})")
+            try:
+                return RestoreSummary.model_validate(_answer(stage, response))
+            except ChainError as exc:
+                return exc
+
+        return list(await asyncio.gather(*(one(s) for s in range(len(self.urls)))))
 
     # ------------------------------------------------------------------------------------ generate
     def generate(self, request_id: str, new_token_ids: Sequence[int], *, start: int, tenant: str,
@@ -107,17 +123,17 @@ class StageChain:
         """`generate`, one token at a time as each comes back; ends early after a token in `stop_ids`."""
         meta = {"request_id": request_id, "tenant": tenant, "temperature": temperature, "seed": seed, "save": save,
                 "reserve_tokens": reserve_tokens or len(new_token_ids) + max_new_tokens}
-        token = self._forward(dict(meta, start=start, token_ids=list(new_token_ids)))
+        token = self._forward(ForwardMeta.model_validate({**meta, "start": start, "token_ids": list(new_token_ids)}))
         position = start + len(new_token_ids)
         for produced in range(1, max_new_tokens + 1):
             yield token
             if produced == max_new_tokens or token in stop_ids:
                 return
-            token = self._forward(dict(meta, start=position, token_ids=[token]))
+            token = self._forward(ForwardMeta.model_validate({**meta, "start": position, "token_ids": [token]}))
             position += 1
 
-    def _forward(self, meta: dict[str, Any]) -> int:
-        result = self._call(0, "POST", "/v1/forward", content=frames.pack(meta),
+    def _forward(self, meta: ForwardMeta) -> int:
+        result = self._call(0, "POST", "/v1/forward", content=frames.pack(meta.model_dump()),
                             headers={"Content-Type": frames.CONTENT_TYPE})
         return int(result["token"])
 
@@ -128,26 +144,34 @@ class StageChain:
             with contextlib.suppress(ChainError):
                 self._call(stage, "DELETE", f"/v1/requests/{request_id}")
 
-    def info(self) -> list[dict[str, Any]]:
-        return [self._call(s, "GET", "/v1/info") for s in range(len(self.urls))]
+    def info(self) -> list[WorkerInfo]:
+        return [WorkerInfo.model_validate(self._call(s, "GET", "/v1/info")) for s in range(len(self.urls))]
 
     def close(self) -> None:
         self._http.close()
-        self._pool.shutdown()
+        if self._async_http is not None:
+            asyncio.run_coroutine_threadsafe(self._async_http.aclose(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(timeout=10)
 
     def _call(self, stage: int, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         try:
             response = self._http.request(method, self.urls[stage] + path, **kwargs)
         except httpx.HTTPError as exc:
             raise ChainError(stage, f"unreachable ({type(exc).__name__}: {exc})") from exc
-        if response.status_code >= 400:
-            try:
-                body = response.json()
-            except ValueError:
-                body = {"detail": response.text[:500]}
-            raise ChainError(stage, str(body.get("detail")), response.status_code, str(body.get("error", "")))
-        result: dict[str, Any] = response.json()
-        return result
+        return _answer(stage, response)
+
+
+def _answer(stage: int, response: httpx.Response) -> dict[str, Any]:
+    """The JSON body of a stage's answer; ChainError with the stage's reason for a 4xx or 5xx."""
+    if response.status_code >= 400:
+        try:
+            body = response.json()
+        except ValueError:
+            body = {"detail": response.text[:500]}
+        raise ChainError(stage, str(body.get("detail")), response.status_code, str(body.get("error", "")))
+    result: dict[str, Any] = response.json()
+    return result
 
 
 def _root_cause_first(error: ChainError) -> tuple[int, int]:

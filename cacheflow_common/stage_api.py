@@ -1,0 +1,107 @@
+"""The protocol between the coordinator and the stage workers: one set of typed messages, used by both ends.
+
+The worker's HTTP API validates what it receives with these models and answers with them; the
+coordinator's stage client (`cacheflow_services.coordinator.stages`) builds its requests and reads the
+answers with the same models, so a field renamed on one side fails on the other at once.
+
+    POST /v1/restore   RestoreRequest  -> RestoreSummary
+    POST /v1/forward   ForwardMeta (+ hidden states, a tensor frame) -> {"token": int} or the next stage's answer
+    POST /v1/deliver   DeliverMeta (+ hidden states)                 -> {"ok": true}
+    GET  /v1/info      -> WorkerInfo
+
+Pydantic, the services' validation library, is needed here (the `services` extra installs it).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, Field
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_PROMPT_TOKENS = 1 << 20
+InputMode = Literal["boundary", "pipelined", "sequential"]
+
+
+def _request_id(value: str) -> str:
+    if not REQUEST_ID.fullmatch(value):
+        raise ValueError("request_id: 1-128 characters of [A-Za-z0-9._:-]")
+    return value
+
+
+RequestId = Annotated[str, AfterValidator(_request_id)]
+
+
+class RestoreRequest(BaseModel):
+    """Restore a cached prefix on a stage's layers; the KV stays held for the request's later forwards."""
+
+    request_id: RequestId
+    tenant: str
+    token_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
+    input: InputMode = "boundary"
+    reserve_tokens: int = Field(default=0, ge=0)  # room for the suffix and the tokens to generate
+    policy: str = ""  # "": the worker's configured policy
+
+
+class RestoreSummary(BaseModel):
+    """What one stage did for a restore."""
+
+    request_id: str
+    stage: int
+    input: InputMode
+    policy: str  # the policy actually used
+    fallback: str = ""  # why it differs from the one asked for ("" when it does not)
+    mode: Literal["token", "layer"]
+    elapsed_s: float  # admitted to the engine -> the pointers met
+    computed: int  # units recomputed
+    loaded: int  # units loaded from storage
+    misses: dict[str, int] = Field(default_factory=dict)  # loads that missed, by reason (recomputed)
+    bytes_loaded: int = 0
+    boundary_bytes_read: int = 0
+
+
+class ForwardMeta(BaseModel):
+    """New tokens of a request through the stage (a prompt's prefill, or one decode token)."""
+
+    request_id: RequestId
+    start: int = Field(ge=0)  # position of the first new token
+    token_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
+    tenant: str = ""
+    reserve_tokens: int = Field(default=0, ge=0)
+    save: bool = True  # store whole chunks as they fill up
+    temperature: float = Field(default=0.0, ge=0.0)
+    seed: int = 0
+
+
+class DeliverMeta(BaseModel):
+    """The previous stage's output for one chunk of a pipelined restore, or the end of its deliveries."""
+
+    request_id: str
+    index: int = Field(default=0, ge=0)
+    finished: bool = False
+    failure: str = ""
+
+
+class BusyTotals(BaseModel):
+    """Seconds the compute loop and each storage channel have been busy since the worker started."""
+
+    uptime_s: float
+    compute_s: float
+    channels_s: list[float]
+
+
+class WorkerInfo(BaseModel):
+    stage: int
+    layers: tuple[int, int]
+    last_stage: bool
+    model: str  # the model's fingerprint
+    chunk_size: int
+    dtype: str
+    pool_blocks: int
+    block_tokens: int
+    vocab_size: int
+    max_tokens: int
+    policy: str
+    step_tokens: int
+    busy: BusyTotals
