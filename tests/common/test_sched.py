@@ -192,3 +192,70 @@ def test_layer_wise_plan_below_l_delta_has_one_unit_per_layer():
     assert p.stages[0].load_s[0] == COSTS.layer_load_s(300 * 100, 2)
     assert p.stages[0].tokens == (300, 300, 300)
     assert sum(p.unit_tokens(s, u) for s in range(2) for u in range(p.stages[s].n_units)) == pytest.approx(300)
+
+
+# -- the batch-level meeting point ------------------------------------------------------------------
+def _loading(policy: str, *, load: float, step: float) -> BatchScheduler:
+    """One request of 6 unit-cost chunks on channel 0, its top unit loading since t=0 (predicted `load` s),
+    and a compute loop whose steps take `step` s."""
+    s = scheduler(policy, plan("a", stage([1.0] * 6, load=load)))
+    s.step_done(0, step)
+    assert s.next_load(0, now=0.0) == LoadTask("a", 0, 5)
+    return s
+
+
+def test_a_planned_request_leaves_a_unit_to_the_channel_that_would_load_it_sooner():
+    # Loads take 0.1 s and steps 1 s: the channel loads units 4..0 in 0.5 s, before one step ends.
+    assert _loading("cacheflow", load=0.1, step=1.0).next_compute_batch(0, now=0.0) == []
+    # The same request under Cake computes from the front wherever the loader is.
+    assert _loading("cake", load=0.1, step=1.0).next_compute_batch(0, now=0.0) == [ComputeTask("a", 0)]
+
+
+def test_a_planned_request_computes_when_the_loop_is_faster_than_its_channel():
+    # Steps take 0.1 s and loads 1 s: compute should take the front units, the channel the back.
+    assert _loading("cacheflow", load=1.0, step=0.1).next_compute_batch(0, now=0.0) == [ComputeTask("a", 0)]
+
+
+def test_the_step_time_the_batch_makes_moves_the_meeting_point():
+    # Loads take 0.3 s. A lone request's 0.1 s steps beat the channel to the front; once the batch
+    # makes every step take 2 s, the channel gets there first.
+    assert _loading("cacheflow", load=0.3, step=0.1).next_compute_batch(0, now=0.0) == [ComputeTask("a", 0)]
+    assert _loading("cacheflow", load=0.3, step=2.0).next_compute_batch(0, now=0.0) == []
+
+
+def test_a_request_with_no_load_in_flight_always_computes():
+    s = scheduler("cacheflow", plan("a", stage([1.0] * 6, load=0.01)))
+    s.step_done(0, 10.0)
+    assert s.next_compute_batch(0, now=0.0) == [ComputeTask("a", 0)]
+
+
+def test_measured_loads_recalibrate_the_predictions():
+    s = _loading("cacheflow", load=0.1, step=1.0)
+    assert s.loaded(0, "a", 5, now=5.0)  # predicted 0.1 s, took 5 s: loads are far slower than planned
+    assert s.next_load(0, now=5.0) == LoadTask("a", 0, 4)
+    assert s.next_compute_batch(0, now=5.0) == [ComputeTask("a", 0)]
+
+
+def test_requests_carry_their_own_policy():
+    s = BatchScheduler("cacheflow", n_stages=1)
+    s.arrive(plan("vllm", stage([1.0] * 3)), make_policy("compute-only"))
+    s.arrive(plan("cf", stage([1.0] * 3), arrival=1.0))
+    assert s.next_load(0) == LoadTask("cf", 0, 2)  # compute-only's request is never loaded
+    assert s.next_load(0) == LoadTask("cf", 0, 1)
+    assert s.next_load(0) == LoadTask("cf", 0, 0)
+    assert s.next_load(0) is None
+
+
+def test_a_ready_predicate_holds_back_a_unit_without_claiming_it():
+    s = scheduler("cake", plan("a", stage([1.0] * 2)), plan("b", stage([1.0] * 2), arrival=1.0))
+    assert s.next_compute_batch(0, ready=lambda rid, unit: rid == "b") == [ComputeTask("b", 0)]
+    assert s.next_compute_batch(0) == [ComputeTask("a", 0)]  # a's unit 0 was not claimed meanwhile
+
+
+def test_a_cancelled_request_fails_and_its_loads_become_stale():
+    s = scheduler("cake", plan("a", stage([1.0] * 2)))
+    task = s.next_load(0)
+    assert task is not None and s.cancel("a", "client went away")
+    assert s.failed() == {"a": "client went away"} and not s.loaded(0, "a", task.unit)
+    s.forget("a")
+    assert s.failed() == {}

@@ -1,0 +1,29 @@
+"""The coordinator-worker messages refuse what neither end could serve."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from cacheflow_common.stage_api import ForwardMeta, RestoreRequest, RestoreSummary
+
+
+@pytest.mark.parametrize("request_id", ["", "a/b", "x" * 129, "sp ace"])
+def test_a_request_id_must_be_a_safe_name(request_id):
+    with pytest.raises(ValidationError, match="request_id"):
+        RestoreRequest(request_id=request_id, tenant="t", token_ids=[1])
+
+
+def test_restore_and_forward_need_tokens_and_a_known_input():
+    with pytest.raises(ValidationError):
+        RestoreRequest(request_id="r", tenant="t", token_ids=[])
+    with pytest.raises(ValidationError):
+        RestoreRequest.model_validate({"request_id": "r", "tenant": "t", "token_ids": [1], "input": "psychic"})
+    with pytest.raises(ValidationError):
+        ForwardMeta(request_id="r", start=-1, token_ids=[1])
+
+
+def test_a_summary_round_trips_through_json():
+    summary = RestoreSummary(request_id="r", stage=1, input="boundary", policy="cake", mode="token", elapsed_s=0.5,
+                             computed=2, loaded=3, misses={"absent": 1})
+    assert RestoreSummary.model_validate_json(summary.model_dump_json()) == summary
