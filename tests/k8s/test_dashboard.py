@@ -21,7 +21,7 @@ SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", 
             "gauge": ("",), "summary": ("", "_sum", "_count", "_created")}
 # What the issue asks the dashboard to show, by the series that carry it.
 REQUIRED = {"cacheflow_ttft_seconds_bucket", "cacheflow_restore_seconds_bucket",
-            "cacheflow_stage_restore_busy_seconds_total", "cacheflow_stage_loaded_bytes_total",
+            "cacheflow_worker_compute_busy_seconds_total", "cacheflow_worker_channel_busy_seconds_total",
             "cacheflow_storage_read_bytes_total", "cacheflow_storage_link_bytes_per_second",
             "cacheflow_restored_token_layers_total", "cacheflow_queue_depth", "cacheflow_misses_total"}
 
@@ -89,7 +89,10 @@ def test_every_dashboard_metric_is_exported_by_the_real_services(cluster):
     assert missing == [], f"the dashboard queries metrics no service exports: {missing}"
     assert dashboard_metrics() >= REQUIRED
     # the restore really fed the utilisation series (not only their declarations)
-    assert 'cacheflow_stage_restore_busy_seconds_total{stage="0"}' in scraped["coordinator"]
+    busy = next(line for line in scraped["worker"].splitlines()
+                if line.startswith("cacheflow_worker_compute_busy_seconds_total "))
+    assert float(busy.split()[1]) > 0
+    assert 'cacheflow_worker_channel_busy_seconds_total{channel="0"}' in scraped["worker"]
     assert "cacheflow_storage_read_bytes_total" in scraped["storage"]
 
 

@@ -192,6 +192,16 @@ def test_bad_requests_get_a_reason(client, body, status, reason):
     assert reason in r.json()["detail"]
 
 
+def test_requests_refused_for_their_policy_hold_no_batch_slot(client, reference):
+    for _ in range(6):  # more than the cluster's max_batch of 4: a leaked slot each would lock it up
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "policy": "fastest"})
+        assert r.status_code == 400 and "unknown policy 'fastest'" in r.json()["detail"]
+    prompt = _prompt(40, seed=77)
+    assert _complete(client, prompt, n_new=2)["choices"][0]["token_ids"] == greedy_reference(reference, prompt, 2)[1]
+    metrics = client.get("/metrics").text
+    assert "\ncacheflow_running 0.0\n" in metrics  # every slot is free again
+
+
 def test_malformed_json_unknown_restore_and_missing_token_are_refused(client, cluster):
     r = client.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["detail"]

@@ -120,6 +120,7 @@ class Coordinator:
     def admit(self, token_ids: list[int], tenant: str, *, prefix_limit: int, policy: str, kind: str) -> Request:
         """Look the prefix up and take a place in the queue (QueueFullError: HTTP 429)."""
         arrived = time.perf_counter()
+        policy = self.check_policy(policy)  # every check before the queue: a refused request holds no slot
         self.cluster.require_stages()
         store = self.cluster.stores.get(tenant)
         if store is None:
@@ -130,7 +131,7 @@ class Coordinator:
         ticket = self.admission.enqueue()
         self.metrics.queue_depth.set(self.admission.waiting)
         request = Request(id=f"{kind}-{uuid.uuid4().hex[:20]}", tenant=tenant, token_ids=token_ids,
-                          cached_tokens=cached, policy=self.check_policy(policy), ticket=ticket, arrived=arrived,
+                          cached_tokens=cached, policy=policy, ticket=ticket, arrived=arrived,
                           lookup_s=time.perf_counter() - arrived)
         log.info("%s queued: tenant %s, %d prompt tokens, %d cached in storage, policy %s, lookup %.3f s",
                  request.id, tenant, len(token_ids), cached, request.policy or "the workers' default",
