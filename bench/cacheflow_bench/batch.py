@@ -6,8 +6,9 @@ each pinned to its own core, 2 filesystem storage pods shaped so that Tio/Tcomp 
 coordinator per batch size). Each worker is one engine: a compute loop running one batched forward
 per step over every request on its stage, and one loader per pod, driven by the batch scheduler.
 The cached prefixes are stored once (a warm-up); each run replays the same requests at their (scaled)
-arrival times with `save: false`, so every policy meets the same storage. Policies: compute-only (the
-engine's best recompute: the whole prefix in prefill-sized units, batched like any prefill),
+arrival times with `save: false`, so every policy meets the same storage. Policies: compute-only (what
+vLLM does on a miss, and the engine's strongest recompute: the whole prompt prefilled through the
+stages, batched like any prefill, nothing looked up),
 load-only, cake (per-request token-wise two pointers, channels in arrival order) and cacheflow; the
 other channel rankings (`--rankings`) are replayed at the largest batch. TTFT is the coordinator's
 (arrival to first token: prefix lookup + queue + restore + suffix prefill). Each run also records the
@@ -54,6 +55,7 @@ from cacheflow_common.restore.profile import Profile
 from cacheflow_common.sim import ModelShape, SimConfig, simulate
 from cacheflow_common.sim.config import balanced_link_gbps
 from cacheflow_common.sim.replay import ReplayRequest, load_slice, read_records, select_requests
+from cacheflow_common.sim.trace import TraceRequest
 from cacheflow_services.coordinator.config import CoordinatorConfig
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
@@ -192,6 +194,12 @@ def predicted_restore(config: SimConfig, requests: list[ReplayRequest], measured
     return {res.request_id: res.restore_s for res in simulate(trace, config).requests}
 
 
+def as_served(trace: list[TraceRequest], policy: str) -> list[TraceRequest]:
+    """The trace as the coordinator serves it: a compute-only completion looks nothing up and prefills
+    its whole prompt (vLLM on a miss)."""
+    return [replace(r, cached_tokens=0) for r in trace] if policy == "compute-only" else trace
+
+
 def cluster_scale(profile: Profile, shape: ModelShape, requests: list[ReplayRequest], policies: list[str],
                   chunk_size: int) -> list[dict[str, Any]]:
     """8 stages (one layer each: the tiny model has 8), 8 channels, batches 8-64, Tio/Tcomp 2, 1, 0.5."""
@@ -203,7 +211,7 @@ def cluster_scale(profile: Profile, shape: ModelShape, requests: list[ReplayRequ
             for policy in policies:
                 config = sim_config(profile, shape, policy=policy, batch=batch, n_stages=8, n_channels=8,
                                     link_gbps=link, chunk_size=chunk_size)
-                summary = simulate(trace, config).summary()
+                summary = simulate(as_served(trace, policy), config).summary()
                 rows.append({"tio_over_tcomp": ratio, "link_gbps": link, "batch": batch, "policy": policy,
                              **{k: summary[f"ttft_{k}"] for k in ("mean_s", "p50_s", "p90_s", "p99_s")},
                              **{k: summary[k] for k in ("stage_utilization", "channel_utilization",

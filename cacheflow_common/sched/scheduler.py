@@ -19,10 +19,11 @@ stage worker's engine or the simulator — asks for decisions and reports what h
   work, at that stage's highest pending unit on the channel (the I/O pointer, walking down).
 * The meeting point of a planned (CacheFlow) request is decided against the whole batch: its next
   pending unit is computed only if the shared compute loop would get through the units up to the
-  best split sooner than the channels serving it would load the rest. Compute time is counted in
-  whole steps of the stage's loop (the measured step time, which grows with what the batch asks of
-  it), loads at their predicted times, recalibrated from measured loads. A request with no load in
-  flight always computes: nothing else is sure to come.
+  best split sooner than the channels would load the rest. Compute time is counted in whole steps of
+  the stage's loop (the measured step time, which grows with what the batch asks of it); a channel
+  reaches the request only after its load in flight and the pending units of every request it ranks
+  higher; loads are counted at their predicted times, recalibrated from measured loads. While no load
+  is in flight on its channels, a request computes: no event is sure to come.
 * A request is finished when its pointers have met on every stage. A lost channel turns its pending
   and in-flight loads into compute work; a lost stage fails the requests with units on it.
 
@@ -38,7 +39,7 @@ from typing import NamedTuple
 
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.restore.pointers import WAIT, InvalidTransitionError, Unit
-from cacheflow_common.sched.plan import RequestPlan
+from cacheflow_common.sched.plan import NOT_STORED, RequestPlan
 from cacheflow_common.sched.policies import Policy, make_policy
 from cacheflow_common.sched.work import RequestWork, StageWork
 
@@ -234,45 +235,59 @@ class BatchScheduler:
             return False
         if not policy.plans_meeting:
             return True  # Cake: the pointers meet wherever they meet
-        in_flight = {load.channel: load for task, load in self._loads.items()
-                     if task.request_id == request.request_id and task.stage == stage}
-        if not in_flight:
-            return True
         work = request.stages[stage]
         pending = list(work.pointers.pending_span())  # the units between the pointers, `unit` first
+        channels = {work.plan.load_channel[u] for u in pending if work.pointers.states[u] is Unit.PENDING}
+        busy = {load.channel: load for load in self._loads.values() if load.channel in channels}
+        if not busy:
+            return True  # no load is in flight on its channels: no event is sure to come, compute goes on
         step_s = self._step_s.get(stage) or work.plan.compute_s[unit]
-        return self._best_split(work, pending, in_flight, step_s, now) > 0
+        return self._best_split(request, stage, pending, busy, step_s, now) > 0
 
-    def _best_split(self, work: StageWork, pending: list[int], in_flight: dict[int, _Load], step_s: float,
-                    now: float) -> int:
+    def _best_split(self, request: RequestWork, stage: int, pending: list[int], busy: dict[int, _Load],
+                    step_s: float, now: float) -> int:
         """How many of `pending` (lowest first) compute should take: the split that ends the restore first.
 
-        Compute gets through one unit per step of the stage's loop. Each channel loading for this
-        request goes on down its pending units after its load in flight; a unit on a channel that is
-        not serving this request will not arrive on its own, so it stays on the compute side.
+        Compute gets through one unit per step of the stage's loop, at the step time the whole batch
+        makes. A channel gets to this request's units once it has loaded what is in flight on it and the
+        pending units of every request it ranks higher; then it loads this request's units from the top
+        down. A unit no channel holds stays on the compute side.
         """
+        work = request.stages[stage]
         position = {u: i for i, u in enumerate(pending)}
-        load_after = [[0.0] * (len(pending) + 1) for _ in in_flight]  # per channel: seconds to load units >= k
-        blocked_below = 0  # every split must lie above the highest unit no serving channel holds
-        on_serving = set()
-        for c, (channel, load) in enumerate(in_flight.items()):
-            ready = max(0.0, load.started_s + load.predicted_s - now)
+        blocked_below = 0  # every split must lie above the highest unit that cannot be loaded
+        load_after: list[list[float]] = []  # per channel: seconds until its loads of units >= k are done
+        on_channels: set[int] = set()
+        for channel in {work.plan.load_channel[u] for u in pending} - {NOT_STORED}:
+            mine = [0.0] * (len(pending) + 1)
             for u in work.pending_on_channel(channel):
-                on_serving.add(u)
-                load_after[c][position[u]] += self._predicted_load_s(work, u)
+                on_channels.add(u)
+                mine[position[u]] += self._predicted_load_s(work, u)
             for k in reversed(range(len(pending))):
-                load_after[c][k] += load_after[c][k + 1]
-            for k in range(len(pending) + 1):
-                load_after[c][k] += ready
+                mine[k] += mine[k + 1]
+            ahead = self._ahead_on(channel, request, busy.get(channel), now)
+            load_after.append([t + ahead for t in mine])
         for i, u in enumerate(pending):
-            if u not in on_serving:
+            if u not in on_channels:
                 blocked_below = i + 1
         best_k, best_t = len(pending), NEVER
         for k in range(blocked_below, len(pending) + 1):
-            t = max(k * step_s, max(channel_s[k] for channel_s in load_after))
+            t = max(k * step_s, max((channel_s[k] for channel_s in load_after), default=0.0))
             if t < best_t:
                 best_k, best_t = k, t
         return best_k
+
+    def _ahead_on(self, channel: int, request: RequestWork, in_flight: _Load | None, now: float) -> float:
+        """Seconds before `channel` can load for `request`: its load in flight, then every request it
+        ranks higher (the whole batch's claim on the channel, at the current ranking)."""
+        ahead = max(0.0, in_flight.started_s + in_flight.predicted_s - now) if in_flight else 0.0
+        rank = request.policy.load_rank(request)
+        for other in self._active.values():
+            if other is request or not other.policy.loads or not other.pending_on[channel]:
+                continue
+            if other.policy.load_rank(other) > rank:
+                ahead += sum(self._predicted_load_s(w, u) for w in other.stages for u in w.pending_on_channel(channel))
+        return ahead
 
     def _predicted_load_s(self, work: StageWork, unit: int) -> float:
         return work.plan.load_s[unit] * self._load_scale

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # importing the model package loads torch; the simulator need
     from cacheflow_common.model.config import ModelConfig
 
 PLACEMENTS = ("round-robin", "hash")
+SCHEDULINGS = ("per-stage", "cluster")  # as the workers' engines do, or one idealised cluster-wide scheduler
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,11 +52,15 @@ class SimConfig:
     # False: every unit pays its own (workers that compute request by request)
     max_batch_tokens: int | None = None  # a step's token budget (the engine's step_tokens; one unit always fits)
     placement: str = "round-robin"  # which channel holds a unit: "round-robin" (even) or "hash"
+    scheduling: str = "per-stage"  # each stage schedules its own units with a loader per pod of its own
+    # (as the workers' engines do); "cluster": one idealised scheduler over every stage, one loader per pod
     stage_layers: tuple[int, ...] = field(default=())  # layers per stage; () = an even split
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.scheduling not in SCHEDULINGS:
+            raise ConfigError(f"unknown scheduling {self.scheduling!r}; choose one of {', '.join(SCHEDULINGS)}")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"unknown placement {self.placement!r}; choose one of {', '.join(PLACEMENTS)}")
         if (min(self.n_stages, self.n_channels, self.max_batch, self.chunk_size) <= 0

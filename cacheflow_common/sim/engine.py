@@ -1,8 +1,14 @@
 """The discrete-event simulator: the batch scheduler drives simulated stages and storage channels.
 
-Resources: S stages, each running one compute batch at a time, and M storage channels, each serving
-one load at a time (`latency + bytes / rate`). Time is simulated only: events wait in a heap. The loop
-reads like the worker's:
+Resources: S stages, each running one compute batch at a time, and M storage pods, each sending over
+one link (`latency + bytes / rate` for a load alone; loads in flight on one pod share its link). Who
+schedules what (`SimConfig.scheduling`):
+
+* `per-stage` — as the stage workers' engines run: every stage has its own scheduler for its own
+  units and a loader per pod of its own, so S loaders share each pod's link;
+* `cluster` — an idealised cluster-wide scheduler: one for every stage, and one loader per pod.
+
+Time is simulated only: events wait in a heap. The loop reads like the worker's:
 
     pop the next events (arrivals, batches done, loads done: all at that instant), report them
     -> admit queued requests into free slots (max batch, arrival order), as the coordinator does: a
@@ -28,7 +34,7 @@ import heapq
 import itertools
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from cacheflow_common.errors import CacheFlowError, ConfigError
@@ -36,6 +42,7 @@ from cacheflow_common.sched.plan import Placement, RequestPlan, build_plan, chun
 from cacheflow_common.sched.policies import choose_mode, make_policy, token_unit
 from cacheflow_common.sched.scheduler import BatchScheduler, ComputeTask, LoadTask
 from cacheflow_common.sim.config import SimConfig
+from cacheflow_common.sim.links import SharedLink
 from cacheflow_common.sim.result import RequestResult, SimResult
 from cacheflow_common.sim.trace import TraceRequest
 
@@ -67,7 +74,12 @@ class _Simulation:
         self.costs = config.link_costs()
         self.layers = config.layer_split()
         self.policy = make_policy(config.policy)
-        self.scheduler = BatchScheduler(self.policy, n_stages=len(self.layers))
+        per_stage = config.scheduling == "per-stage"
+        self.schedulers = ([BatchScheduler(self.policy, n_stages=1) for _ in self.layers] if per_stage
+                           else [BatchScheduler(self.policy, n_stages=len(self.layers))])
+        # Loaders: (scheduler, pod); every scheduler has one per pod.
+        self.loaders = [(k, pod) for k in range(len(self.schedulers)) for pod in range(config.n_channels)]
+        self.links = [SharedLink() for _ in range(config.n_channels)]
         self.trace = {r.request_id: r for r in trace}
         if len(self.trace) != len(trace):
             raise ConfigError("the trace holds a request id twice")
@@ -84,9 +96,8 @@ class _Simulation:
         self._loaded: defaultdict[str, float] = defaultdict(float)
         self._batches: list[_Batch | None] = [None] * len(self.layers)
         self._prefills: list[dict[str, deque[_PrefillChunk]]] = [{} for _ in self.layers]  # chunks waiting
-        self._loads: list[LoadTask | None] = [None] * config.n_channels
+        self._loads: list[LoadTask | None] = [None] * len(self.loaders)  # each loader's load in flight
         self._stage_busy = [0.0] * len(self.layers)
-        self._channel_busy = [0.0] * config.n_channels
         # Idle resources an event may have given work to (the others have none: no need to ask).
         self._wake_stages: set[int] = set()
         self._wake_channels: set[int] = set()
@@ -120,9 +131,10 @@ class _Simulation:
             self._plans[rid] = plan = self._plan(self.trace[rid], order=len(self._plans))
             self._admitted_s[rid] = self.now
             self._running.add(rid)
-            self.scheduler.arrive(plan)
+            for k, scheduler in enumerate(self.schedulers):
+                scheduler.arrive(self._part(plan, k))
             self._wake_stages.update(range(len(self.layers)))
-            self._wake_channels.update(range(self.config.n_channels))
+            self._wake_channels.update(range(len(self.loaders)))
             self._check_restored(rid)  # an empty prefix is restored at once
 
     def _plan(self, request: TraceRequest, *, order: int) -> RequestPlan:
@@ -138,6 +150,23 @@ class _Simulation:
             place=self._placement(request.request_id, order),
         )
 
+    def _part(self, plan: RequestPlan, k: int) -> RequestPlan:
+        """What scheduler `k` schedules of a request: all of it, or (per stage) its stage's units."""
+        if len(self.schedulers) == 1:
+            return plan
+        return replace(plan, stages=(plan.stages[k],))
+
+    def _scheduler_of(self, stage: int) -> tuple[BatchScheduler, int]:
+        """The scheduler of `stage`, and the stage's number there."""
+        return (self.schedulers[stage], 0) if len(self.schedulers) > 1 else (self.schedulers[0], stage)
+
+    def _stage_in(self, k: int, local: int) -> int:
+        """The pipeline stage of scheduler `k`'s stage `local`."""
+        return k if len(self.schedulers) > 1 else local
+
+    def _is_restored(self, rid: str) -> bool:
+        return all(scheduler.is_finished(rid) for scheduler in self.schedulers)
+
     def _placement(self, request_id: str, order: int) -> Placement:
         m = self.config.n_channels
         if self.config.placement == "hash":
@@ -145,7 +174,7 @@ class _Simulation:
         return lambda s, u: (order + s + u) % m
 
     def _check_restored(self, rid: str) -> None:
-        if rid not in self._restored_s and self.scheduler.is_finished(rid):
+        if rid not in self._restored_s and self._is_restored(rid):
             overhead = self.config.restore_overhead_s if self.trace[rid].cached_tokens else 0.0
             self._restored_s[rid] = self.now + overhead
             self._at(self._restored_s[rid], functools.partial(self._prefill_after_restore, rid))
@@ -165,7 +194,8 @@ class _Simulation:
         prefills = self._take_prefill_chunks(stage)
         cap = self.config.max_batch_tokens
         room = None if cap is None else max(0, cap - sum(c.end - c.start for c in prefills))
-        tasks = self.scheduler.next_compute_batch(stage, room, now=self.now)
+        scheduler, local = self._scheduler_of(stage)
+        tasks = scheduler.next_compute_batch(local, room, now=self.now)
         if not tasks and not prefills:
             return
         items = [self._unit_costs(stage, t) for t in tasks] + [self._prefill_costs(stage, c) for c in prefills]
@@ -197,10 +227,11 @@ class _Simulation:
 
     def _batch_done(self, stage: int, batch: _Batch, seconds: float) -> None:
         self._batches[stage] = None
-        self.scheduler.step_done(stage, seconds)
+        scheduler, local = self._scheduler_of(stage)
+        scheduler.step_done(local, seconds)
         self._wake_stages.add(stage)
         for task in batch.tasks:
-            if self.scheduler.computed(stage, task.request_id, task.unit):
+            if scheduler.computed(local, task.request_id, task.unit):
                 self._computed[task.request_id] += self._plans[task.request_id].unit_tokens(stage, task.unit)
                 self._check_restored(task.request_id)
         for chunk in batch.prefills:
@@ -214,22 +245,39 @@ class _Simulation:
         self._first_token_s[rid] = self.now
         self._running.discard(rid)
 
-    # -- channels --------------------------------------------------------------------------------
-    def _start_load(self, channel: int) -> None:
-        task = self.scheduler.next_load(channel, self.now)
+    # -- loaders and links -----------------------------------------------------------------------
+    def _start_load(self, loader: int) -> None:
+        k, pod = self.loaders[loader]
+        task = self.schedulers[k].next_load(pod, self.now)
         if task is None:
             return
-        seconds = self._plans[task.request_id].stages[task.stage].load_s[task.unit]
-        self._loads[channel] = task
-        self._channel_busy[channel] += seconds
-        self._at(self.now + seconds, lambda: self._load_done(channel, task))
+        stage = self._stage_in(k, task.stage)
+        self._loads[loader] = task
+        self.links[pod].start(loader, self._plans[task.request_id].stages[stage].load_s[task.unit], self.now)
+        self._plan_completion(pod)
 
-    def _load_done(self, channel: int, task: LoadTask) -> None:
-        self._loads[channel] = None
-        self._wake_channels.add(channel)
-        self._wake_stages.add(task.stage)  # a landed unit may unblock that stage's compute pointer
-        if self.scheduler.loaded(task.stage, task.request_id, task.unit, self.now):
-            self._loaded[task.request_id] += self._plans[task.request_id].unit_tokens(task.stage, task.unit)
+    def _plan_completion(self, pod: int) -> None:
+        """Schedule the pod's next load completion; any change to the pod makes an earlier plan stale."""
+        link = self.links[pod]
+        upcoming = link.next_completion(self.now)
+        if upcoming is not None:
+            at, loader = upcoming
+            version = link.version
+            self._at(at, lambda: self._load_done(pod, loader) if link.version == version else None)
+
+    def _load_done(self, pod: int, loader: int) -> None:
+        task = self._loads[loader]
+        if task is None:
+            return
+        self._loads[loader] = None
+        self.links[pod].finish(loader, self.now)
+        self._plan_completion(pod)
+        k, _ = self.loaders[loader]
+        stage = self._stage_in(k, task.stage)
+        self._wake_channels.add(loader)
+        self._wake_stages.add(stage)  # a landed unit may unblock that stage's compute pointer
+        if self.schedulers[k].loaded(task.stage, task.request_id, task.unit, self.now):
+            self._loaded[task.request_id] += self._plans[task.request_id].unit_tokens(stage, task.unit)
             self._check_restored(task.request_id)
 
     def _dispatch(self) -> None:
@@ -237,9 +285,9 @@ class _Simulation:
         for stage in sorted(self._wake_stages):
             if self._batches[stage] is None:
                 self._start_batch(stage)
-        for channel in sorted(self._wake_channels):
-            if self._loads[channel] is None:
-                self._start_load(channel)
+        for loader in sorted(self._wake_channels):
+            if self._loads[loader] is None:
+                self._start_load(loader)
         self._wake_stages.clear()
         self._wake_channels.clear()
 
@@ -253,7 +301,7 @@ class _Simulation:
             policy=self.config.policy,
             requests=tuple(self._request_result(rid) for rid in self.trace),
             stage_busy_s=tuple(self._stage_busy),
-            channel_busy_s=tuple(self._channel_busy),
+            channel_busy_s=tuple(link.busy_s for link in self.links),
             makespan_s=self.now - t0,
         )
 

@@ -259,3 +259,14 @@ def test_a_cancelled_request_fails_and_its_loads_become_stale():
     assert s.failed() == {"a": "client went away"} and not s.loaded(0, "a", task.unit)
     s.forget("a")
     assert s.failed() == {}
+
+
+def test_a_channel_busy_with_higher_ranked_requests_is_not_counted_on():
+    # Alone, `short`'s channel would load its last units (0.1 s each) before the 1 s step ends: compute
+    # leaves them. Once a longer request that Algorithm 1 ranks higher queues 10 s of loads on the same
+    # channel, the channel will not get to `short` soon, and compute takes its unit.
+    alone = _loading("cacheflow-alg1", load=0.1, step=1.0)
+    assert alone.next_compute_batch(0, now=0.0) == []
+    crowded = _loading("cacheflow-alg1", load=0.1, step=1.0)
+    crowded.arrive(plan("long", stage([5.0] * 10, load=1.0), arrival=1.0))
+    assert crowded.next_compute_batch(0, now=0.0) == [ComputeTask("a", 0), ComputeTask("long", 0)]

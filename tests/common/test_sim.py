@@ -14,6 +14,7 @@ from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost, best
 from cacheflow_common.restore.profile import Crossover, Profile
 from cacheflow_common.sched import POLICIES
 from cacheflow_common.sim import ModelShape, SimConfig, TraceRequest, parse_trace, percentile, read_trace, simulate
+from cacheflow_common.sim.links import SharedLink
 from tests.factories import tiny_config
 
 TRACE = Path(__file__).resolve().parents[2] / "bench" / "traces" / "mooncake_conversation_trace.jsonl.gz"
@@ -37,12 +38,37 @@ def chunk_compute(n_tokens: int, n_layers: int, chunk: int = 256) -> list[float]
 
 # -- hand-computed timings ----------------------------------------------------------------------------
 @pytest.mark.parametrize("n_stages", [1, 2])
-def test_compute_only_takes_the_sum_of_its_chunk_costs(n_stages):
-    result = simulate([request()], config("compute-only", n_stages=n_stages))
-    r = result.requests[0]
-    assert r.restore_s == pytest.approx(sum(chunk_compute(1024, 4 // n_stages)), rel=1e-12)
+def test_compute_only_takes_the_sum_of_its_prefill_unit_costs(n_stages):
+    result = simulate([request()], config("compute-only", n_stages=n_stages, prefill_tokens=512))
+    r = result.requests[0]  # the engine's compute-only recomputes in prefill-sized units, here 2 of 512
+    assert r.restore_s == pytest.approx(sum(chunk_compute(1024, 4 // n_stages, chunk=512)), rel=1e-12)
     assert r.ttft_s == r.restore_s and r.tokens_computed == 1024 and r.tokens_loaded == 0
     assert result.stage_busy_s == pytest.approx([r.restore_s] * n_stages) and result.channel_busy_s == (0.0,)
+
+
+def test_loads_in_flight_on_one_pod_share_its_link():
+    link = SharedLink()
+    link.start(0, 2.0, now=0.0)
+    link.start(1, 1.0, now=0.0)
+    assert link.next_completion(now=0.0) == (2.0, 1)  # two at once: each at half the rate
+    link.finish(1, now=2.0)
+    assert link.next_completion(now=2.0) == (3.0, 0)  # 1 s of work left, alone again
+    link.finish(0, now=3.0)
+    assert link.next_completion(now=3.0) is None and link.busy_s == 3.0
+
+
+def test_per_stage_loaders_share_a_pod_and_take_as_long_as_one_cluster_wide_loader():
+    cluster = simulate([request()], config("load-only", n_stages=2, scheduling="cluster")).requests[0]
+    per_stage = simulate([request()], config("load-only", n_stages=2, scheduling="per-stage")).requests[0]
+    assert per_stage.restore_s == pytest.approx(cluster.restore_s, rel=1e-9)
+    assert per_stage.tokens_loaded == cluster.tokens_loaded == 1024
+
+
+def test_per_stage_scheduling_restores_every_request_for_every_policy():
+    trace = [request(str(i), cached=256 * (i + 1), suffix=32, arrival=0.01 * i) for i in range(6)]
+    for policy in POLICIES:
+        result = simulate(trace, config(policy, n_stages=2, n_channels=2, link_gbps=0.4, scheduling="per-stage"))
+        assert all(r.tokens_computed + r.tokens_loaded == pytest.approx(r.cached_tokens) for r in result.requests)
 
 
 def test_load_only_takes_the_sum_of_its_loads_on_one_channel():

@@ -96,8 +96,8 @@ def test_responses_and_the_cluster_name_the_policy_used_and_each_stages_mode(cli
     first = _complete(client, prompt)
     assert first["cacheflow"]["policy"] == "cake"  # the cluster's default: the fixture's spec says cake
     assert first["cacheflow"]["stage_modes"] == []  # nothing was restored
-    named = _until_restored(client, prompt, policy="compute-only")["cacheflow"]
-    assert named["policy"] == "compute-only"
+    named = _until_restored(client, prompt, policy="load-only")["cacheflow"]
+    assert named["policy"] == "load-only"
     assert named["stage_modes"] == [s["mode"] for s in named["stages"]] and len(named["stage_modes"]) == 2
     assert set(named["stage_modes"]) <= {"token", "layer"}
     status = client.get("/v1/cluster").json()
@@ -114,7 +114,7 @@ def test_the_coordinator_logs_each_request_with_its_id(client, cluster):
     log = (workdir / "coordinator.log").read_text()
     rid = body["id"]
     assert f"{rid} queued: tenant default, {len(prompt)} prompt tokens, {2 * CHUNK} cached" in log
-    assert f"{rid} restored {2 * CHUNK} cached tokens in " in log and "0: token (" in log
+    assert f"{rid} restored {2 * CHUNK} cached tokens in " in log and "0: cake token (" in log
     assert f"{rid} first token: TTFT " in log
 
 
@@ -190,6 +190,16 @@ def test_bad_requests_get_a_reason(client, body, status, reason):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == status, r.text
     assert reason in r.json()["detail"]
+
+
+def test_a_compute_only_completion_prefills_the_whole_prompt_as_vllm_does_on_a_miss(client, reference):
+    prompt = _prompt(4 * CHUNK + 3, seed=5)
+    _complete(client, prompt)  # its chunks are stored now ...
+    r = _until_restored(client, prompt)
+    assert r["cacheflow"]["prompt_tokens_restored"] > 0
+    again = _complete(client, prompt, policy="compute-only")  # ... but compute-only reads none of them
+    assert again["cacheflow"]["prompt_tokens_restored"] == 0 and again["cacheflow"]["stages"] == []
+    assert again["choices"][0]["token_ids"] == greedy_reference(reference, prompt, 6)[1]
 
 
 def test_requests_refused_for_their_policy_hold_no_batch_slot(client, reference):

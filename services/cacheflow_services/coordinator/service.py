@@ -125,9 +125,12 @@ class Coordinator:
         store = self.cluster.stores.get(tenant)
         if store is None:
             raise BadRequestError(f"tenant {tenant!r} has no storage credentials on this coordinator")
-        cached = cached_prefix_tokens(token_ids, fingerprint=self.model.fingerprint, tenant=tenant,
-                                      chunk_size=self.model.chunk_size, stage_layers=self.model.stage_layers,
-                                      store=store, limit=prefix_limit)
+        if kind == "cmpl" and policy == "compute-only":
+            cached = 0  # vLLM on a miss: the whole prompt prefilled, batched like any prefill; nothing to look up
+        else:
+            cached = cached_prefix_tokens(token_ids, fingerprint=self.model.fingerprint, tenant=tenant,
+                                          chunk_size=self.model.chunk_size, stage_layers=self.model.stage_layers,
+                                          store=store, limit=prefix_limit)
         ticket = self.admission.enqueue()
         self.metrics.queue_depth.set(self.admission.waiting)
         request = Request(id=f"{kind}-{uuid.uuid4().hex[:20]}", tenant=tenant, token_ids=token_ids,
