@@ -165,33 +165,40 @@ def sim_config(profile: Profile, shape: ModelShape, *, policy: str, batch: int, 
 
 def calibrate(url: str, token: str, requests: list[ReplayRequest], profile: Profile, shape: ModelShape,
               link_gbps: float, chunk_size: int) -> Calibration:
-    """Requests restored alone (3 times each, median): the shortest and the median-length one compute-only give
-    the compute factor and the fixed overhead (a line through both); the median one load-only, the load factor."""
+    """Requests served alone (3 times each, median), the shortest and a median-length one. Compute-only
+    (their whole prompt prefilled through the stages) gives the compute factor: the slope of a line
+    through both TTFTs. Load-only gives the load factor and the fixed time per restore outside the two
+    pointers: the slope and intercept of a line through both restore times."""
     by_length = sorted(requests, key=lambda r: r.trace.input_length)
     short, median = (replace(r, trace=replace(r.trace, arrival_s=0.0))
                      for r in (by_length[0], by_length[len(by_length) // 2]))
 
-    def measured_and_predicted(probe: ReplayRequest, policy: str) -> tuple[float, float]:
+    def measured_and_predicted(probe: ReplayRequest, policy: str, key: str) -> tuple[float, float]:
         runs = [replay(url, token, MODEL, [probe], policy)[0] for _ in range(3)]
         config = sim_config(profile, shape, policy=policy, batch=1, n_stages=N_STAGES, n_channels=N_PODS,
                             link_gbps=link_gbps, chunk_size=chunk_size)
-        predicted = predicted_restore(config, [probe], runs[:1])[probe.trace.request_id]
-        return statistics.median(r["restore_s"] for r in runs), predicted
+        return statistics.median(r[key] for r in runs), simulated(config, [probe], runs[:1], key)[0]
 
-    (m_short, p_short), (m_median, p_median) = (measured_and_predicted(p, "compute-only") for p in (short, median))
-    compute = (m_median - m_short) / (p_median - p_short) if p_median > p_short else m_median / p_median
-    overhead = max(0.0, m_short - compute * p_short)
-    m_load, p_load = measured_and_predicted(median, "load-only")
-    return Calibration(compute=compute, load=max(m_load - overhead, 1e-9) / p_load, overhead_s=overhead)
+    compute = _slope(*(measured_and_predicted(p, "compute-only", "ttft_s") for p in (short, median)))
+    (m_short, p_short), (m_median, p_median) = (measured_and_predicted(p, "load-only", "restore_s")
+                                                for p in (short, median))
+    load = _slope((m_short, p_short), (m_median, p_median))
+    return Calibration(compute=compute, load=load, overhead_s=max(0.0, m_short - load * p_short))
 
 
-def predicted_restore(config: SimConfig, requests: list[ReplayRequest], measured: list[dict[str, Any]]
-                      ) -> dict[str, float]:
-    """Per request id: the simulated restore time, with the prefix the real run found in storage and the request
-    entering the admission queue when the real one did (after its prefix lookup)."""
+def _slope(a: tuple[float, float], b: tuple[float, float]) -> float:
+    """Measured over predicted, as the slope of the line through two (measured, predicted) points."""
+    (m1, p1), (m2, p2) = sorted((a, b), key=lambda point: point[1])
+    return (m2 - m1) / (p2 - p1) if p2 > p1 and m2 > m1 else m2 / p2
+
+
+def simulated(config: SimConfig, requests: list[ReplayRequest], measured: list[dict[str, Any]],
+              key: str = "restore_s") -> list[float]:
+    """Per request: the simulated `key` (restore_s or ttft_s), with the prefix the real run found in storage and
+    the request entering the admission queue when the real one did (after its prefix lookup)."""
     trace = [replace(r.trace, cached_tokens=m["restored"], arrival_s=r.trace.arrival_s + m["lookup_s"])
              for r, m in zip(requests, measured, strict=True)]
-    return {res.request_id: res.restore_s for res in simulate(trace, config).requests}
+    return [getattr(res, key) for res in simulate(trace, config).requests]
 
 
 def as_served(trace: list[TraceRequest], policy: str) -> list[TraceRequest]:
@@ -349,13 +356,12 @@ def sim_errors(profile: Profile, shape: ModelShape, requests: list[ReplayRequest
         measured = [_median_request([run["requests"][i] for run in mine]) for i in range(len(requests))]
         config = sim_config(profile, shape, policy=policy, batch=batch, n_stages=N_STAGES, n_channels=N_PODS,
                             link_gbps=link, chunk_size=chunk_size, calibration=calibration)
-        predicted = predicted_restore(config, requests, measured)
+        predicted = simulated(config, requests, measured)
         timed = [i for i, m in enumerate(measured) if m["restored"] and m["restore_s"] > 0]
-        errors = sorted(abs(predicted[measured[i]["request"]] - measured[i]["restore_s"]) / measured[i]["restore_s"]
-                        for i in timed)
+        errors = sorted(abs(predicted[i] - measured[i]["restore_s"]) / measured[i]["restore_s"] for i in timed)
         spread = sorted(abs(run["requests"][i]["restore_s"] - measured[i]["restore_s"]) / measured[i]["restore_s"]
                         for run in mine for i in timed)
-        sim_mean = sum(predicted.values()) / len(predicted)
+        sim_mean = sum(predicted) / len(predicted)
         real_mean = sum(m["restore_s"] for m in measured) / len(measured)
         out.append({"batch": batch, "policy": policy, "runs": len(mine), "errors": errors,
                     "max_rel_error": max(errors, default=0.0),

@@ -77,8 +77,9 @@ def write_markdown(path: Path, body: dict[str, Any], table: Callable[..., str]) 
     lines = ["# Batch restore on the local cluster and in the simulator", "",
              f"Machine: {facts['cpu']}, {facts['cpus']} CPUs; git {facts['git']}. Command: `{body['command']}`.",
              f"{len(body['requests'])} trace requests, link {body['link_gbps_per_pod']:.4f} Gbit/s per pod "
-             "(Tio/Tcomp = 1 per stage). Simulator calibration (the shortest and the median request restored "
-             f"alone, measured / profiled): compute x{body['calibration']['compute']:.2f}, "
+             "(Tio/Tcomp = 1 per stage). Simulator calibration (the shortest and a median request served "
+             "alone, measured / profiled: compute-only prefills for compute, load-only restores for load and "
+             f"the fixed time per restore): compute x{body['calibration']['compute']:.2f}, "
              f"load x{body['calibration']['load']:.2f}, plus {body['calibration']['overhead_s']:.3f} s "
              "per restore outside the two pointers. Simulated requests enter the admission queue when the real "
              "ones did (after their prefix lookup).",
