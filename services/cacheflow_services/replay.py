@@ -31,6 +31,22 @@ def warm_up(url: str, token: str, model: str, requests: list[ReplayRequest], wor
         httpx.post(f"{worker}/v1/flush", timeout=TIMEOUT_S).raise_for_status()
 
 
+def restore_alone(url: str, token: str, request: ReplayRequest, policy: str) -> float:
+    """Seconds one request's cached prefix takes to restore by itself under `policy` (the restore API: the
+    prefix restored on every stage and held, then released). A completion under compute-only restores
+    nothing (it prefills its whole prompt, as vLLM does on a miss); this measures the restore path."""
+    prefix = request.token_ids[: request.trace.cached_tokens]
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT_S) as client:
+        started = client.post("/v1/restore", json={"token_ids": prefix, "policy": policy})
+        started.raise_for_status()
+        rid = started.json()["id"]
+        record = client.get(f"/v1/restore/{rid}", params={"wait": TIMEOUT_S}).json()
+        client.delete(f"/v1/restore/{rid}")
+    if record["state"] != "ready":
+        raise ReplayError(f"restore {rid} under {policy} ended {record['state']}: {record['error']}")
+    return float(record["restore_s"])
+
+
 class Replayer(Protocol):
     """`replay`'s signature (the demo takes a stand-in in its tests)."""
 

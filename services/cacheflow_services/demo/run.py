@@ -35,7 +35,7 @@ from cacheflow_services.demo.report import print_key, print_table, write_report
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
 from cacheflow_services.local_process import print_ready, reporting_ready
 from cacheflow_services.profiling import ensure_quick_profile
-from cacheflow_services.replay import Replayer, ReplayError, replay, warm_up
+from cacheflow_services.replay import Replayer, ReplayError, replay, restore_alone, warm_up
 
 POLICIES = ("compute-only", "load-only", "cake", "cacheflow")
 SLICE = Path(__file__).with_name("mooncake_slice.json")
@@ -82,8 +82,7 @@ def measured_io_over_compute(cluster: LocalCluster, model: str, requests: list[R
     """Restore the median request alone, load-only then compute-only: Tio / Tcomp as this machine runs it."""
     probe = sorted(requests, key=lambda r: r.trace.cached_tokens)[len(requests) // 2]
     probe = replace(probe, trace=replace(probe.trace, arrival_s=0.0))
-    url, token = cluster.coordinator.url, cluster.token
-    load, compute = (replay(url, token, model, [probe], policy)[0]["restore_s"]
+    load, compute = (restore_alone(cluster.coordinator.url, cluster.token, probe, policy)
                      for policy in ("load-only", "compute-only"))
     return load / compute
 
