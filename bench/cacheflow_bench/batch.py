@@ -160,6 +160,7 @@ def sim_config(profile: Profile, shape: ModelShape, *, policy: str, batch: int, 
                      chunk_size=chunk_size, l_delta=l_delta, max_batch=batch,
                      batch_window_s=CoordinatorConfig.batch_window_s, restore_overhead_s=calibration.overhead_s,
                      batched_compute=True, max_batch_tokens=WorkerConfig.step_tokens,
+                     beside_forward_tokens=WorkerConfig.beside_forward_tokens,
                      prefill_tokens=WorkerConfig.prefill_tokens)
 
 

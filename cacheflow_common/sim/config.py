@@ -51,6 +51,8 @@ class SimConfig:
     batched_compute: bool = True  # a stage's step pays the shared fixed cost once, as a worker's engine does;
     # False: every unit pays its own (workers that compute request by request)
     max_batch_tokens: int | None = None  # a step's token budget (the engine's step_tokens; one unit always fits)
+    beside_forward_tokens: int | None = None  # restore tokens a step carries beside prefill work (the engine's;
+    # one unit always fits); None: no such cap
     placement: str = "round-robin"  # which channel holds a unit: "round-robin" (even) or "hash"
     scheduling: str = "per-stage"  # each stage schedules its own units with a loader per pod of its own
     # (as the workers' engines do); "cluster": one idealised scheduler over every stage, one loader per pod

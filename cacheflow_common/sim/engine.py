@@ -194,6 +194,9 @@ class _Simulation:
         prefills = self._take_prefill_chunks(stage)
         cap = self.config.max_batch_tokens
         room = None if cap is None else max(0, cap - sum(c.end - c.start for c in prefills))
+        light = self.config.beside_forward_tokens
+        if prefills and light is not None:  # the engine runs forward work in light steps
+            room = light if room is None else min(room, light)
         scheduler, local = self._scheduler_of(stage)
         tasks = scheduler.next_compute_batch(local, room, now=self.now)
         if not tasks and not prefills:

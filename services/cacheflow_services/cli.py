@@ -115,6 +115,7 @@ def _worker(args: argparse.Namespace) -> int:
         link_gbps=args.link_gbps,
         step_tokens=args.step_tokens,
         prefill_tokens=args.prefill_tokens,
+        beside_forward_tokens=args.beside_forward_tokens,
         pool_tokens=args.pool_tokens,
         upstream_timeout_s=args.upstream_timeout_s,
         host=args.host,
@@ -143,6 +144,8 @@ def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
                     help="the compute loop's token budget per step (restore units, prefill slices, decode tokens)")
     wk.add_argument("--prefill-tokens", type=int, default=2048,
                     help="compute-only restores recompute the prefix in units this long")
+    wk.add_argument("--beside-forward-tokens", type=int, default=0,
+                    help="restore tokens a step carries beside forward work (one unit always fits)")
     wk.add_argument("--pool-tokens", type=int, default=1 << 17, help="KV pool capacity in tokens")
     wk.add_argument("--upstream-timeout-s", type=float, default=30.0,
                     help="pipelined restore: longest wait for the previous stage's next chunk")

@@ -147,6 +147,22 @@ def test_the_compute_loop_runs_one_batch_per_step_not_one_request(model, engines
     assert engine.busy()["compute_s"] > 0
 
 
+def test_a_step_with_forward_work_carries_one_restore_unit_at_most(model, engines):
+    prompts = _prompts(4, seed=5)
+    engine = _engine(model, _saved_store(model, prompts), policy="compute-only", prefill_tokens=CHUNK)
+    engines.append(engine)
+    steps: list[tuple[int, int]] = []  # per step: forward slices, restore units
+    engine.loop.on_step = lambda plan, _s: steps.append((len(plan.forwards), len(plan.token_units)))
+    restores = [functools.partial(engine.restore, f"r{i}", ids, tenant=TENANT, input_mode="boundary",
+                                  reserve_tokens=0) for i, ids in enumerate(prompts)]
+    meta = {"request_id": "f", "tenant": TENANT, "reserve_tokens": 8, "save": False, "start": 0}
+    forwards = [functools.partial(engine.forward, {**meta, "request_id": f"f{i}", "token_ids": [1, 2, 3]}, None)
+                for i in range(4)]
+    _in_threads([*restores, *forwards])
+    assert any(f for f, _ in steps) and all(units <= 1 for f, units in steps if f)
+    assert max(units for f, units in steps if not f) > 1  # restores alone still batch
+
+
 def test_continuous_batching_gives_each_request_its_greedy_tokens_alone(model, engines):
     prompts = _prompts(4, seed=2)
     n_new = 6

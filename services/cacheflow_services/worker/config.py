@@ -30,6 +30,10 @@ class WorkerConfig:
     # cores for small models, so decode tokens are not held up long by a batch of restores.
     step_tokens: int = 2048
     prefill_tokens: int = 2048  # compute-only recomputes in units this long (its fastest prefill here)
+    # Restore tokens a step may carry beside forward work (suffix prefills, decodes); one unit always fits.
+    # 0: forward work runs in light steps, so a restored request reaches its first token without waiting
+    # for a full step of other requests' restores (on a CPU a step's time grows with its tokens).
+    beside_forward_tokens: int = 0
     pool_tokens: int = 1 << 17  # KV pool capacity, tokens of this stage's layers
     block_tokens: int = 16  # the pool's allocation unit
     upstream_timeout_s: float = 30.0  # pipelined restore: longest wait for the previous stage's next chunk
@@ -47,6 +51,8 @@ class WorkerConfig:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if min(self.step_tokens, self.prefill_tokens) <= 0 or (self.link_gbps is not None and self.link_gbps <= 0):
             raise ConfigError("step and prefill token budgets and the link rate must be positive")
+        if self.beside_forward_tokens < 0:
+            raise ConfigError("the restore tokens beside forward work cannot be negative")
         if self.chunk_size <= 0 or self.block_tokens <= 0 or self.pool_tokens < self.block_tokens:
             raise ConfigError("chunk size, block size and pool size must be positive (pool >= one block)")
         if not self.pods or not self.pod_tokens:

@@ -90,8 +90,8 @@ class StageEngine:
         self._mailbox: dict[str, list[Callable[[UpstreamInput], None]]] = {}
         self._lock = threading.Lock()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saver")
-        self.loop = StepLoop(self.core, model, config.layers, step_tokens=config.step_tokens, sampler=sample,
-                             on_step=self._stepped)
+        self.loop = StepLoop(self.core, model, config.layers, step_tokens=config.step_tokens,
+                             beside_forward_tokens=config.beside_forward_tokens, sampler=sample, on_step=self._stepped)
         self._loop_thread = threading.Thread(target=self.loop.run, name=f"stage-{config.stage}-loop", daemon=True)
         self._loop_thread.start()
         self._channels = [ChannelLoader(self.core, c, on_load=self.metrics.channel_busy).start()

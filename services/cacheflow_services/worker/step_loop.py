@@ -1,7 +1,10 @@
 """The stage's compute loop: the one thread that runs its model. Each step reads like Algorithm 1:
 
     schedule     forward work first (decode tokens, suffix-prefill slices), then the batch scheduler's
-                 next compute unit of every restoring request, within the step's token budget
+                 next compute unit of every restoring request, within the step's token budget; while
+                 forward work waits, restores get only `beside_forward_tokens` of the step (one unit
+                 at least): a request whose prefix is restored is one forward from its first token,
+                 and a step full of other requests' restore units would hold it for the whole step
     run          ONE forward over the token rows of all of them (linear layers and MLP over the
                  concatenated tokens, attention per request over its own KV); layer units of
                  layer-wise restores after it, one layer over one prefix each; the last stage samples
@@ -47,11 +50,12 @@ class StepPlan:
 
 class StepLoop:
     def __init__(self, core: EngineCore, model: Transformer, layers: range, *, step_tokens: int,
-                 sampler: Sampler, on_step: Callable[[StepPlan, float], None]) -> None:
+                 beside_forward_tokens: int, sampler: Sampler, on_step: Callable[[StepPlan, float], None]) -> None:
         self.core = core
         self.model = model
         self.layers = layers
         self.step_tokens = step_tokens  # the step's token budget (one restore unit always fits)
+        self.beside_forward_tokens = beside_forward_tokens  # restore tokens in a step that carries forward work
         self.sampler = sampler
         self.on_step = on_step  # metrics: told of every step and its seconds
 
@@ -85,6 +89,8 @@ class StepLoop:
         with core.cond:
             forwards = self._forward_slices()
             room = self.step_tokens - sum(b - a for _, a, b in forwards)
+            if forwards:
+                room = min(room, self.beside_forward_tokens)
             tasks = core.scheduler.next_compute_batch(STAGE, room, now=time.perf_counter(), ready=self._ready)
             if not forwards and not tasks:
                 core.cond.wait(timeout=IDLE_WAIT_S)
