@@ -35,7 +35,10 @@ def test_demo_replays_every_policy_and_writes_its_report(tmp_path, monkeypatch, 
         assert all(r["ttft_s"] > 0 for r in run["requests"])
         assert run["max_s"] == max(r["ttft_s"] for r in run["requests"]) and "p99_s" not in run
         restored = [r["restored"] for r in run["requests"]]
-        assert all(n >= 128 for n in restored)  # every request restored at least two chunks from storage
+        if run["policy"] == "compute-only":  # vLLM on a miss: the whole prompt prefilled, nothing restored
+            assert restored == [0] * len(restored)
+        else:  # every request restored at least two chunks from storage
+            assert all(n >= 128 for n in restored)
     report = (out / "demo.md").read_text()
     assert all(f"| {p} |" in report for p in POLICIES)
     assert "max (s)" in report and "P99 (s)" not in report
