@@ -197,6 +197,8 @@ class StageEngine:
         next stage's (or sample the next token)."""
         request_id, start, token_ids = meta["request_id"], meta["start"], meta["token_ids"]
         session = self._session_for(meta)
+        if not meta.get("save", True):  # a restored session is told only now whether to store what comes
+            session.save = False
         if start != len(session.token_ids):
             raise ConflictError(f"request {request_id!r} holds {len(session.token_ids)} tokens, not {start}")
         if start + len(token_ids) > session.kv.capacity:
