@@ -168,14 +168,16 @@ def test_a_restored_request_stores_its_new_chunks_only_if_its_forward_says_so(mo
     ids = _prompts(1, seed=7)[0]
     prefix = len(ids) // CHUNK * CHUNK - CHUNK  # whole chunks stored; one more fills up during the forward
     store = _saved_store(model, [ids[:prefix]])
+    stored = store.inner
+    assert isinstance(stored, MemoryStore)
     engine = _engine(model, store)
     engines.append(engine)
     engine.restore("r", ids[:prefix], tenant=TENANT, input_mode="boundary", reserve_tokens=len(ids) - prefix)
-    stored_before = len(store.inner.names())
+    stored_before = len(stored.names())
     meta = {"request_id": "r", "tenant": TENANT, "start": prefix, "token_ids": ids[prefix:], "save": save}
     engine.forward(meta, None)
     engine.flush()
-    assert (len(store.inner.names()) > stored_before) is save
+    assert (len(stored.names()) > stored_before) is save
 
 
 def test_continuous_batching_gives_each_request_its_greedy_tokens_alone(model, engines):
