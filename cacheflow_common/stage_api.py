@@ -42,6 +42,8 @@ class RestoreRequest(BaseModel):
     input: InputMode = "boundary"
     reserve_tokens: int = Field(default=0, ge=0)  # room for the suffix and the tokens to generate
     policy: str = ""  # "": the worker's configured policy
+    waited_s: float = Field(default=0.0, ge=0.0)  # since the request reached the coordinator (channel rankings
+    # that weigh waiting count from then)
 
 
 class RestoreSummary(BaseModel):

@@ -1,6 +1,7 @@
-"""Which request should a storage channel serve? CacheFlow's ranking (largest remaining recomputation
-first, Algorithm 1) against Cake's (first come, first served) and two others (least remaining
-recomputation first; the largest share of its own work done first), in the simulator.
+"""Which request should a storage channel serve? Algorithm 1's ranking (largest remaining recomputation
+first) against Cake's (first come, first served) and three others (least remaining recomputation
+first, `cacheflow`'s default; the largest share of its own work done first; the highest response
+ratio, (waited + remaining) / remaining), in the simulator.
 
     python -m cacheflow_bench.sched_ranking
 
@@ -31,9 +32,9 @@ from cacheflow_services.demo.run import SLICE
 SHAPE = ModelShape(num_layers=32, kv_bytes_per_token_layer=4096)
 STAGES, CHUNK, BATCH = 4, 256, 8
 CHUNK_LAYER_S = 2e-3  # one layer over one 256-token chunk at the start of the prefix
-POLICIES = ("compute-only", "cake", "cacheflow-alg1", "cacheflow-srpt", "cacheflow-progress")
+POLICIES = ("compute-only", "cake", "cacheflow-alg1", "cacheflow-srpt", "cacheflow-progress", "cacheflow-hrrn")
 RANKINGS = {"cake": "first come", "cacheflow-alg1": "Algorithm 1", "cacheflow-srpt": "least remaining",
-            "cacheflow-progress": "most done"}  # channel rankings compared, by policy
+            "cacheflow-progress": "most done", "cacheflow-hrrn": "response ratio"}  # channel rankings, by policy
 
 
 def costs_with(fixed_share: float) -> CostModel:

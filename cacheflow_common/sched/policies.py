@@ -36,7 +36,7 @@ from cacheflow_common.errors import ConfigError
 
 MODES = ("adaptive", "token", "layer")
 PLANNERS = ("compute", "load", "greedy", "planned")  # fixed split at n, fixed split at 0, Cake's, CacheFlow's
-RANKINGS = ("arrival", "most-remaining", "least-remaining", "most-done")
+RANKINGS = ("arrival", "most-remaining", "least-remaining", "most-done", "response-ratio")
 
 
 class LoadCandidate(Protocol):
@@ -86,9 +86,12 @@ class Policy:
         """The meeting point is planned from predicted costs (needs a profile); else found greedily."""
         return self.planner == "planned"
 
-    def load_rank(self, request: LoadCandidate) -> tuple[float, ...]:
-        """Channels serve the request with the highest rank first."""
+    def load_rank(self, request: LoadCandidate, now: float) -> tuple[float, ...]:
+        """Channels serve the request with the highest rank first (`now`: the caller's clock, as arrival_s)."""
         ties = (-request.arrival_s, -request.order)
+        if self.ranking == "response-ratio":  # (waited + remaining) / remaining: short first, none starves
+            waited = max(0.0, now - request.arrival_s)
+            return (1, (waited + request.remaining_s) / max(request.remaining_s, 1e-9), *ties)
         if self.ranking == "most-remaining":
             return (1, request.remaining_s, *ties)
         if self.ranking == "least-remaining":
@@ -114,6 +117,8 @@ _ALL = (
            summary="CacheFlow with channels to the least remaining recomputation"),
     Policy(name="cacheflow-progress", mode="adaptive", planner="planned", ranking="most-done",
            summary="CacheFlow with channels to the request with the largest share of its own work done"),
+    Policy(name="cacheflow-hrrn", mode="adaptive", planner="planned", ranking="response-ratio",
+           summary="CacheFlow with channels to the highest response ratio: (waited + remaining) / remaining"),
     Policy(name="cacheflow-token", mode="token", planner="planned", ranking="least-remaining",
            summary="CacheFlow, token-wise only"),
     Policy(name="cacheflow-layer", mode="layer", planner="planned", ranking="least-remaining",

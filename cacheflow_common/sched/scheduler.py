@@ -191,7 +191,7 @@ class BatchScheduler:
         candidates = [r for r in self._active.values() if r.policy.loads and r.pending_on[channel] > 0]
         if not candidates:
             return None
-        request = max(candidates, key=lambda r: r.policy.load_rank(r))
+        request = max(candidates, key=lambda r: r.policy.load_rank(r, now))
         tops = {s: unit for s, work in enumerate(request.stages)
                 if (unit := work.highest_pending_on(channel)) is not None}
         stage = max(tops, key=lambda s: (request.stages[s].open_s, -s))
@@ -281,11 +281,11 @@ class BatchScheduler:
         """Seconds before `channel` can load for `request`: its load in flight, then every request it
         ranks higher (the whole batch's claim on the channel, at the current ranking)."""
         ahead = max(0.0, in_flight.started_s + in_flight.predicted_s - now) if in_flight else 0.0
-        rank = request.policy.load_rank(request)
+        rank = request.policy.load_rank(request, now)
         for other in self._active.values():
             if other is request or not other.policy.loads or not other.pending_on[channel]:
                 continue
-            if other.policy.load_rank(other) > rank:
+            if other.policy.load_rank(other, now) > rank:
                 ahead += sum(self._predicted_load_s(w, u) for w in other.stages for u in w.pending_on_channel(channel))
         return ahead
 

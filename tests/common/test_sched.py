@@ -62,6 +62,13 @@ def test_the_studied_rankings_serve_the_least_remaining_cost_or_the_largest_shar
     assert s.next_load(0) == LoadTask("short", 0, 1)  # 2/3; it stays ahead of long until it is done
 
 
+def test_the_response_ratio_ranking_serves_short_work_first_unless_long_work_has_waited_longer():
+    short = plan("short", stage([1.0, 1.0, 1.0]), arrival=1.0)  # remaining 3
+    long = plan("long", stage([1.0, 2.0, 3.0, 4.0, 5.0]), arrival=0.0)  # remaining 15
+    assert scheduler("cacheflow-hrrn", short, long).next_load(0, now=10.0) == LoadTask("short", 0, 2)  # 12/3 > 25/15
+    assert scheduler("cacheflow-hrrn", short, long).next_load(0, now=1.0) == LoadTask("long", 0, 4)  # 3/3 < 16/15
+
+
 def test_priority_is_re_evaluated_at_every_decision():
     a = plan("a", stage([5.0, 5.0]))  # remaining 10
     b = plan("b", stage([3.0, 3.0, 3.0]), arrival=1.0)  # remaining 9

@@ -158,7 +158,7 @@ class Coordinator:
         began = time.perf_counter()
         request.stages = self.cluster.chain.restore(request.id, request.token_ids[: request.cached_tokens],
                                                     tenant=request.tenant, reserve_tokens=reserve_tokens,
-                                                    policy=request.policy)
+                                                    policy=request.policy, arrived=request.arrived)
         request.restore_s = time.perf_counter() - began
         log.info("%s restored %d cached tokens in %.3f s; per stage: %s", request.id, request.cached_tokens,
                  request.restore_s, ", ".join(f"{s.stage}: {s.policy} {s.mode} ({s.computed} computed, "

@@ -67,18 +67,21 @@ class StageChain:
 
     # ------------------------------------------------------------------------------------ restore
     def restore(self, request_id: str, token_ids: Sequence[int], *, tenant: str, input: str = "auto",
-                reserve_tokens: int = 0, policy: str = "") -> list[RestoreSummary]:
-        """Restore the prefix on every stage at once; per-stage summaries in stage order."""
+                reserve_tokens: int = 0, policy: str = "", arrived: float | None = None) -> list[RestoreSummary]:
+        """Restore the prefix on every stage at once; per-stage summaries in stage order. `arrived`: when the
+        request arrived (perf_counter), so the stages know how long it has waited."""
         if input == "auto":
             try:
                 return self.restore(request_id, token_ids, tenant=tenant, input="boundary",
-                                    reserve_tokens=reserve_tokens, policy=policy)
+                                    reserve_tokens=reserve_tokens, policy=policy, arrived=arrived)
             except ChainError as exc:
                 if exc.error != "BoundaryMissingError":
                     raise
             input = "pipelined"
+        waited = 0.0 if arrived is None else max(0.0, time.perf_counter() - arrived)
         body = RestoreRequest.model_validate({"request_id": request_id, "tenant": tenant, "token_ids": list(token_ids),
-                                              "input": input, "reserve_tokens": reserve_tokens, "policy": policy})
+                                              "input": input, "reserve_tokens": reserve_tokens, "policy": policy,
+                                              "waited_s": waited})
         outcomes = asyncio.run_coroutine_threadsafe(self._restore_all(body), self._loop).result()
         errors = [o for o in outcomes if isinstance(o, ChainError)]
         if errors:  # every stage answered (each bounded by the timeout), so none is left holding KV

@@ -70,7 +70,8 @@ def create_app(engine: StageEngine, *, max_body_bytes: int) -> FastAPI:
     def restore(body: RestoreRequest) -> RestoreSummary:
         try:
             return engine.restore(body.request_id, body.token_ids, tenant=body.tenant, input_mode=body.input,
-                                  reserve_tokens=body.reserve_tokens, policy=body.policy)
+                                  reserve_tokens=body.reserve_tokens, policy=body.policy,
+                                  waited_s=body.waited_s)
         except Exception as exc:
             engine.metrics.restore_failures.labels(type(exc).__name__).inc()
             raise

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ class StageEngine:
 
     # ------------------------------------------------------------------------------------ restore
     def restore(self, request_id: str, token_ids: list[int], *, tenant: str, input_mode: str,
-                reserve_tokens: int, policy: str = "") -> RestoreSummary:
+                reserve_tokens: int, policy: str = "", waited_s: float = 0.0) -> RestoreSummary:
         """Restore the prefix `token_ids` on this stage's layers; the KV stays for later forwards."""
         store = self._store(tenant)
         self._check_tokens(token_ids, reserve_tokens)
@@ -122,7 +123,8 @@ class StageEngine:
             inputs = self._attach_upstream(request_id, job) if upstream_fed else None
             restore = self.builder.build(request_id, job, store, kv, policy or self.config.policy,
                                          input_mode=input_mode, upstream=inputs,
-                                         on_computed=sender.deliver if sender is not None else None)
+                                         on_computed=sender.deliver if sender is not None else None,
+                                         arrival_s=time.perf_counter() - waited_s)
             self.core.admit(restore)
             summary = restore.done.result()
         except BaseException as exc:

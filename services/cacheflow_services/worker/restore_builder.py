@@ -13,7 +13,6 @@ and where the compute side's inputs come from.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from cacheflow_common.errors import BadRequestError
@@ -50,13 +49,15 @@ class RestoreBuilder:
         self.l_delta = profile.l_delta_for(link) if profile else 0
 
     def build(self, request_id: str, job: RestoreJob, store: ChunkStore, kv: KVBuffer, policy_name: str, *,
-              input_mode: str, upstream: UpstreamInput | None, on_computed: ChunkComputed | None) -> StageRestore:
+              input_mode: str, upstream: UpstreamInput | None, on_computed: ChunkComputed | None,
+              arrival_s: float) -> StageRestore:
+        """`arrival_s`: when the request arrived, on this process's perf_counter clock (the scheduler's)."""
         spec = self.spec(request_id, job, policy_name, input_mode=input_mode, upstream=upstream is not None,
                          delivers=on_computed is not None)
         loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
         unit_size = self._unit_size(spec, delivers=on_computed is not None)
         units = _units(spec.mode, len(job.token_ids), unit_size, len(job.layers))
-        plan = build_plan(request_id=request_id, arrival_s=time.perf_counter(), n_tokens=len(job.token_ids),
+        plan = build_plan(request_id=request_id, arrival_s=arrival_s, n_tokens=len(job.token_ids),
                           costs=self.costs, stage_layers=[len(job.layers)], chunk_size=unit_size, mode=spec.mode,
                           kv_bytes_per_token_layer=self.model.kv_bytes_per_token_per_layer,
                           place=self._placement(store, loader, spec.mode))
