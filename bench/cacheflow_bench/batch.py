@@ -63,7 +63,8 @@ from cacheflow_services.replay import ReplayError, replay, ttft_stats, warm_up
 from cacheflow_services.worker.config import WorkerConfig
 
 POLICIES = ("compute-only", "load-only", "cake", "cacheflow")
-RANKINGS = ("cacheflow-alg1", "cacheflow-progress", "cacheflow-hrrn")  # CacheFlow's other channel rankings, at the largest batch
+# CacheFlow's other channel rankings, replayed at the largest batch
+RANKINGS = ("cacheflow-alg1", "cacheflow-progress", "cacheflow-hrrn")
 MODEL, DTYPE_BYTES, N_STAGES, N_PODS = "tiny", 4, 2, 2
 
 
