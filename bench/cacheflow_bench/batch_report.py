@@ -72,6 +72,26 @@ def _median_of(runs: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+def target_rows(s: dict[str, Any]) -> list[list[Any]]:
+    """The batch bench's targets (target, measured, goal) from its JSON summary: its Markdown and REPORT.md."""
+    return [
+        [f"CacheFlow mean TTFT / the best baseline's ({s['best_baseline_b8']}), batch {s['batch']}",
+         s["mean_ratio_vs_best_baseline_b8"], "<= 0.85"],
+        [f"CacheFlow P99 TTFT / Cake's, batch {s['batch']} (mean: {_num(s['mean_ratio_vs_cake_b8'])})",
+         s["p99_ratio_vs_cake_b8"], "<= 0.90"],
+        [f"compute-only mean TTFT / CacheFlow's, batch {s['batch']}", s["mean_speedup_vs_compute_only_b8"], ">= 2.0"],
+        ["simulator: worst error of a run's mean restore time", s["sim_mean_rel_error"], "<= 0.10"],
+        ["simulator: median per-request restore-time error", s["sim_median_rel_error"], "<= 0.20"],
+        ["simulator: worst per-request restore-time error", s["sim_max_rel_error"], ""],
+        [f"CacheFlow compute-loop / channel busy share, batch {s['batch']} (paper: 0.88 / 0.78)",
+         f"{_num(s['compute_busy_share_b8'])} / {_num(s['io_busy_share_b8'])}", ""],
+        ["one batched forward over 8 requests' 64-token chunks vs 8 single ones (throughput)",
+         s.get("batched_forward_speedup"), ">= 1.3"],
+        ["one run vs the median of its repeats, per request: worst / median (the machine's own noise)",
+         f"{s['run_max_rel_spread']:.3f} / {s['run_median_rel_spread']:.3f}", ""],
+    ]
+
+
 def write_markdown(path: Path, body: dict[str, Any], table: Callable[..., str]) -> None:
     s, facts = body["summary"], body["machine"]
     lines = ["# Batch restore on the local cluster and in the simulator", "",
@@ -84,23 +104,7 @@ def write_markdown(path: Path, body: dict[str, Any], table: Callable[..., str]) 
              "per restore outside the two pointers. Simulated requests enter the admission queue when the real "
              "ones did (after their prefix lookup).",
              "",
-             table(["target", "measured", "goal"], [
-                 [f"CacheFlow mean TTFT / the best baseline's ({s['best_baseline_b8']}), batch {s['batch']}",
-                  s["mean_ratio_vs_best_baseline_b8"], "<= 0.85"],
-                 [f"CacheFlow P99 TTFT / Cake's, batch {s['batch']} (mean: {_num(s['mean_ratio_vs_cake_b8'])})",
-                  s["p99_ratio_vs_cake_b8"], "<= 0.90"],
-                 [f"compute-only mean TTFT / CacheFlow's, batch {s['batch']}", s["mean_speedup_vs_compute_only_b8"],
-                  ">= 2.0"],
-                 ["simulator: worst error of a run's mean restore time", s["sim_mean_rel_error"], "<= 0.10"],
-                 ["simulator: median per-request restore-time error", s["sim_median_rel_error"], "<= 0.20"],
-                 ["simulator: worst per-request restore-time error", s["sim_max_rel_error"], ""],
-                 [f"CacheFlow compute-loop / channel busy share, batch {s['batch']} (paper: 0.88 / 0.78)",
-                  f"{_num(s['compute_busy_share_b8'])} / {_num(s['io_busy_share_b8'])}", ""],
-                 ["one batched forward over 8 requests' 64-token chunks vs 8 single ones (throughput)",
-                  s.get("batched_forward_speedup"), ">= 1.3"],
-                 ["one run vs the median of its repeats, per request: worst / median (the machine's own noise)",
-                  f"{s['run_max_rel_spread']:.3f} / {s['run_median_rel_spread']:.3f}", ""],
-             ]), "", *_failures(body["runs"]),
+             table(["target", "measured", "goal"], target_rows(s)), "", *_failures(body["runs"]),
              "## Local cluster: TTFT (s), median of the repeated runs (range over them)", "",
              table(["batch", "policy", "runs", "mean", "P50", "P90", "P99", "compute / channel busy"],
                    [[r["batch"], r["policy"], r["repeats"], f"{r['mean_s']:.3f} ({r['mean_s_min']:.3f}-"
