@@ -104,12 +104,13 @@ class Transformer:
             torch.cuda.synchronize(self.device)
 
     def fingerprint(self) -> str:
-        """32 hex chars identifying config + weights; equal for every layer range of one checkpoint."""
+        """32 hex chars identifying config, compute dtype and every byte of the weights; equal for every
+        layer range of one checkpoint (hashed from its files once, then kept beside them)."""
         if self._fingerprint is None:
-            if self.layers == range(self.config.num_layers) or self._source is None:
-                self._fingerprint = fingerprint(self.config, memory_tensors(self.weights))
+            if self._source is not None:  # from the files: every stage agrees, whatever layers it loaded
+                self._fingerprint = checkpoint_fingerprint(self._source, self.config, self.dtype)
             else:
-                self._fingerprint = checkpoint_fingerprint(self._source, self.config, self.dtype, self.weights)
+                self._fingerprint = fingerprint(self.config, memory_tensors(self.weights))
         return self._fingerprint
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,10 @@ from safetensors.torch import save_file
 
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
+from cacheflow_common.model.fingerprint_cache import cached_fingerprint
 
-FP_WINDOWS = 16  # windows hashed per tensor: enough to catch a different checkpoint, cheap for 70B
-FP_WINDOW = 4096  # bytes per window
+FP_BLOCK_BYTES = 64 << 20  # a fingerprint reads a tensor this many bytes at a time
+SHARD_INDEX = "model.safetensors.index.json"
 
 
 def layer_param_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
@@ -81,10 +82,7 @@ def load_weights(path: Path, config: ModelConfig, *, layers: range, dtype: torch
                  device: torch.device | str) -> dict[str, torch.Tensor]:
     """Read only the tensors `layers` need from a safetensors checkpoint (single file or sharded)."""
     wanted = param_shapes(config, layers)
-    located = tensor_files(path)
-    missing = sorted(set(wanted) - set(located))
-    if missing:
-        raise ConfigError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    located = locate_tensors(path, wanted)
     weights: dict[str, torch.Tensor] = {}
     for file in sorted({located[name] for name in wanted}):
         with safe_open(str(file), framework="pt") as f:
@@ -96,9 +94,18 @@ def load_weights(path: Path, config: ModelConfig, *, layers: range, dtype: torch
     return weights
 
 
+def locate_tensors(path: Path, wanted: dict[str, tuple[int, ...]]) -> dict[str, Path]:
+    """`tensor_files`, checked to hold every tensor in `wanted`."""
+    located = tensor_files(path)
+    missing = sorted(set(wanted) - set(located))
+    if missing:
+        raise ConfigError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    return located
+
+
 def tensor_files(path: Path) -> dict[str, Path]:
     """Which file holds each tensor: the shard index's weight_map, or the keys of model.safetensors."""
-    index = path / "model.safetensors.index.json"
+    index = path / SHARD_INDEX
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -123,30 +130,22 @@ RowReader = Callable[[int, int], torch.Tensor]  # (first row, end row) -> those 
 
 def fingerprint(config: ModelConfig, tensors: dict[str, tuple[tuple[int, ...], torch.dtype, RowReader]]) -> str:
     """blake2b-128 over the canonical config, then per tensor (sorted by name) its name, shape, dtype and
-    up to FP_WINDOWS evenly spaced FP_WINDOW-byte windows of its bytes (all of them when it is small).
+    every byte of it in that dtype, read FP_BLOCK_BYTES at a time (never a whole large tensor at once).
 
-    Tensors come as (shape, dtype, row reader) so a stage that loaded only some layers can fingerprint the
-    whole checkpoint by reading a few rows of the others: every stage of one model agrees.
+    Tensors come as (shape, dtype, row reader), so the same bytes are hashed whether they are in memory
+    or read from a checkpoint's files: a model and its saved copy agree.
     """
     h = hashlib.blake2b(digest_size=16)
     h.update(config.canonical_json().encode())
     for name in sorted(tensors):
         shape, dtype, read = tensors[name]
         h.update(f"{name}|{list(shape)}|{str(dtype).removeprefix('torch.')}|".encode())
-        for a, b in _windows(shape, dtype):
-            rows = max(1, math.prod(shape[1:]))  # elements per row
-            r0, r1 = a // rows, -(-b // rows)
-            flat = read(r0, r1).reshape(-1)[a - r0 * rows: b - r0 * rows]  # [b - a]
-            h.update(flat.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        rows = shape[0] if shape else 1
+        per_block = max(1, FP_BLOCK_BYTES // max(1, math.prod(shape[1:]) * dtype.itemsize))
+        for r0 in range(0, rows if math.prod(shape) else 0, per_block):
+            block = read(r0, min(rows, r0 + per_block)).contiguous()
+            h.update(block.view(torch.uint8).cpu().numpy().data)
     return h.hexdigest()
-
-
-def _windows(shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, int]]:
-    """Element ranges to hash: the whole tensor if it fits in FP_WINDOWS windows, else evenly spaced ones."""
-    n, per = math.prod(shape), max(1, FP_WINDOW // dtype.itemsize)
-    if n <= FP_WINDOWS * per:
-        return [(0, n)] if n else []
-    return [(a, a + per) for a in (i * (n - per) // (FP_WINDOWS - 1) for i in range(FP_WINDOWS))]
 
 
 def memory_tensors(weights: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype, RowReader]]:
@@ -156,16 +155,24 @@ def memory_tensors(weights: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[in
     return {n: (tuple(t.shape), t.dtype, reader(t)) for n, t in weights.items()}
 
 
-def checkpoint_fingerprint(path: Path, config: ModelConfig, dtype: torch.dtype,
-                           loaded: dict[str, torch.Tensor]) -> str:
-    """The fingerprint the full model would have in `dtype`, reading only sampled rows of unloaded tensors."""
-    located = tensor_files(path)
-    tensors = memory_tensors(loaded)
+def checkpoint_fingerprint(path: Path, config: ModelConfig, dtype: torch.dtype) -> str:
+    """The fingerprint of the whole checkpoint at `path` computed in `dtype`, from its files (so every stage
+    of a model agrees, whichever layers it loaded): hashed once, then kept beside the files."""
+    wanted = param_shapes(config, range(config.num_layers))
+    located = locate_tensors(path, wanted)
+    files = [path / "config.json", *{located[name] for name in wanted}]
+    if (path / SHARD_INDEX).is_file():
+        files.append(path / SHARD_INDEX)
+    variant = str(dtype).removeprefix("torch.")
+    return cached_fingerprint(path, files, variant, lambda: _hash_checkpoint(config, wanted, located, dtype))
+
+
+def _hash_checkpoint(config: ModelConfig, wanted: dict[str, tuple[int, ...]], located: dict[str, Path],
+                     dtype: torch.dtype) -> str:
     with ExitStack() as stack:
         opened: dict[Path, Any] = {}
-        for name, shape in param_shapes(config, range(config.num_layers)).items():
-            if name in tensors:
-                continue
+        tensors: dict[str, tuple[tuple[int, ...], torch.dtype, RowReader]] = {}
+        for name, shape in wanted.items():
             file = located[name]
             if file not in opened:
                 opened[file] = stack.enter_context(safe_open(str(file), framework="pt"))

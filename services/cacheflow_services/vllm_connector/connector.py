@@ -171,7 +171,7 @@ def _scheduler_plan(cfg: ConnectorConfig, block_size: int, dtype: torch.dtype) -
     from pathlib import Path
 
     model_config = ModelConfig.from_dir(cfg.model)
-    fingerprint = checkpoint_fingerprint(Path(cfg.model), model_config, dtype, {})
+    fingerprint = checkpoint_fingerprint(Path(cfg.model), model_config, dtype)
     store = open_store(cfg)
     layers = [range(model_config.num_layers)]
 
