@@ -66,6 +66,7 @@ POLICIES = ("compute-only", "load-only", "cake", "cacheflow")
 # CacheFlow's other channel rankings, replayed at the largest batch
 RANKINGS = ("cacheflow-alg1", "cacheflow-progress", "cacheflow-hrrn")
 MODEL, DTYPE_BYTES, N_STAGES, N_PODS = "tiny", 4, 2, 2
+SLOWDOWNS = [1 + i / 20 for i in range(61)]  # compute slowdowns while loading tried in calibration: 1 to 4
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -143,11 +144,13 @@ def coordinator_for(cluster: LocalCluster, workdir: Path, batch: int) -> LocalCo
 @dataclass(frozen=True)
 class Calibration:
     """The simulator's cost model fitted to the cluster: factors on the profile's compute costs and load times,
-    and a fixed time per restore outside the two pointers (the coordinator's and workers' RPCs and setup)."""
+    a fixed time per restore outside the two pointers (the coordinator's and workers' RPCs and setup), and how
+    much longer a compute step takes while loads are in flight (loaders and pods share this host's cores)."""
 
     compute: float = 1.0
     load: float = 1.0
     overhead_s: float = 0.0
+    slowdown: float = 1.0
 
 
 def sim_config(profile: Profile, shape: ModelShape, *, policy: str, batch: int, n_stages: int, n_channels: int,
@@ -160,6 +163,7 @@ def sim_config(profile: Profile, shape: ModelShape, *, policy: str, batch: int, 
                      policy=policy, n_stages=n_stages, n_channels=n_channels, link_gbps=link_gbps / calibration.load,
                      chunk_size=chunk_size, l_delta=l_delta, max_batch=batch,
                      batch_window_s=CoordinatorConfig.batch_window_s, restore_overhead_s=calibration.overhead_s,
+                     compute_slowdown_while_loading=calibration.slowdown,
                      batched_compute=True, max_batch_tokens=WorkerConfig.step_tokens,
                      beside_forward_tokens=WorkerConfig.beside_forward_tokens,
                      prefill_tokens=WorkerConfig.prefill_tokens)
@@ -170,7 +174,9 @@ def calibrate(url: str, token: str, requests: list[ReplayRequest], profile: Prof
     """Requests served alone (3 times each, median), the shortest and a median-length one. Compute-only
     (their whole prompt prefilled through the stages) gives the compute factor: the slope of a line
     through both TTFTs. Load-only gives the load factor and the fixed time per restore outside the two
-    pointers: the slope and intercept of a line through both restore times."""
+    pointers: the slope and intercept of a line through both restore times. Then the median one restored
+    by Cake, computing and loading at once, gives the compute slowdown while loads are in flight: the
+    factor at which the simulator, calibrated so far, predicts its restore time."""
     by_length = sorted(requests, key=lambda r: r.trace.input_length)
     short, median = (replace(r, trace=replace(r.trace, arrival_s=0.0))
                      for r in (by_length[0], by_length[len(by_length) // 2]))
@@ -185,7 +191,17 @@ def calibrate(url: str, token: str, requests: list[ReplayRequest], profile: Prof
     (m_short, p_short), (m_median, p_median) = (measured_and_predicted(p, "load-only", "restore_s")
                                                 for p in (short, median))
     load = _slope((m_short, p_short), (m_median, p_median))
-    return Calibration(compute=compute, load=load, overhead_s=max(0.0, m_short - load * p_short))
+    fitted = Calibration(compute=compute, load=load, overhead_s=max(0.0, m_short - load * p_short))
+    cake_runs = [replay(url, token, MODEL, [median], "cake")[0] for _ in range(3)]
+    cake = statistics.median(r["restore_s"] for r in cake_runs)
+
+    def predicted(slowdown: float) -> float:
+        config = sim_config(profile, shape, policy="cake", batch=1, n_stages=N_STAGES, n_channels=N_PODS,
+                            link_gbps=link_gbps, chunk_size=chunk_size, calibration=replace(fitted, slowdown=slowdown))
+        return simulated(config, [median], cake_runs[:1])[0]
+
+    slowdown = min(SLOWDOWNS, key=lambda f: abs(predicted(f) - cake))
+    return replace(fitted, slowdown=slowdown)
 
 
 def _slope(a: tuple[float, float], b: tuple[float, float]) -> float:

@@ -101,8 +101,10 @@ def write_markdown(path: Path, body: dict[str, Any], table: Callable[..., str]) 
              "alone, measured / profiled: compute-only prefills for compute, load-only restores for load and "
              f"the fixed time per restore): compute x{body['calibration']['compute']:.2f}, "
              f"load x{body['calibration']['load']:.2f}, plus {body['calibration']['overhead_s']:.3f} s "
-             "per restore outside the two pointers. Simulated requests enter the admission queue when the real "
-             "ones did (after their prefix lookup).",
+             "per restore outside the two pointers; a compute step that starts while loads are in flight takes "
+             f"x{body['calibration'].get('slowdown', 1.0):.2f} (fitted to a median request restored alone by Cake: "
+             "the loaders and pods share this host's cores with the compute loops). Simulated requests enter the "
+             "admission queue when the real ones did (after their prefix lookup).",
              "",
              table(["target", "measured", "goal"], target_rows(s)), "", *_failures(body["runs"]),
              "## Local cluster: TTFT (s), median of the repeated runs (range over them)", "",

@@ -53,6 +53,9 @@ class SimConfig:
     max_batch_tokens: int | None = None  # a step's token budget (the engine's step_tokens; one unit always fits)
     beside_forward_tokens: int | None = None  # restore tokens a step carries beside prefill work (the engine's;
     # one unit always fits); None: no such cap
+    compute_slowdown_while_loading: float = 1.0  # a step that starts while loads are in flight takes this
+    # much longer (a host whose loaders and pods share cores with the compute loops; fitted from a lone
+    # restore that computes and loads at once); 1.0: compute and I/O on separate hardware, as on a GPU
     placement: str = "round-robin"  # which channel holds a unit: "round-robin" (even) or "hash"
     scheduling: str = "per-stage"  # each stage schedules its own units with a loader per pod of its own
     # (as the workers' engines do); "cluster": one idealised scheduler over every stage, one loader per pod
@@ -66,9 +69,9 @@ class SimConfig:
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"unknown placement {self.placement!r}; choose one of {', '.join(PLACEMENTS)}")
         if (min(self.n_stages, self.n_channels, self.max_batch, self.chunk_size) <= 0
-                or min(self.batch_window_s, self.restore_overhead_s) < 0):
+                or min(self.batch_window_s, self.restore_overhead_s) < 0 or self.compute_slowdown_while_loading < 1):
             raise ConfigError("stages, channels, max batch and chunk size must be positive, "
-                              "the batch window and restore overhead not negative")
+                              "the batch window and restore overhead not negative, the slowdown at least 1")
         if not 1 <= self.n_stages <= self.model.num_layers:
             raise ConfigError(f"cannot split {self.model.num_layers} layers into {self.n_stages} stages")
         if self.stage_layers and (len(self.stage_layers) != self.n_stages or min(self.stage_layers) <= 0

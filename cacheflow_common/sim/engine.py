@@ -205,6 +205,8 @@ class _Simulation:
         seconds = sum(total for total, _ in items)
         if self.config.batched_compute:  # the batch-shared fixed part once, not once per item
             seconds -= sum(fixed for _, fixed in items) - max(fixed for _, fixed in items)
+        if any(load is not None for load in self._loads):  # loaders take time from the compute loop's cores
+            seconds *= self.config.compute_slowdown_while_loading
         batch = self._batches[stage] = _Batch(tasks, prefills)
         self._stage_busy[stage] += seconds
         self._at(self.now + seconds, lambda: self._batch_done(stage, batch, seconds))

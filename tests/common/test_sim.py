@@ -131,6 +131,17 @@ def test_one_batch_pays_the_fixed_cost_once():
     assert unbatched.requests[0].restore_s == pytest.approx(2 * alone)
 
 
+def test_steps_that_start_while_loads_are_in_flight_take_the_slowdown_longer():
+    trace = [request("0", cached=2048)]
+    balanced = {"link_gbps": 0.2, "chunk_size": 256}  # compute and loads both take part in a cake restore
+    plain, slowed = (simulate(trace, config(policy, compute_slowdown_while_loading=factor, **balanced)).requests[0]
+                     for policy, factor in (("cake", 1.0), ("cake", 2.0)))
+    assert slowed.restore_s > plain.restore_s and slowed.tokens_computed < plain.tokens_computed
+    alone, alone_slowed = (simulate(trace, config("compute-only", compute_slowdown_while_loading=f)).requests[0]
+                           for f in (1.0, 2.0))
+    assert alone_slowed.restore_s == alone.restore_s  # nothing loads: no step is slowed
+
+
 # -- the bound and the policies side by side -----------------------------------------------------------
 def test_one_request_never_beats_the_two_pointer_bound():
     compute = chunk_compute(4096, 4)
@@ -185,6 +196,7 @@ def test_config_from_a_profile_takes_its_costs_and_the_nearest_l_delta():
 
 @pytest.mark.parametrize("bad", [{"policy": "fastest"}, {"placement": "random"}, {"n_stages": 5},
                                  {"n_channels": 0}, {"batch_window_s": -1}, {"restore_overhead_s": -1},
+                                 {"compute_slowdown_while_loading": 0.5},
                                  {"stage_layers": (1, 2)},
                                  {"n_stages": 2, "stage_layers": (4, 0)}])
 def test_bad_configs_are_refused(bad):
