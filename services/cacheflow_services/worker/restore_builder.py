@@ -7,6 +7,7 @@ and where the compute side's inputs come from.
   fastest recompute, the strongest form of the baseline. Layer mode: one unit per layer.
 * Channels: a token unit loads from the pod that holds its chunk (the first of its placement); a
   layer unit reads every chunk, and goes to channel `layer % pods`.
+* Holes: a layer-wise restore over a prefix with an absent chunk goes token-wise (checked before planning).
 * Costs: the profile's, behind the link rate the worker was told (`link_gbps`); without a profile,
   the planned (CacheFlow) policies fall back to Cake's greedy meeting point, and the answer says so.
 """
@@ -14,6 +15,7 @@ and where the compute side's inputs come from.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.model.kv_buffer import KVBuffer
@@ -55,6 +57,7 @@ class RestoreBuilder:
         spec = self.spec(request_id, job, policy_name, input_mode=input_mode, upstream=upstream is not None,
                          delivers=on_computed is not None)
         loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
+        spec = _token_wise_over_holes(spec, loader)
         unit_size = self._unit_size(spec, delivers=on_computed is not None)
         units = _units(spec.mode, len(job.token_ids), unit_size, len(job.layers))
         plan = build_plan(request_id=request_id, arrival_s=arrival_s, n_tokens=len(job.token_ids),
@@ -117,6 +120,20 @@ class RestoreBuilder:
             raise BoundaryMissingError(f"boundary activations missing for chunks "
                                        f"{missing[:8]}{'...' if len(missing) > 8 else ''}; restore pipelined")
         return boundary, (lambda: boundary.close(wait=False),)  # closed under the engine's lock
+
+
+def _token_wise_over_holes(spec: RestoreSpec, loader: KVLoader) -> RestoreSpec:
+    """A layer-wise restore reads every chunk for each layer, so one absent chunk would fail every layer
+    load (after reading the others for nothing) and recompute everything: over a prefix with holes, go
+    token-wise, which loads the chunks that are there and recomputes only the holes."""
+    if spec.mode != "layer":
+        return spec
+    holes = [i for i in range(len(loader.keys)) if not loader.store.exists(loader.names(i))]
+    if not holes:
+        return spec
+    shown = ", ".join(map(str, holes[:8])) + (", ..." if len(holes) > 8 else "")
+    reason = f"chunks {shown} of {len(loader.keys)} absent from storage: token-wise, not layer-wise"
+    return replace(spec, mode="token", fallback="; ".join(filter(None, (spec.fallback, reason))))
 
 
 def _units(mode: str, n_tokens: int, unit_size: int, n_layers: int) -> list[tuple[int, int]]:
