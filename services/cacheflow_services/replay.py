@@ -77,7 +77,8 @@ def replay(url: str, token: str, model: str, requests: list[ReplayRequest], poli
         results[i] = {"request": r.trace.request_id, "arrival_s": r.trace.arrival_s, "tokens": r.trace.input_length,
                       "restored": extra["prompt_tokens_restored"], "ttft_s": extra["ttft_s"],
                       "restore_s": extra["restore_s"], "lookup_s": extra["lookup_s"], "queue_s": extra["queue_s"],
-                      "batch": extra["batch"]}
+                      "batch": extra["batch"], "units_computed": [s["computed"] for s in extra["stages"]],
+                      "units_loaded": [s["loaded"] for s in extra["stages"]]}
         if on_done:
             on_done()
 
