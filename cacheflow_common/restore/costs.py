@@ -14,6 +14,7 @@ throughput and the (emulated) link.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,10 @@ class LinearCost:
 
     def of(self, n_tokens: int, mean_context: float) -> float:
         return self.fixed_s + self.per_token_s * n_tokens + self.per_token_ctx_s * n_tokens * mean_context
+
+    def non_decreasing(self) -> bool:
+        """Every coefficient finite and >= 0: the cost never falls as tokens or context grow."""
+        return all(math.isfinite(v) and v >= 0 for v in (self.fixed_s, self.per_token_s, self.per_token_ctx_s))
 
 
 @dataclass(frozen=True, kw_only=True)

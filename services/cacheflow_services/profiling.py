@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from cacheflow_common.model.sources import load_model, parse_dtype
-from cacheflow_common.restore.profile import Profile
+from cacheflow_common.restore.profile import PROFILE_FORMAT, Profile
 from cacheflow_common.restore.profiler import ProfileSettings, profile_model
 from cacheflow_common.store.base import open_store
 
@@ -53,9 +53,10 @@ def measure(model: str, *, dtype: str, settings: ProfileSettings, threads: int, 
 
 def quick_profile_path(cache_dir: Path, model: str, *, dtype: str, chunk_size: int, max_tokens: int,
                        threads: int) -> Path:
-    """Where the quick profile of these settings is kept (one file per model and setting)."""
+    """Where the quick profile of these settings is kept (one file per model, setting and profile format:
+    a profile of an older format is measured again)."""
     name = model.strip("/").replace("/", "_")
-    return cache_dir / f"profile-quick-{name}-{dtype}-c{chunk_size}-m{max_tokens}-t{threads}.json"
+    return cache_dir / f"profile-quick-{name}-{dtype}-c{chunk_size}-m{max_tokens}-t{threads}-f{PROFILE_FORMAT}.json"
 
 
 def ensure_quick_profile(cache_dir: Path, model: str, *, dtype: str, chunk_size: int, max_tokens: int,

@@ -27,7 +27,7 @@ FRAME_SLACK_BYTES = 8 << 20  # metadata (token ids) beside the hidden states
 def serve(config: WorkerConfig) -> None:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack to the log
     model = load_model(config.model, dtype=parse_dtype(config.dtype), layers=config.layers)
-    profile = Profile.load(config.profile) if config.profile else None
+    profile = Profile.load(config.profile, model=model) if config.profile else None  # refused if not ours
     next_stage = NextStage(config.next_stage, timeout_s=config.next_stage_timeout_s) if config.next_stage else None
     stores: dict[str, ChunkStore] = dict(tenant_stores(config.pods, config.pod_tokens, replicas=config.replicas))
     engine = StageEngine(config, model, stores, profile, next_stage)
