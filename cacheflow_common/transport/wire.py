@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from enum import IntEnum
 
 HELLO_MAGIC = b"CFD1"
@@ -51,19 +52,36 @@ class WireError(Exception):
     """The peer broke the protocol or the connection closed mid-message (internal: becomes a miss or a 4xx)."""
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill all of `view` from the socket (WireError if the peer closes first)."""
-    done = 0
-    while done < len(view):
-        n = sock.recv_into(view[done:])
-        if n == 0:
-            raise WireError("connection closed mid-message")
-        done += n
+def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill all of `view` from the socket (WireError if the peer closes first).
+
+    `deadline` (monotonic seconds): all of it must have arrived by then (TimeoutError), however the
+    peer paces its bytes; without it, only the socket's own timeout bounds each wait.
+    """
+    done, timeout = 0, sock.gettimeout()
+    try:
+        while done < len(view):
+            if deadline is not None:
+                sock.settimeout(_time_left(deadline))
+            n = sock.recv_into(view[done:])
+            if n == 0:
+                raise WireError("connection closed mid-message")
+            done += n
+    finally:
+        if deadline is not None:
+            sock.settimeout(timeout)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def _time_left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the peer did not send its message in time")
+    return left
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
-    recv_exact_into(sock, memoryview(buf))
+    recv_exact_into(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 

@@ -57,7 +57,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _storage(args: argparse.Namespace) -> int:
     from cacheflow_common.transport.shaping import gbps
     from cacheflow_common.units import parse_bytes
-    from cacheflow_services.storage.config import StorageConfig, read_token_file
+    from cacheflow_services.storage.config import StorageConfig, parse_tenant_shares, read_token_file
     from cacheflow_services.storage.main import serve
 
     config = StorageConfig(
@@ -71,7 +71,14 @@ def _storage(args: argparse.Namespace) -> int:
         data_port=args.data_port,
         http_port=args.http_port,
         tokens=read_token_file(Path(args.token_file)),
+        tenant_shares=parse_tenant_shares(args.tenant_share),
         max_object_bytes=parse_bytes(args.max_object),
+        max_buffered_bytes=parse_bytes(args.max_buffered),
+        max_connections=args.max_connections,
+        max_tenant_connections=args.max_tenant_connections,
+        max_pending_connections=args.max_pending_connections,
+        hello_timeout_s=args.hello_timeout,
+        idle_timeout_s=args.idle_timeout,
     )
     serve(config)
     return 0
@@ -90,6 +97,16 @@ def _add_storage_parser(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--http-port", type=int, default=0, help="control API port (0: any free one)")
     st.add_argument("--token-file", required=True, help="file of 'tenant token' lines (a mounted Secret)")
     st.add_argument("--max-object", default="256MiB", help="largest object stored or read at once")
+    st.add_argument("--max-buffered", default="1GiB", help="request bytes held in memory at once, all connections")
+    st.add_argument("--tenant-share", action="append", default=[], metavar="TENANT=SIZE",
+                    help="capacity guaranteed to a tenant (repeatable); the others split what is left evenly")
+    st.add_argument("--max-connections", type=int, default=256, help="authenticated data-plane connections")
+    st.add_argument("--max-tenant-connections", type=int, default=0,
+                    help="of those, per tenant (0: max-connections split evenly between the tenants)")
+    st.add_argument("--max-pending-connections", type=int, default=64,
+                    help="connections not yet authenticated; one more closes the oldest")
+    st.add_argument("--hello-timeout", type=float, default=5.0, help="seconds a connection has to authenticate")
+    st.add_argument("--idle-timeout", type=float, default=60.0, help="close a connection idle this many seconds")
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -1,18 +1,20 @@
 """The pod's control API (FastAPI): health, readiness, bulk existence queries, stats, Prometheus metrics.
 
-Everything but health, readiness and metrics needs `Authorization: Bearer <token>`, and answers for
-the token's tenant only. Bulk data never goes through here: it uses the data plane (`dataplane`).
+Everything but health, readiness and metrics needs `Authorization: Bearer <token>`, checked before
+the body is read, and answers for the token's tenant only (`http_guard`). Bulk data never goes
+through here: it uses the data plane (`dataplane`).
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real `Depends(tenant)` of a local function.
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from cacheflow_common.errors import BadRequestError
+from cacheflow_services.storage.http_guard import UNAUTHORIZED, RequestGuard
 from cacheflow_services.storage.pod import StoragePod
 
 MAX_BODY_BYTES = 1 << 20  # the largest control request (4096 names of ~60 characters is ~300 KB)
@@ -25,24 +27,17 @@ class ExistsRequest(BaseModel):
 def create_app(pod: StoragePod, *, data_port: int, transport: str) -> FastAPI:
     app = FastAPI(title="CacheFlow storage pod", docs_url=None, redoc_url=None)
 
-    @app.middleware("http")
-    async def bound_body(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return JSONResponse({"detail": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
-        response: Response = await call_next(request)
-        return response
+    app.add_middleware(RequestGuard, authenticate=pod.tenant_of, max_body_bytes=MAX_BODY_BYTES,
+                       on_refused=lambda reason: pod.metrics.refused.labels(reason).inc())
 
     @app.exception_handler(BadRequestError)
     async def bad_request(_: Request, exc: BadRequestError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=400)
 
-    def tenant(authorization: Annotated[str, Header()] = "") -> str:
-        scheme, _, token = authorization.partition(" ")
-        found = pod.tenant_of(token.strip()) if scheme.lower() == "bearer" else None
-        if found is None:
-            pod.metrics.refused.labels("unauthorized").inc()
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+    def tenant(request: Request) -> str:
+        found = getattr(request.state, "tenant", None)  # set by RequestGuard on every path that needs a token
+        if not isinstance(found, str):
+            raise HTTPException(401, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
         return found
 
     @app.get("/healthz")
@@ -60,10 +55,11 @@ def create_app(pod: StoragePod, *, data_port: int, transport: str) -> FastAPI:
 
     @app.get("/v1/stats")
     def stats(who: Annotated[str, Depends(tenant)]) -> dict[str, Any]:
-        return {"tenant": who, "data_port": data_port, "transport": transport, **pod.stats()}
+        return {"tenant": who, "data_port": data_port, "transport": transport, **pod.stats(who)}
 
     @app.get("/metrics")
     def metrics() -> Response:
+        pod.refresh_gauges()
         return Response(generate_latest(pod.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

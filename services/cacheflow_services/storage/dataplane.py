@@ -1,12 +1,17 @@
 """The pod's bulk data plane: a threaded TCP server speaking `cacheflow_common.transport.wire`.
 
-One thread per connection; each connection has its own staging buffer, so reads from many clients
-proceed at once. Outgoing bytes are shaped by the pod's one token bucket in slices of `SLICE_BYTES`:
-concurrent readers take turns slice by slice (FIFO bookings), so they share the link fairly and a
-small read is not stuck behind a large one. With NIXL, the same connection carries the requests and
-the pod writes the bytes straight into the client's registered memory (see `nixl_plane`).
+One thread per connection. Outgoing bytes are shaped by the pod's one token bucket in slices of
+`SLICE_BYTES`: concurrent readers take turns slice by slice (FIFO bookings), so they share the link
+fairly and a small read is not stuck behind a large one. With NIXL, the same connection carries the
+requests and the pod writes the bytes straight into the client's registered memory (see `nixl_plane`).
 
-The request protocol, per connection: hello (bearer token) -> tenant; then request -> response, in order.
+Memory: nothing is allocated for a request before it needs it. A read is streamed in checked pieces
+through one bounded buffer (`reads`), only once the object is known to hold the range; a PUT body
+grows as its bytes arrive. Both count against the pod's `BufferBudget` (`max_buffered_bytes`).
+
+The request protocol, per connection: hello (bearer token) -> tenant; then request -> response, in
+order. The hello must be complete within `hello_timeout_s`, and `ConnectionGate` caps connections
+(pending, per tenant, in all); a connection idle for `idle_timeout_s` between requests is closed.
 """
 
 from __future__ import annotations
@@ -15,18 +20,23 @@ import logging
 import socket
 import socketserver
 import threading
+import time
 from typing import Any
 
 from cacheflow_common.errors import BadRequestError, StoreError
 from cacheflow_common.transport import wire
 from cacheflow_common.transport.shaping import TokenBucket
 from cacheflow_common.transport.wire import Op, Status, WireError
+from cacheflow_services.storage.admission import ConnectionGate
 from cacheflow_services.storage.pod import StoragePod
+from cacheflow_services.storage.reads import ReadPlan, slices_within
 
 log = logging.getLogger(__name__)
 SLICE_BYTES = 256 * 1024  # shaping granularity: 2 ms at 1 Gbit/s, fine enough for fair turns between readers
 NIXL_SLICE_BYTES = 1024 * 1024  # for NIXL writes (a transfer's fixed cost is tens of microseconds)
+NIXL_PIECE_BYTES = 4 * 1024 * 1024  # NIXL reads stream through a registered slab of about this size
 MAX_NIXL_METADATA = 1 << 20  # bytes of a client agent's NIXL metadata
+SKIP_BYTES = 64 * 1024  # a refused PUT body is read and dropped this much at a time
 
 
 def send_shaped(sock: socket.socket, data: memoryview, shaper: TokenBucket,
@@ -42,67 +52,79 @@ class _Connection(socketserver.BaseRequestHandler):
 
     def setup(self) -> None:
         self.sock: socket.socket = self.request
-        self.sock.settimeout(self.server.pod.config.io_timeout_s)
+        self.config = self.server.pod.config
+        self.sock.settimeout(self.config.io_timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.staging = bytearray()
+        self.tenant = ""  # set once the hello is accepted
         self.nixl_peer: Any = None  # the client's NIXL agent, after NIXL_HELLO
-
-    def _buffer(self, n: int) -> memoryview:
-        if len(self.staging) < n:
-            self.staging = bytearray(n)  # grows to the largest request seen (bounded by max_object_bytes)
-        return memoryview(self.staging)[:n]
 
     def handle(self) -> None:
         server = self.server
-        if not server.admit():
-            server.pod.metrics.refused.labels("connections").inc()
-            wire.send_response(self.sock, Status.UNAVAILABLE, "too many connections")
-            return
+        server.gate.arrive(self.sock)
         try:
-            tenant = self._hello()
-            if tenant:
-                while self._serve_one(tenant):
+            if self._hello():
+                while self._serve_one():
                     pass
-        except (OSError, WireError) as exc:  # the client went away or broke the protocol: drop the connection
+        except (OSError, WireError) as exc:  # the client went away, was too slow or broke the protocol: drop it
             log.debug("data connection from %s closed: %s", self.client_address, exc)
         finally:
             if self.nixl_peer is not None:
                 server.nixl.forget(self.nixl_peer)
-            server.leave()
+            server.gate.leave(self.sock, self.tenant)
 
-    def _hello(self) -> str | None:
-        magic, token_len = wire.HELLO.unpack(wire.recv_exact(self.sock, wire.HELLO.size))
-        if magic != wire.HELLO_MAGIC or token_len > wire.MAX_TOKEN:
-            wire.send_response(self.sock, Status.BAD_REQUEST, "not a CacheFlow data-plane hello")
-            return None
-        tenant = self.server.pod.tenant_of(wire.recv_exact(self.sock, token_len).decode(errors="replace"))
+    def _hello(self) -> bool:
+        deadline = time.monotonic() + self.config.hello_timeout_s
+        try:
+            magic, token_len = wire.HELLO.unpack(wire.recv_exact(self.sock, wire.HELLO.size, deadline))
+            if magic != wire.HELLO_MAGIC or token_len > wire.MAX_TOKEN:
+                wire.send_response(self.sock, Status.BAD_REQUEST, "not a CacheFlow data-plane hello")
+                return False
+            token = wire.recv_exact(self.sock, token_len, deadline).decode(errors="replace")
+        except TimeoutError:
+            self.server.pod.metrics.refused.labels("hello_timeout").inc()
+            raise
+        tenant = self.server.pod.tenant_of(token)
         if tenant is None:
             self.server.pod.metrics.refused.labels("unauthorized").inc()
             wire.send_response(self.sock, Status.UNAUTHORIZED, "missing or wrong bearer token")
-            return None
+            return False
+        refused = self.server.gate.authenticate(self.sock, tenant)
+        if refused:
+            wire.send_response(self.sock, Status.UNAVAILABLE, refused)
+            return False
+        self.tenant = tenant
         wire.send_response(self.sock, Status.OK, tenant)
-        return tenant
+        return True
 
-    def _serve_one(self, tenant: str) -> bool:
+    def _wait_for_request(self, head: bytearray) -> int:
+        """Bytes of the next request's header received (0: the client closed, or stayed idle too long)."""
+        self.sock.settimeout(self.config.idle_timeout_s)
+        try:
+            return self.sock.recv_into(head)
+        except TimeoutError:
+            return 0  # idle past the timeout between requests: closed (the client's pool reconnects)
+        finally:
+            self.sock.settimeout(self.config.io_timeout_s)
+
+    def _serve_one(self) -> bool:
         """Answer one request; False when the connection should close."""
         head = bytearray(wire.REQUEST.size)
-        try:
-            first = self.sock.recv_into(head)
-        except TimeoutError:
-            return False  # idle past the timeout between requests
+        first = self._wait_for_request(head)
         if first == 0:
-            return False  # the client closed between requests
-        wire.recv_exact_into(self.sock, memoryview(head)[first:])
+            return False
+        deadline = time.monotonic() + self.config.io_timeout_s  # the rest of the header and the name
+        wire.recv_exact_into(self.sock, memoryview(head)[first:], deadline)
         magic, op, _, name_len, offset, length, extra = wire.REQUEST.unpack(head)
         if magic != wire.REQUEST_MAGIC or name_len > wire.MAX_NAME:
             wire.send_response(self.sock, Status.BAD_REQUEST, "malformed request header")
             return False
-        name = wire.recv_exact(self.sock, name_len).decode(errors="replace")
-        try:
-            return self._dispatch(tenant, Op(op), name, offset, length, extra)
-        except ValueError:
+        name = wire.recv_exact(self.sock, name_len, deadline).decode(errors="replace")
+        if op not in set(Op):
             wire.send_response(self.sock, Status.BAD_REQUEST, f"unknown operation {op}")
-            return op not in (Op.PUT, Op.NIXL_HELLO)  # those carry a body we did not read
+            return True
+        try:
+            self._dispatch(Op(op), name, offset, length, extra)
+            return True
         except BadRequestError as exc:
             wire.send_response(self.sock, Status.BAD_REQUEST, str(exc))
             return op not in (Op.PUT, Op.NIXL_HELLO)  # refused before its body was read: cannot resync
@@ -110,40 +132,87 @@ class _Connection(socketserver.BaseRequestHandler):
             wire.send_response(self.sock, Status.UNAVAILABLE, str(exc))
             return True
 
-    def _dispatch(self, tenant: str, op: Op, name: str, offset: int, length: int, extra: int) -> bool:
+    def _dispatch(self, op: Op, name: str, offset: int, length: int, extra: int) -> None:
         pod = self.server.pod
         if op is Op.GET:
-            pod.check_length(length, "a read")
-            out = self._buffer(length)
-            slices = self.server.shaper.book_slices(length, SLICE_BYTES)
-            status, reason = pod.read(tenant, name, offset, out)
-            if status is not Status.OK:
-                self.server.shaper.release(slices[-1][2], length)
-                wire.send_response(self.sock, status, reason)
-                return True
-            wire.send_response(self.sock, Status.OK, "", length)
-            send_shaped(self.sock, out, self.server.shaper, slices)
+            self._get(name, offset, length)
         elif op is Op.PUT:
-            pod.check_length(length, "an object")
-            body = self._buffer(length)
-            wire.recv_exact_into(self.sock, body)
-            try:
-                status, reason = pod.write(tenant, name, body)
-            except BadRequestError as exc:  # the body was read: the connection stays usable
-                status, reason = Status.BAD_REQUEST, str(exc)
-            wire.send_response(self.sock, status, reason)
+            self._put(name, length)
         elif op is Op.STAT:
-            size = pod.size(tenant, name)
+            size = pod.size(self.tenant, name)
             wire.send_response(self.sock, *((Status.OK, str(size)) if size is not None else (Status.MISS, "absent")))
         elif op is Op.DELETE:
-            pod.delete(tenant, name)
+            pod.delete(self.tenant, name)
             wire.send_response(self.sock, Status.OK)
         elif op is Op.NIXL_HELLO:
             self._nixl_hello(name, length)
         else:  # NIXL_GET
-            self._nixl_get(tenant, name, offset, length, extra)
-        return True
+            self._nixl_get(name, offset, length, extra)
 
+    # ------------------------------------------------------------------------------------ TCP reads
+    def _get(self, name: str, offset: int, length: int) -> None:
+        pod, shaper = self.server.pod, self.server.shaper
+        plan = pod.plan_read(self.tenant, name, offset, length)
+        if not isinstance(plan, ReadPlan):  # a miss: nothing allocated, nothing booked
+            wire.send_response(self.sock, *plan)
+            return
+        size = plan.buffer_bytes()
+        with pod.buffers.reserved(size, self.config.io_timeout_s):
+            buf = memoryview(bytearray(size))
+            slices = shaper.book_slices(length, SLICE_BYTES)
+            status, reason = self._stream(plan, buf, slices)
+        if status is Status.OK:
+            pod.count_hit(plan)
+        else:
+            shaper.release(slices[-1][2], length)
+            wire.send_response(self.sock, status, reason)
+
+    def _stream(self, plan: ReadPlan, buf: memoryview, slices: list[tuple[int, int, float]]) -> tuple[Status, str]:
+        """Send the plan's bytes piece by piece, each checked first; a refusal found before the first byte
+        is returned (to answer instead), one found later cuts the connection (the reader sees a miss)."""
+        sent = False
+        for start, n in plan.pieces():
+            status, reason = self.server.pod.read_piece(plan, start, buf[:n])
+            if status is not Status.OK:
+                if sent:
+                    raise WireError(f"{plan.stored} turned {status.name} mid-read ({reason}): connection cut")
+                return status, reason
+            if not sent:
+                wire.send_response(self.sock, Status.OK, "", plan.length)
+                sent = True
+            send_shaped(self.sock, buf[:n], self.server.shaper, slices_within(slices, start, n))
+        return Status.OK, ""
+
+    # ------------------------------------------------------------------------------------ writes
+    def _put(self, name: str, length: int) -> None:
+        pod = self.server.pod
+        pod.check_length(length, "an object")
+        with pod.buffers.growing(self.config.io_timeout_s) as body:
+            try:
+                while len(body.data) < length:
+                    body.append(self._recv_some(body.room(length - len(body.data))))
+            except StoreError as exc:  # no room in the pod's buffers: drop the rest, the connection stays usable
+                self._skip(length - len(body.data))
+                wire.send_response(self.sock, Status.UNAVAILABLE, str(exc))
+                return
+            try:
+                status, reason = pod.write(self.tenant, name, memoryview(body.data))
+            except BadRequestError as exc:  # the body was read: the connection stays usable
+                status, reason = Status.BAD_REQUEST, str(exc)
+        wire.send_response(self.sock, status, reason)
+
+    def _recv_some(self, limit: int) -> bytes:
+        """Up to `limit` bytes, as soon as some arrive (memory is only touched for bytes received)."""
+        data = self.sock.recv(limit)
+        if not data:
+            raise WireError("connection closed mid-message")
+        return data
+
+    def _skip(self, n: int) -> None:
+        while n > 0:
+            n -= len(self._recv_some(min(n, SKIP_BYTES)))
+
+    # ------------------------------------------------------------------------------------ NIXL
     def _nixl_hello(self, agent_name: str, length: int) -> None:
         if self.server.nixl is None:
             raise BadRequestError("this pod serves TCP only (NIXL is off or unavailable)")
@@ -155,19 +224,29 @@ class _Connection(socketserver.BaseRequestHandler):
         self.nixl_peer = self.server.nixl.add_peer(agent_name, metadata)
         wire.send_response(self.sock, Status.OK)
 
-    def _nixl_get(self, tenant: str, name: str, offset: int, length: int, address: int) -> None:
-        nixl = self.server.nixl
+    def _nixl_get(self, name: str, offset: int, length: int, address: int) -> None:
+        nixl, pod, shaper = self.server.nixl, self.server.pod, self.server.shaper
         if nixl is None or self.nixl_peer is None:
             raise BadRequestError("NIXL_GET before NIXL_HELLO (or NIXL is off on this pod)")
-        self.server.pod.check_length(length, "a read")
-        with nixl.staging(length) as slab:
-            slices = self.server.shaper.book_slices(length, NIXL_SLICE_BYTES)
-            status, reason = self.server.pod.read(tenant, name, offset, slab.view[:length])
-            if status is not Status.OK:
-                self.server.shaper.release(slices[-1][2], length)
-            else:
-                ok = nixl.write_shaped(slab, self.nixl_peer, address, self.server.shaper, slices)
-                status, reason = (Status.OK, "") if ok else (Status.UNAVAILABLE, "NIXL transfer failed")
+        plan = pod.plan_read(self.tenant, name, offset, length)
+        if not isinstance(plan, ReadPlan):
+            wire.send_response(self.sock, *plan)
+            return
+        size = plan.buffer_bytes(NIXL_PIECE_BYTES)
+        with pod.buffers.reserved(size, self.config.io_timeout_s), nixl.staging(size) as slab:
+            slices = shaper.book_slices(length, NIXL_SLICE_BYTES)
+            status, reason = Status.OK, ""
+            for start, n in plan.pieces(NIXL_PIECE_BYTES):
+                status, reason = pod.read_piece(plan, start, slab.view[:n])
+                if status is Status.OK and not nixl.write_shaped(slab, self.nixl_peer, address + start, shaper,
+                                                                 slices_within(slices, start, n)):
+                    status, reason = Status.UNAVAILABLE, "NIXL transfer failed"
+                if status is not Status.OK:
+                    break
+        if status is Status.OK:
+            pod.count_hit(plan)
+        else:
+            shaper.release(slices[-1][2], length)
         wire.send_response(self.sock, status, reason)
 
 
@@ -180,26 +259,12 @@ class DataPlaneServer(socketserver.ThreadingTCPServer):
         self.pod = pod
         self.shaper = shaper
         self.nixl = nixl  # a nixl_plane.NixlPodEndpoint, or None for TCP only
-        self._open = 0
-        self._open_lock = threading.Lock()
+        self.gate = ConnectionGate(pod.config, pod.metrics)
         super().__init__((pod.config.host, pod.config.data_port), _Connection)
 
     @property
     def port(self) -> int:
         return int(self.server_address[1])
-
-    def admit(self) -> bool:
-        with self._open_lock:
-            if self._open >= self.pod.config.max_connections:
-                return False
-            self._open += 1
-            self.pod.metrics.connections.set(self._open)
-            return True
-
-    def leave(self) -> None:
-        with self._open_lock:
-            self._open -= 1
-            self.pod.metrics.connections.set(self._open)
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self.serve_forever, name="data-plane", daemon=True)

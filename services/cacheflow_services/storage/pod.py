@@ -2,9 +2,11 @@
 
 Tenancy: every request runs as the tenant its bearer token belongs to, and names are stored inside
 that tenant's namespace (`stored_name`), so no request can reach another tenant's objects even by
-guessing their names. Integrity: a PUT must be one whole, consistent chunk object; every read is
-checked section by section before it is served, and a copy that fails is counted, dropped and
-answered as CORRUPT (a miss to the reader, which recomputes).
+guessing their names. With a capacity, each tenant is guaranteed a share of it (`LruStore`'s owners):
+it may borrow what others leave unused, and loses objects to another tenant's writes only while over
+its share. Counts in `stats` are the tenant's own. Integrity: a PUT must be one whole, consistent
+chunk object; every read is checked section by section before it is served, and a copy that fails
+is counted, dropped and answered as CORRUPT (a miss to the reader, which recomputes).
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from cacheflow_common.kv.keys import valid_name
 from cacheflow_common.store.base import ChunkStore, open_store
 from cacheflow_common.store.lru import LruStore
 from cacheflow_common.transport.wire import Status
+from cacheflow_services.storage.buffers import BufferBudget
 from cacheflow_services.storage.config import StorageConfig
-from cacheflow_services.storage.metrics import StorageMetrics
+from cacheflow_services.storage.metrics import StorageMetrics, TenantCounts
+from cacheflow_services.storage.reads import ReadPlan
 
 log = logging.getLogger(__name__)
+_TENANT_MARK = ".t-"  # stored name = name + mark + tenant
 _INFO_CACHE = 100_000  # object layouts remembered (a few MB), so a read costs no extra header reads
 
 
@@ -43,8 +48,9 @@ def open_backend(config: StorageConfig) -> ChunkStore:
         store = open_store(f"filesystem:{config.directory}")
     else:
         store = open_store(config.redis_url)
-    if config.capacity_bytes:
-        return LruStore(store, config.capacity_bytes)  # type: ignore[arg-type]  # memory/filesystem list entries
+    if config.capacity_bytes:  # memory/filesystem: they list their entries
+        return LruStore(store, config.capacity_bytes,  # type: ignore[arg-type]
+                        owner_of=StoragePod.tenant_of_stored, shares=config.share_of_every_tenant())
     return store
 
 
@@ -55,6 +61,8 @@ class StoragePod:
         self.metrics = StorageMetrics()
         self.metrics.capacity_bytes.set(config.capacity_bytes)
         self.metrics.rate.set(config.rate_bytes_per_s)
+        self.tenant_counts = TenantCounts()
+        self.buffers = BufferBudget(config.max_buffered_bytes)
         self._info: OrderedDict[str, ObjectInfo] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -72,46 +80,65 @@ class StoragePod:
         """The backend name of a tenant's object: tenant ids hold no dots, so the suffix is unambiguous."""
         if not valid_name(name) or len(name) > 128:
             raise BadRequestError(f"invalid object name {name!r}")
-        return f"{name}.t-{tenant}"
+        return f"{name}{_TENANT_MARK}{tenant}"
+
+    @staticmethod
+    def tenant_of_stored(stored: str) -> str:
+        """The tenant of a backend name ("" for a name stored without one)."""
+        _, mark, tenant = stored.rpartition(_TENANT_MARK)
+        return tenant if mark else ""
 
     def check_length(self, length: int, what: str) -> None:
         if not 0 < length <= self.config.max_object_bytes:
             raise BadRequestError(f"{what} of {length} bytes: must be 1..{self.config.max_object_bytes}")
 
     # ------------------------------------------------------------------------------------ reads
-    def read(self, tenant: str, name: str, offset: int, out: memoryview) -> tuple[Status, str]:
-        """Fill `out` with bytes [offset, offset + len(out)) of the tenant's object, checked."""
+    def plan_read(self, tenant: str, name: str, offset: int, length: int) -> ReadPlan | tuple[Status, str]:
+        """How to stream bytes [offset, offset + length) of the tenant's object, or the miss to answer."""
         stored = self.stored_name(tenant, name)
-        self.check_length(len(out), "a read")
+        self.check_length(length, "a read")
         if offset < 0:
             raise BadRequestError(f"negative offset {offset}")
         info = self._object_info(stored)
         if info is None:
-            return self._miss("absent")
-        if offset + len(out) > info.size:
-            return self._miss(f"range [{offset}, {offset + len(out)}) is outside the object ({info.size} bytes)")
-        if not self.backend.read_into(stored, out, offset):
-            return self._miss("absent")
-        problem = range_problem(out, offset, info.section_size, info.sections_end)
+            return self._miss(tenant, "absent")
+        if offset + length > info.size:
+            return self._miss(tenant, f"range [{offset}, {offset + length}) is outside the object ({info.size} bytes)")
+        return ReadPlan(tenant=tenant, stored=stored, offset=offset, length=length, section_size=info.section_size,
+                        sections_end=info.sections_end)
+
+    def read_piece(self, plan: ReadPlan, start: int, out: memoryview) -> tuple[Status, str]:
+        """Fill `out` with the plan's bytes from `start` on (relative to its offset), checked."""
+        if not self.backend.read_into(plan.stored, out, plan.offset + start):
+            self._forget(plan.stored)  # evicted or deleted since its layout was remembered
+            return self._miss(plan.tenant, "absent")
+        problem = range_problem(out, plan.offset + start, plan.section_size, plan.sections_end)
         if problem:
-            return self._corrupt(stored, problem)
-        self.metrics.reads.labels("hit").inc()
-        self.metrics.read_bytes.inc(len(out))
+            return self._corrupt(plan.tenant, plan.stored, problem)
         return Status.OK, ""
 
-    def _miss(self, reason: str) -> tuple[Status, str]:
+    def count_hit(self, plan: ReadPlan) -> None:
+        """A read served whole."""
+        self.metrics.reads.labels("hit").inc()
+        self.metrics.read_bytes.inc(plan.length)
+        self.tenant_counts.add(plan.tenant, "hits")
+        self.tenant_counts.add(plan.tenant, "read_bytes", plan.length)
+
+    def _miss(self, tenant: str, reason: str) -> tuple[Status, str]:
         self.metrics.reads.labels("miss").inc()
+        self.tenant_counts.add(tenant, "misses")
         return Status.MISS, reason
 
-    def _corrupt(self, stored: str, problem: str) -> tuple[Status, str]:
+    def _corrupt(self, tenant: str, stored: str, problem: str) -> tuple[Status, str]:
         log.warning("dropping corrupt object %s: %s", stored, problem)
         self.metrics.reads.labels("corrupt").inc()
+        self.tenant_counts.add(tenant, "corrupt")
         self._forget(stored)
         try:
             self.backend.delete(stored)  # never served again; the next save stores a good copy
         except StoreError as exc:
             log.warning("could not drop %s: %s", stored, exc)
-        self._refresh_gauges()
+        self.refresh_gauges()
         return Status.CORRUPT, problem
 
     def _object_info(self, stored: str) -> ObjectInfo | None:
@@ -144,14 +171,18 @@ class StoragePod:
             self._info.pop(stored, None)
 
     def size(self, tenant: str, name: str) -> int | None:
-        info = self._object_info(self.stored_name(tenant, name))
+        stored = self.stored_name(tenant, name)
+        if not self.backend.exists(stored):  # asked each time: the layout cache outlives evictions
+            self._forget(stored)
+            return None
+        info = self._object_info(stored)
         return None if info is None else info.size
 
     def delete(self, tenant: str, name: str) -> None:
         stored = self.stored_name(tenant, name)
         self._forget(stored)
         self.backend.delete(stored)
-        self._refresh_gauges()
+        self.refresh_gauges()
 
     def exists(self, tenant: str, names: list[str]) -> list[bool]:
         if len(names) > self.config.max_names_per_query:
@@ -176,11 +207,14 @@ class StoragePod:
             return Status.UNAVAILABLE, str(exc)
         self.metrics.writes.labels("ok").inc()
         self.metrics.written_bytes.inc(len(data))
-        self._refresh_gauges()
+        self.tenant_counts.add(tenant, "writes")
+        self.refresh_gauges()
         return Status.OK, ""
 
     # ------------------------------------------------------------------------------------ state
-    def _refresh_gauges(self) -> None:
+    def refresh_gauges(self) -> None:
+        """Bring the pod-wide gauges /metrics exports up to date."""
+        self.metrics.buffered_bytes.set(self.buffers.held_bytes)
         if isinstance(self.backend, LruStore):
             self.metrics.objects.set(self.backend.object_count)
             self.metrics.used_bytes.set(self.backend.used_bytes)
@@ -192,24 +226,21 @@ class StoragePod:
             return False, "backend unreachable"
         return True, ""
 
-    def stats(self) -> dict[str, float | str]:
-        """A summary for `GET /v1/stats`, read from the same registry `/metrics` exports."""
-        self._refresh_gauges()
-        sample = self.metrics.registry.get_sample_value
-
-        def value(metric: str, **labels: str) -> float:
-            return sample(metric, labels) or 0.0
-
+    def stats(self, tenant: str) -> dict[str, float | str]:
+        """`GET /v1/stats` for one tenant: its own counts, objects and share (the pod's are on /metrics)."""
+        objects, used, evictions = self._usage(tenant)
         return {
             "backend": self.config.backend,
-            "hits": value("cacheflow_storage_reads_total", result="hit"),
-            "misses": value("cacheflow_storage_reads_total", result="miss"),
-            "corrupt": value("cacheflow_storage_reads_total", result="corrupt"),
-            "read_bytes": value("cacheflow_storage_read_bytes_total"),
-            "writes": value("cacheflow_storage_writes_total", result="ok"),
-            "objects": value("cacheflow_storage_objects"),
-            "used_bytes": value("cacheflow_storage_used_bytes"),
-            "capacity_bytes": self.config.capacity_bytes,
-            "evictions": value("cacheflow_storage_evictions"),
+            **self.tenant_counts.of(tenant),
+            "objects": objects,
+            "used_bytes": used,
+            "share_bytes": self.config.share_of_every_tenant().get(tenant, 0),
+            "evictions": evictions,
             "rate_bytes_per_s": self.config.rate_bytes_per_s,
         }
+
+    def _usage(self, tenant: str) -> tuple[int, int, int]:
+        """(objects, bytes, objects evicted) of the tenant; zeros without a capacity (nothing is counted)."""
+        if isinstance(self.backend, LruStore):
+            return self.backend.usage(tenant)
+        return 0, 0, 0
