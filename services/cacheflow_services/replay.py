@@ -5,9 +5,9 @@ their arrival times (one thread each) and collect the coordinator's timings. The
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import httpx
@@ -56,40 +56,47 @@ class Replayer(Protocol):
 
 def replay(url: str, token: str, model: str, requests: list[ReplayRequest], policy: str,
            on_done: Callable[[], None] | None = None) -> list[dict[str, Any]]:
-    """Send each request at its arrival time with `save: false`; the coordinator's timings per request."""
-    results: list[dict[str, Any]] = [{} for _ in requests]
-    errors: dict[str, str] = {}  # request id -> the coordinator's answer, for the failed ones
+    """Send each request at its arrival time with `save: false`; the coordinator's timings per request
+    (ReplayError, with the coordinator's answers, if any failed)."""
+    results = replay_outcomes(url, token, model, requests, policy, on_done=on_done)
+    if failed := [r for r in results if "error" in r]:
+        raise ReplayError(f"{policy}: requests {[r['request'] for r in failed]} failed: "
+                          + "; ".join(f"{r['request']}: {r['error']}" for r in failed))
+    return results
+
+
+def replay_outcomes(url: str, token: str, model: str, requests: list[ReplayRequest], policy: str, *,
+                    max_tokens: int = 1, on_done: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """`replay`, but a failed request is a result too: {"request", "arrival_s", "error"}; the others
+    also carry the tokens generated (greedy, `max_tokens` of them)."""
     began = time.monotonic()
 
-    def send(i: int, r: ReplayRequest) -> None:
+    def send(r: ReplayRequest) -> dict[str, Any]:
         time.sleep(max(0.0, began + r.trace.arrival_s - time.monotonic()))
-        body = {"model": model, "prompt": r.token_ids, "max_tokens": 1, "policy": policy, "save": False}
+        outcome: dict[str, Any] = {"request": r.trace.request_id, "arrival_s": r.trace.arrival_s}
+        body = {"model": model, "prompt": r.token_ids, "max_tokens": max_tokens, "policy": policy, "save": False,
+                "ignore_eos": True}
         try:
             resp = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {token}"},
                               timeout=TIMEOUT_S)
         except httpx.HTTPError as exc:
-            errors[r.trace.request_id] = f"{type(exc).__name__}: {exc}"
-            return
+            return outcome | {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            if on_done:
+                on_done()
         if resp.status_code != 200:
-            errors[r.trace.request_id] = f"HTTP {resp.status_code}: {resp.text[:300]}"
-            return
-        extra = resp.json()["cacheflow"]
-        results[i] = {"request": r.trace.request_id, "arrival_s": r.trace.arrival_s, "tokens": r.trace.input_length,
-                      "restored": extra["prompt_tokens_restored"], "ttft_s": extra["ttft_s"],
-                      "restore_s": extra["restore_s"], "lookup_s": extra["lookup_s"], "queue_s": extra["queue_s"],
-                      "batch": extra["batch"], "units_computed": [s["computed"] for s in extra["stages"]],
-                      "units_loaded": [s["loaded"] for s in extra["stages"]]}
-        if on_done:
-            on_done()
+            return outcome | {"error": f"HTTP {resp.status_code}: {resp.text[:300]}"}
+        answer = resp.json()
+        extra = answer["cacheflow"]
+        return outcome | {"tokens": r.trace.input_length, "restored": extra["prompt_tokens_restored"],
+                          "ttft_s": extra["ttft_s"], "restore_s": extra["restore_s"], "lookup_s": extra["lookup_s"],
+                          "queue_s": extra["queue_s"], "batch": extra["batch"],
+                          "units_computed": [s["computed"] for s in extra["stages"]],
+                          "units_loaded": [s["loaded"] for s in extra["stages"]],
+                          "token_ids": answer["choices"][0]["token_ids"]}
 
-    threads = [threading.Thread(target=send, args=(i, r)) for i, r in enumerate(requests)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if missing := [r.trace.request_id for r, res in zip(requests, results, strict=True) if not res]:
-        raise ReplayError(f"{policy}: requests {missing} failed: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
-    return results
+    with ThreadPoolExecutor(max_workers=max(1, len(requests))) as senders:
+        return list(senders.map(send, requests))
 
 
 class ReplayError(RuntimeError):
