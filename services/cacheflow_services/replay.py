@@ -67,13 +67,15 @@ def replay(url: str, token: str, model: str, requests: list[ReplayRequest], poli
 
 def replay_outcomes(url: str, token: str, model: str, requests: list[ReplayRequest], policy: str, *,
                     max_tokens: int = 1, on_done: Callable[[], None] | None = None) -> list[dict[str, Any]]:
-    """`replay`, but a failed request is a result too: {"request", "arrival_s", "error"}; the others
-    also carry the tokens generated (greedy, `max_tokens` of them)."""
+    """`replay`, but a failed request is a result too: {"request", "arrival_s", "answered_s", "error"}; the
+    others also carry the tokens generated (greedy, `max_tokens` of them). `answered_s`: when the answer
+    came, in seconds since the replay began."""
     began = time.monotonic()
 
     def send(r: ReplayRequest) -> dict[str, Any]:
         time.sleep(max(0.0, began + r.trace.arrival_s - time.monotonic()))
-        outcome: dict[str, Any] = {"request": r.trace.request_id, "arrival_s": r.trace.arrival_s}
+        outcome: dict[str, Any] = {"request": r.trace.request_id, "arrival_s": r.trace.arrival_s,
+                                   "sent_s": time.monotonic() - began}
         body = {"model": model, "prompt": r.token_ids, "max_tokens": max_tokens, "policy": policy, "save": False,
                 "ignore_eos": True}
         try:
@@ -82,6 +84,7 @@ def replay_outcomes(url: str, token: str, model: str, requests: list[ReplayReque
         except httpx.HTTPError as exc:
             return outcome | {"error": f"{type(exc).__name__}: {exc}"}
         finally:
+            outcome["answered_s"] = time.monotonic() - began
             if on_done:
                 on_done()
         if resp.status_code != 200:
