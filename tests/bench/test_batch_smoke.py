@@ -10,7 +10,7 @@ from cacheflow_services.demo.run import SLICE
 
 def test_batch_benchmark_quick_run(tmp_path):
     # the demo's shipped slice: quicker to read than the whole trace in bench/traces
-    args = ["--quick", "--trace", str(SLICE), "--policies", "compute-only,cake,cacheflow", "--out", str(tmp_path)]
+    args = ["--quick", "--trace", str(SLICE), "--policies", "compute-only,load-only,cake,cacheflow", "--out", str(tmp_path)]
     assert batch.main(args) == 0
     body = json.loads((tmp_path / "batch.json").read_text())
     summary = body["summary"]
@@ -19,13 +19,16 @@ def test_batch_benchmark_quick_run(tmp_path):
     assert summary["mean_ratio_vs_best_baseline_b8"] > 0 and summary["batched_forward_speedup"] > 0
     assert summary["sim_mean_rel_error"] >= 0 and summary["run_max_rel_spread"] == 0  # one run: no spread
     assert {(r["batch"], r["policy"]) for r in body["runs"]} == {
-        (b, p) for b in (2, 8) for p in ("compute-only", "cake", "cacheflow")} | {(8, p) for p in batch.RANKINGS}
+        (b, p) for b in (2, 8) for p in ("compute-only", "load-only", "cake", "cacheflow")} | {(8, p) for p in batch.RANKINGS}
     for run in body["runs"]:
         assert len(run["requests"]) == len(body["requests"]) == 4
         assert all(r["ttft_s"] > 0 for r in run["requests"])
         # compute-only is vLLM on a miss: the whole prompt prefilled, nothing restored; the others restore
         assert all((r["restored"] == 0) == (run["policy"] == "compute-only") for r in run["requests"])
         assert 0 < run["compute_busy_share"] <= 1 and 0 <= run["io_busy_share"] <= 1
+        if run["policy"] == "load-only":  # storage holds every chunk: nothing is recomputed
+            assert all(sum(r["units_computed"]) == 0 < sum(r["units_loaded"]) for r in run["requests"])
+    assert body["calibration"]["slowdown"] >= 1
     assert {r["tio_over_tcomp"] for r in body["cluster_scale"]} == {2.0, 1.0, 0.5}
     assert (tmp_path / "batch.md").read_text().startswith("# Batch restore")
     assert (tmp_path / "batch.png").stat().st_size > 0

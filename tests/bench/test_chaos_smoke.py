@@ -1,0 +1,23 @@
+"""The chaos benchmark end to end (quick settings): a supervised local cluster on real processes loses a
+pod and a worker and is abused, and every promise that is not about speed holds."""
+
+from __future__ import annotations
+
+import json
+
+from cacheflow_bench import chaos
+
+
+def test_chaos_quick_run_keeps_every_promise_but_speed(tmp_path):
+    assert chaos.main(["--quick", "--out", str(tmp_path)]) == 0
+    body = json.loads((tmp_path / "chaos.json").read_text())
+    s = body["summary"]
+    assert s["requests"] == 3 * 6
+    assert s["wrong_answers"] == 0  # every answer equals the healthy cluster's
+    assert s["pod_kill_failed_requests"] == 0  # a dead pod's chunks are recomputed
+    assert s["failed_requests"] == s["failed_by_phase"]["worker_kill"]  # only the worker kill may fail requests
+    assert s["leaked_slots"] == 0 and s["bad_requests_not_refused"] == 0
+    assert s["lockout_s"] == 0  # the legitimate tenant was never refused during the abuse
+    assert s["worker_kill_recovery_s"] < chaos.RECOVERY_DEADLINE_S  # served again (how fast is the bench's)
+    assert 0 <= s["max_rss_growth_mb"] < 256
+    assert (tmp_path / "chaos.md").read_text().startswith("# Chaos")
