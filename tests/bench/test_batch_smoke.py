@@ -7,10 +7,12 @@ import json
 from cacheflow_bench import batch
 from cacheflow_services.demo.run import SLICE
 
+POLICIES = ("compute-only", "load-only", "cake", "cacheflow")
+
 
 def test_batch_benchmark_quick_run(tmp_path):
     # the demo's shipped slice: quicker to read than the whole trace in bench/traces
-    args = ["--quick", "--trace", str(SLICE), "--policies", "compute-only,load-only,cake,cacheflow", "--out", str(tmp_path)]
+    args = ["--quick", "--trace", str(SLICE), "--policies", ",".join(POLICIES), "--out", str(tmp_path)]
     assert batch.main(args) == 0
     body = json.loads((tmp_path / "batch.json").read_text())
     summary = body["summary"]
@@ -19,7 +21,7 @@ def test_batch_benchmark_quick_run(tmp_path):
     assert summary["mean_ratio_vs_best_baseline_b8"] > 0 and summary["batched_forward_speedup"] > 0
     assert summary["sim_mean_rel_error"] >= 0 and summary["run_max_rel_spread"] == 0  # one run: no spread
     assert {(r["batch"], r["policy"]) for r in body["runs"]} == {
-        (b, p) for b in (2, 8) for p in ("compute-only", "load-only", "cake", "cacheflow")} | {(8, p) for p in batch.RANKINGS}
+        (b, p) for b in (2, 8) for p in POLICIES} | {(8, p) for p in batch.RANKINGS}
     for run in body["runs"]:
         assert len(run["requests"]) == len(body["requests"]) == 4
         assert all(r["ttft_s"] > 0 for r in run["requests"])
