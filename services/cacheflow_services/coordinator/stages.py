@@ -12,8 +12,10 @@ typed messages of `cacheflow_common.stage_api`:
    last stage answers with the next token (TTFT); then one token at a time.
 3. `release`: every stage frees the request's KV (also done on any failure).
 
-A stage that dies or fails makes the call raise `ChainError` naming the stage and the reason; the
-time that takes is bounded by the HTTP timeout (and, pipelined, by the workers' upstream timeout).
+A stage that dies or fails makes the call raise `ChainError` naming the stage and the reason (a
+stage that failed behind the one called, e.g. stage 1 while stage 0 forwarded to it, is named as
+itself, from the relaying stage's answer); the time that takes is bounded by the HTTP timeout (and,
+pipelined, by the workers' upstream timeout).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import httpx
 from cacheflow_common.errors import CacheFlowError
 from cacheflow_common.stage_api import ForwardMeta, RestoreRequest, RestoreSummary, WorkerInfo
 from cacheflow_common.transport import frames
+from cacheflow_services.worker.next_stage import downstream_failure
 
 
 class ChainError(CacheFlowError):
@@ -166,13 +169,16 @@ class StageChain:
 
 
 def _answer(stage: int, response: httpx.Response) -> dict[str, Any]:
-    """The JSON body of a stage's answer; ChainError with the stage's reason for a 4xx or 5xx."""
+    """The JSON body of a stage's answer; ChainError with the failed stage's reason for a 4xx or 5xx."""
     if response.status_code >= 400:
         try:
             body = response.json()
         except ValueError:
             body = {"detail": response.text[:500]}
-        raise ChainError(stage, str(body.get("detail")), response.status_code, str(body.get("error", "")))
+        error, detail = str(body.get("error", "")), str(body.get("detail"))
+        if relayed := downstream_failure(error, detail):  # it failed further down the pipeline
+            stage, detail = stage + relayed[0], relayed[1]
+        raise ChainError(stage, detail, response.status_code, error)
     result: dict[str, Any] = response.json()
     return result
 

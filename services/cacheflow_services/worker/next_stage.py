@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 from typing import Any
 
@@ -23,7 +24,25 @@ log = logging.getLogger(__name__)
 
 
 class NextStageError(CacheFlowError):
-    """The next stage failed or could not be reached (HTTP 502 to our caller, with its reason)."""
+    """A stage down the pipeline failed or could not be reached (HTTP 502 to our caller, with its reason).
+
+    `hops` says how far down: 1 the next stage, 2 the one after (relayed through the next), ... Its
+    message starts with it (`stage +1 unreachable (...)`), so that whoever called this stage, reading
+    it back with `downstream_failure`, can name the stage that failed rather than the first on the way.
+    """
+
+    def __init__(self, hops: int, reason: str) -> None:
+        super().__init__(f"stage +{hops} {reason}")
+        self.hops = hops
+
+
+_DOWNSTREAM = re.compile(r"stage \+(\d+) (.*)", re.DOTALL)
+
+
+def downstream_failure(error: str, detail: str) -> tuple[int, str] | None:
+    """(hops, reason) when a stage's error answer (its `error` type and `detail`) is a NextStageError."""
+    match = _DOWNSTREAM.fullmatch(detail) if error == NextStageError.__name__ else None
+    return (int(match[1]), match[2]) if match else None
 
 
 class NextStage:
@@ -45,12 +64,14 @@ class NextStage:
             response = self._http.post(self.url + path, content=body,
                                        headers={"Content-Type": frames.CONTENT_TYPE})
         except httpx.HTTPError as exc:
-            raise NextStageError(f"next stage {self.url} unreachable: {type(exc).__name__}: {exc}") from exc
+            raise NextStageError(1, f"unreachable ({self.url}): {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 400:
-            detail = _detail(response)
+            error, detail = _error_of(response)
             if response.status_code < 500:
                 raise BadRequestError(f"next stage refused: {detail}")
-            raise NextStageError(f"next stage {self.url} failed: {detail}")
+            if relayed := downstream_failure(error, detail):  # a stage further down failed
+                raise NextStageError(relayed[0] + 1, relayed[1])
+            raise NextStageError(1, f"failed ({self.url}): {detail}")
         result: dict[str, Any] = response.json()
         return result
 
@@ -58,11 +79,13 @@ class NextStage:
         self._http.close()
 
 
-def _detail(response: httpx.Response) -> str:
+def _error_of(response: httpx.Response) -> tuple[str, str]:
+    """The error type and detail of a stage's error answer."""
     try:
-        return str(response.json().get("detail", response.text))
-    except ValueError:
-        return response.text[:500]
+        body = response.json()
+        return str(body.get("error", "")), str(body.get("detail", response.text))
+    except (ValueError, AttributeError):
+        return "", response.text[:500]
 
 
 class DeliverySender:
