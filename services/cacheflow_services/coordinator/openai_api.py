@@ -3,6 +3,13 @@
 CacheFlow extensions, all optional: `policy` (the restore policy: compute-only, load-only, cake,
 cacheflow, ...), `save`, `ignore_eos`, `stop_token_ids`; every response carries a `cacheflow` object with
 the request's TTFT, how many prompt tokens were restored from storage, its batch and per-stage restores.
+
+What is not implemented is refused, not ignored (as vLLM refuses what it does not support): an OpenAI
+field this server does not implement is accepted only at the value that asks for nothing (`n: 1`,
+`logprobs: null`, ...), and any field it does not know is refused (400 naming it). Token ids are
+strict integers (JSON `true` is not token 1), text must be valid Unicode (no lone surrogates), and a
+seed lies in [0, 2**31) (the workers seed each position's sampler with seed * 1_000_003 + position,
+which must stay a 64-bit integer).
 """
 
 from __future__ import annotations
@@ -11,51 +18,105 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, model_validator
+from pydantic_core import PydanticCustomError
 
 from cacheflow_common.errors import CacheFlowError
 
 MAX_PROMPT_TOKENS = 1 << 20
+SEED_LIMIT = 1 << 31
+
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError("unicode", "not valid Unicode text: a lone surrogate ({bad}) at {at}",
+                                  {"bad": repr(exc.object[exc.start : exc.end]), "at": exc.start}) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+TokenIds = list[StrictInt]
+# text or token ids, told apart by the JSON type, so that an error names what is wrong with the one sent
+Prompt = Annotated[Annotated[Text, Field(min_length=1), Tag("text")] |
+                   Annotated[TokenIds, Field(min_length=1), Tag("token_ids")],
+                   Discriminator(lambda v: "text" if isinstance(v, str) else "token_ids")]
+
+# OpenAI (and vLLM) fields this server does not implement, with the values that ask for nothing (None
+# always does); any other value is refused with the field's name.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,), "suffix": ("",),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "min_tokens": (0,), "tools": ([],), "functions": ([],),
+    "tool_choice": ("none",), "function_call": ("none",), "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},), "stream_options": ({}, {"include_usage": False}),
+}
+IGNORED = frozenset({"user"})  # no effect on the output by design (OpenAI's abuse monitoring)
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    return value is None or any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
 
 
 class SamplingBody(BaseModel):
     """What completions and chat completions share."""
 
+    model_config = ConfigDict(extra="forbid")
+
     model: str
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    seed: int = 0
+    seed: StrictInt = Field(default=0, ge=0, lt=SEED_LIMIT)
     stream: bool = False
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop: Text | list[Text] | None = None
+    stop_token_ids: TokenIds = Field(default_factory=list)
     ignore_eos: bool = False
     policy: str = ""
     save: bool = True  # store the new chunks (off: leave storage as it is, e.g. to replay a trace per policy)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        """Drop the unimplemented fields that ask for nothing; refuse the others, naming them."""
+        if not isinstance(data, dict):
+            return data
+        for name in sorted(NEUTRAL.keys() & data.keys()):
+            if not _neutral(data[name], NEUTRAL[name]):
+                allowed = " or ".join(json.dumps(v) for v in (None, *NEUTRAL[name]))
+                raise PydanticCustomError("unsupported", "{name} = {value} is not supported by this server "
+                                          "(only {allowed})", {"name": name, "value": json.dumps(data[name])[:80],
+                                                               "allowed": allowed})
+        return {k: v for k, v in data.items() if k not in NEUTRAL and k not in IGNORED}
+
 
 class CompletionBody(SamplingBody):
-    prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int = Field(default=16, ge=1)
+    prompt: Prompt
+    max_tokens: StrictInt = Field(default=16, ge=1)
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: Text
 
 
 class ChatBody(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
 
     def new_tokens(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 256
 
 
 class RestoreBody(BaseModel):
-    token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
-    prompt: str | None = None  # text, when the model has a tokenizer
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: TokenIds | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
+    prompt: Text | None = None  # text, when the model has a tokenizer
     policy: str = ""
 
 
