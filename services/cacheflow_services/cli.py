@@ -191,6 +191,8 @@ def _coordinator(args: argparse.Namespace) -> int:
         batch_window_s=args.batch_window_ms / 1e3,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        slot_stuck_s=args.slot_stuck_s,
         host=args.host,
         http_port=args.http_port,
     )
@@ -212,6 +214,9 @@ def _add_coordinator_parser(sub: argparse._SubParsersAction) -> None:
     co.add_argument("--batch-window-ms", type=float, default=20.0, help="a batch forms within this window ...")
     co.add_argument("--max-batch", type=int, default=8, help="... or at this many requests (the most at once)")
     co.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
+    co.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (larger: 413)")
+    co.add_argument("--slot-stuck-s", type=float, default=900.0,
+                    help="not ready (/readyz 503) while every batch slot has been held longer than this")
     co.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     co.add_argument("--http-port", type=int, default=0, help="API port (0: any free one)")
 

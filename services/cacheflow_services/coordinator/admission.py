@@ -3,6 +3,9 @@
 A batch forms `window_s` after the first waiting request arrived, or at once when enough wait to
 fill the free slots; at most `max_batch` requests run (restore + first token) at a time. Beyond
 `max_queue` waiting requests, `enqueue` refuses (HTTP 429) instead of letting the queue grow.
+`done` frees a ticket's slot or place whatever state it is in, as often as it is called, so every way
+out of a request (finished, failed, timed out, cancelled) can call it. `stuck` says when no slot can
+be expected to free up: every slot held longer than a bound, or requests waiting that nothing admits.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class Admission:
         self.max_queue = max_queue
         self.on_batch = on_batch
         self._waiting: deque[Ticket] = deque()
-        self._running = 0
+        self._running: set[Ticket] = set()
         self._batches = 0
         self._cond = threading.Condition()
         self._stopped = False
@@ -54,12 +57,33 @@ class Admission:
 
     @property
     def running(self) -> int:
-        return self._running
+        """Batch slots held."""
+        return len(self._running)
+
+    def oldest_slot_age_s(self) -> float:
+        """How long the slot held longest has been held (0 when none is)."""
+        with self._cond:
+            first = min((t.admitted_at for t in self._running), default=None)
+        return 0.0 if first is None else time.monotonic() - first
+
+    def stuck(self, bound_s: float) -> str:
+        """Why no slot can be expected to free up ("" when one can): every slot held for more than
+        `bound_s`, or requests waiting with a slot free for more than `bound_s` past their window."""
+        now = time.monotonic()
+        with self._cond:
+            if not self._thread.is_alive() and not self._stopped:
+                return "the admission thread is not running"
+            if len(self._running) >= self.max_batch and all(now - t.admitted_at > bound_s for t in self._running):
+                return f"all {self.max_batch} batch slots have been held for more than {bound_s:g} s"
+            if self._waiting and len(self._running) < self.max_batch and \
+                    now - self._waiting[0].queued_at > self.window_s + bound_s:
+                return f"a request has waited {now - self._waiting[0].queued_at:.0f} s with a batch slot free"
+        return ""
 
     def enqueue(self) -> Ticket:
         """A place in the queue; QueueFullError when `max_queue` already wait."""
         with self._cond:
-            if len(self._waiting) >= self.max_queue and self._running + len(self._waiting) >= self.max_batch:
+            if len(self._waiting) >= self.max_queue and len(self._running) + len(self._waiting) >= self.max_batch:
                 raise QueueFullError(f"{len(self._waiting)} requests are waiting (the limit); retry later")
             ticket = Ticket()
             self._waiting.append(ticket)
@@ -76,10 +100,11 @@ class Admission:
         return ticket.batch > 0
 
     def done(self, ticket: Ticket) -> None:
-        """The ticket's request is past its first token, failed, or withdrawn: its slot or place is free."""
+        """The ticket's request is past its first token, failed, or withdrawn: its slot or place is free
+        (again and again: only the first call frees anything)."""
         with self._cond:
             if ticket.state == "running":
-                self._running -= 1
+                self._running.discard(ticket)
             elif ticket.state == "waiting":
                 self._waiting.remove(ticket)
             ticket.state = "done"
@@ -95,7 +120,7 @@ class Admission:
     def _dispatch(self) -> None:
         with self._cond:
             while not self._stopped:
-                free = self.max_batch - self._running
+                free = self.max_batch - len(self._running)
                 if not self._waiting or free <= 0:
                     self._cond.wait()
                     continue
@@ -111,6 +136,6 @@ class Admission:
         for _ in range(n):
             ticket = self._waiting.popleft()
             ticket.batch, ticket.admitted_at, ticket.state = self._batches, now, "running"
-            self._running += 1
+            self._running.add(ticket)
             ticket.turn.set()
         self.on_batch(n)

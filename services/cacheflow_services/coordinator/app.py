@@ -6,8 +6,12 @@
 * `GET /v1/models`, `GET /v1/cluster` (workers' and pods' health), `/healthz`, `/readyz`, `/metrics`.
 
 Every `/v1` call needs `Authorization: Bearer <token>`; the token names the tenant. Errors carry
-their reason: 400 bad input, 401 no or wrong token, 404 unknown model or restore, 429 queue full,
-502 a stage worker failed, 503 a stage is down.
+their reason: 400 bad input (or a field this server does not implement), 401 no or wrong token, 403
+the storage pods refuse the tenant, 404 unknown model or restore, 413 a body over `max_body_bytes`,
+429 queue full, 502 a stage worker failed (naming it), 503 a stage is down. Everything is checked
+before a request takes its place in the queue; a streamed completion whose client goes away is
+stopped at once (`streaming.py`). `/readyz` answers 503 while a stage is down or no batch slot can
+be expected to free up.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real types of the route parameters.
@@ -21,12 +25,14 @@ import anyio.to_thread
 from fastapi import Depends, FastAPI, Header, HTTPException
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cacheflow_common.errors import BadRequestError
 from cacheflow_services.coordinator.admission import AdmissionTimeoutError, QueueFullError
+from cacheflow_services.coordinator.body_limit import BodyLimit, BodyTooLargeError
 from cacheflow_services.coordinator.cluster import StageDownError
+from cacheflow_services.coordinator.completion import Completion
 from cacheflow_services.coordinator.openai_api import (
     ChatBody,
     CompletionBody,
@@ -38,13 +44,14 @@ from cacheflow_services.coordinator.openai_api import (
     sse,
     stop_strings,
 )
-from cacheflow_services.coordinator.service import Coordinator, Request, UnknownRestoreError
+from cacheflow_services.coordinator.service import Coordinator, Request, TenantRefusedError, UnknownRestoreError
 from cacheflow_services.coordinator.stages import ChainError
+from cacheflow_services.coordinator.streaming import CompletionStream
 from cacheflow_services.coordinator.tokenizer import TextCodec
 
 _STATUS: list[tuple[type[Exception], int]] = [
-    (UnknownRestoreError, 404), (BadRequestError, 400), (QueueFullError, 429), (StageDownError, 503),
-    (AdmissionTimeoutError, 503), (ChainError, 502),
+    (UnknownRestoreError, 404), (TenantRefusedError, 403), (BadRequestError, 400), (QueueFullError, 429),
+    (StageDownError, 503), (AdmissionTimeoutError, 503), (ChainError, 502),
 ]
 
 
@@ -63,9 +70,14 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
 
     app = FastAPI(title="CacheFlow coordinator", docs_url=None, redoc_url=None, lifespan=lifespan)
     config, metrics = coordinator.config, coordinator.metrics
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
     for exc_type, status in [(UnknownModelError, 404), *_STATUS]:
         app.add_exception_handler(exc_type, _handler(status, metrics))
+
+    @app.exception_handler(BodyTooLargeError)
+    async def too_large(request: HttpRequest, exc: BodyTooLargeError) -> JSONResponse:
+        return _error(413, exc.detail, "BodyTooLargeError", request, metrics)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: HttpRequest, exc: RequestValidationError) -> JSONResponse:
@@ -89,6 +101,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
             return prompt
         if codec is None:
             raise BadRequestError("this model has no tokenizer: send the prompt as a list of token ids")
+        codec.check_length(len(prompt), coordinator.model.max_tokens)  # before tokenizing it
         return codec.encode(prompt)
 
     @app.get("/healthz")
@@ -97,9 +110,13 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
 
     @app.get("/readyz")
     def readyz() -> JSONResponse:
+        """Ready: every stage answers and a batch slot can be expected to free up."""
         status = coordinator.cluster.status()
-        ready = all(s["up"] for s in status["stages"])
-        return JSONResponse({"ready": ready, **status}, status_code=200 if ready else 503)
+        stuck = coordinator.stuck()
+        slots = {"held": coordinator.admission.running, "max": config.max_batch,
+                 "oldest_age_s": round(coordinator.admission.oldest_slot_age_s(), 3), "stuck": stuck}
+        ready = all(s["up"] for s in status["stages"]) and not stuck
+        return JSONResponse({"ready": ready, "slots": slots, **status}, status_code=200 if ready else 503)
 
     @app.get("/v1/models")
     def models(_: Annotated[str, Depends(tenant)]) -> dict[str, Any]:
@@ -124,7 +141,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
         check_model(body.model)
         if codec is None:
             raise BadRequestError("this model has no tokenizer or chat template: use /v1/completions with token ids")
-        prompt = codec.chat([m.model_dump() for m in body.messages])
+        prompt = codec.chat([m.model_dump() for m in body.messages], coordinator.model.max_tokens)
         return generate("chat", prompt, who, body, body.new_tokens())
 
     def generate(kind: str, prompt: list[int], who: str, body: SamplingBody,
@@ -138,17 +155,24 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
                                     kind="cmpl")
         tokens = coordinator.complete(request, max_new_tokens=max_new, temperature=body.temperature,
                                       seed=body.seed, stop_ids=stop_ids, save=body.save)
+        try:
+            return answer(kind, request, tokens, body, stops, stop_ids, len(prompt))
+        except BaseException:
+            tokens.abort()  # whatever went wrong, the request holds no slot and no KV
+            raise
+
+    def answer(kind: str, request: Request, tokens: Completion, body: SamplingBody, stops: list[str],
+               stop_ids: frozenset[int], prompt_tokens: int) -> Response | dict[str, Any]:
         deltas = _decoded(tokens, codec, stops, stop_ids, request.arrived)
         created = now()
         endpoint = "chat" if kind == "chat" else "completions"
         if body.stream:
             metrics.requests.labels(endpoint, "200").inc()
-            return StreamingResponse(sse(kind, request.id, body.model, created, deltas,
-                                         lambda output: _extra(request, output)),
-                                     media_type="text/event-stream")
+            events = sse(kind, request.id, body.model, created, deltas, lambda output: _extra(request, output))
+            return CompletionStream(events, stop=tokens.abort)
         output = deque(deltas, maxlen=1)[0][1]  # the last (finished) output
         metrics.requests.labels(endpoint, "200").inc()
-        return response(kind, request.id, body.model, created, output, len(prompt), _extra(request, output))
+        return response(kind, request.id, body.model, created, output, prompt_tokens, _extra(request, output))
 
     @app.post("/v1/restore")
     def restore(body: RestoreBody, who: Annotated[str, Depends(tenant)]) -> dict[str, Any]:
@@ -183,7 +207,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
     return app
 
 
-def _decoded(tokens: Iterator[int], codec: TextCodec | None, stops: list[str], stop_ids: frozenset[int],
+def _decoded(tokens: Completion, codec: TextCodec | None, stops: list[str], stop_ids: frozenset[int],
              arrived: float) -> Iterator[tuple[str, Output, bool]]:
     """(new text, output so far, finished) per token; stops at a stop token or string (not included)."""
     output = Output()
@@ -204,8 +228,7 @@ def _decoded(tokens: Iterator[int], codec: TextCodec | None, stops: list[str], s
                 return
             yield delta, output, False
     finally:
-        if hasattr(tokens, "close"):
-            tokens.close()  # frees the request's KV on the workers at once
+        tokens.close()  # frees the request's KV on the workers at once
     yield "", output, True
 
 

@@ -27,6 +27,9 @@ class CoordinatorConfig:
     stage_timeout_s: float = 300.0  # one call to a stage worker (a restore of a long prefix included)
     health_interval_s: float = 2.0  # how often workers and pods are probed
     held_restore_s: float = 60.0  # a restore's KV held on the workers for a later completion, then freed
+    max_body_bytes: int = 8 << 20  # the largest request body accepted (larger: 413)
+    slot_stuck_s: float = 900.0  # every batch slot held longer than this: not ready (a slot's restore and first
+    #                              token take a few stage calls of at most stage_timeout_s each)
     host: str = "127.0.0.1"
     http_port: int = 0
 
@@ -39,6 +42,8 @@ class CoordinatorConfig:
             raise ConfigError("the coordinator needs client tokens (--token-file): it serves no request without one")
         if min(self.max_batch, self.max_new_tokens) <= 0 or self.max_queue < 0 or self.batch_window_s < 0:
             raise ConfigError("max batch and max new tokens must be positive, queue and window not negative")
+        if self.max_body_bytes <= 0 or self.slot_stuck_s <= 0:
+            raise ConfigError("the body limit and the stuck-slot bound must be positive")
         if not 1 <= self.replicas <= len(self.pods):
             raise ConfigError(f"{self.replicas} replicas over {len(self.pods)} storage pods")
         if self.policy not in POLICIES:

@@ -7,6 +7,8 @@ Compute and I/O utilisation per stage are the rates of the busy-time and loaded-
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cacheflow_common.stage_api import RestoreSummary
@@ -27,6 +29,10 @@ class CoordinatorMetrics:
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("cacheflow_queue_depth", "Requests waiting for a batch", registry=r)
         self.running = Gauge("cacheflow_running", "Requests admitted and not yet at their first token", registry=r)
+        self.slots_held = Gauge("cacheflow_coordinator_slots_held", "Batch slots held (requests admitted and not "
+                                "yet at their first token, restores running)", registry=r)
+        self.oldest_slot_age = Gauge("cacheflow_coordinator_oldest_slot_age_seconds", "How long the batch slot "
+                                     "held longest has been held (0: none is)", registry=r)
         self.batch_size = Histogram("cacheflow_batch_size", "Requests admitted together",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.prefix_tokens = Counter("cacheflow_prefix_tokens", "Prompt tokens by where their KV came from "
@@ -44,6 +50,14 @@ class CoordinatorMetrics:
                                 registry=r)
         self.stage_up = Gauge("cacheflow_stage_up", "Whether a stage worker answers its probe", ["stage"], registry=r)
         self.pod_up = Gauge("cacheflow_pod_up", "Whether a storage pod answers its probe", ["pod"], registry=r)
+
+    def watch_admission(self, waiting: Callable[[], float], held: Callable[[], float],
+                        oldest_age_s: Callable[[], float]) -> None:
+        """The queue and slot gauges read admission's state when scraped."""
+        self.queue_depth.set_function(waiting)
+        self.running.set_function(held)
+        self.slots_held.set_function(held)
+        self.oldest_slot_age.set_function(oldest_age_s)
 
     def record_restore(self, stages: list[RestoreSummary], n_tokens: int, stage_layers: list[int]) -> None:
         """Account one finished restore from the stages' summaries."""

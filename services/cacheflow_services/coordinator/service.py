@@ -7,6 +7,10 @@ The workers store every new whole chunk as it fills, so the next request sharing
 
 A restore (`POST /v1/restore`): the same up to the restored prefix; the KV stays held on the workers
 until it is released (or `held_restore_s` passes), so a client can prepare a prefix before it needs it.
+
+Every check comes before a request takes its place in the queue, so a refused request holds nothing.
+Once queued, a request can be stopped at any point (`stop`: its client went away, or its restore was
+cancelled): it leaves the queue or frees its slot, and every stage drops it, stopping a restore there.
 """
 
 from __future__ import annotations
@@ -15,15 +19,16 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cacheflow_common.errors import BadRequestError
+from cacheflow_common.errors import BadRequestError, UnauthorizedError
 from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.stage_api import RestoreSummary
 from cacheflow_services.coordinator.admission import Admission, Ticket
 from cacheflow_services.coordinator.cluster import Cluster, ModelInfo
+from cacheflow_services.coordinator.completion import Completion
 from cacheflow_services.coordinator.config import CoordinatorConfig
 from cacheflow_services.coordinator.metrics import CoordinatorMetrics
 from cacheflow_services.coordinator.prefix import cached_prefix_tokens
@@ -36,6 +41,10 @@ KEEP_FINISHED_RESTORES = 1024  # finished restore records kept for GET
 
 class UnknownRestoreError(BadRequestError):
     """No restore with this id for this tenant (HTTP 404)."""
+
+
+class TenantRefusedError(BadRequestError):
+    """The storage pods refuse the tenant's credentials (HTTP 403)."""
 
 
 @dataclass
@@ -53,6 +62,7 @@ class Request:
     queue_s: float = 0.0  # lookup done -> admitted
     stages: list[RestoreSummary] = field(default_factory=list)  # per-stage restore summaries
     restore_s: float = 0.0
+    cancelled: threading.Event = field(default_factory=threading.Event)  # stopped: its failures are not failures
 
 
 @dataclass
@@ -80,6 +90,8 @@ class Coordinator:
         self.metrics = metrics or CoordinatorMetrics()
         self.admission = Admission(max_batch=config.max_batch, window_s=config.batch_window_s,
                                    max_queue=config.max_queue, on_batch=self.metrics.batch_size.observe)
+        self.metrics.watch_admission(lambda: self.admission.waiting, lambda: self.admission.running,
+                                     self.admission.oldest_slot_age_s)
         self._restores: dict[str, RestoreRecord] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -93,6 +105,10 @@ class Coordinator:
             held = [r for r in self._restores.values() if r.state == "ready"]
         for record in held:
             self._release(record)
+
+    def stuck(self) -> str:
+        """Why no batch slot can be expected to free up ("" when one can): readiness fails meanwhile."""
+        return self.admission.stuck(self.config.slot_stuck_s)
 
     # ------------------------------------------------------------------------------------ checks
     def check_prompt(self, token_ids: Sequence[int], max_new_tokens: int) -> None:
@@ -128,14 +144,16 @@ class Coordinator:
         if kind == "cmpl" and policy == "compute-only":
             cached = 0  # vLLM on a miss: the whole prompt prefilled, batched like any prefill; nothing to look up
         else:
-            cached = cached_prefix_tokens(token_ids, fingerprint=self.model.fingerprint, tenant=tenant,
-                                          chunk_size=self.model.chunk_size, stage_layers=self.model.stage_layers,
-                                          store=store, limit=prefix_limit)
-        ticket = self.admission.enqueue()
-        self.metrics.queue_depth.set(self.admission.waiting)
+            try:
+                cached = cached_prefix_tokens(token_ids, fingerprint=self.model.fingerprint, tenant=tenant,
+                                              chunk_size=self.model.chunk_size, stage_layers=self.model.stage_layers,
+                                              store=store, limit=prefix_limit)
+            except UnauthorizedError as exc:
+                raise TenantRefusedError(f"the storage pods refuse tenant {tenant!r}: {exc}") from exc
+        lookup_s = time.perf_counter() - arrived
         request = Request(id=f"{kind}-{uuid.uuid4().hex[:20]}", tenant=tenant, token_ids=token_ids,
-                          cached_tokens=cached, policy=policy, ticket=ticket, arrived=arrived,
-                          lookup_s=time.perf_counter() - arrived)
+                          cached_tokens=cached, policy=policy, ticket=self.admission.enqueue(), arrived=arrived,
+                          lookup_s=lookup_s)  # the queue last: nothing can fail once the request holds a place
         log.info("%s queued: tenant %s, %d prompt tokens, %d cached in storage, policy %s, lookup %.3f s",
                  request.id, tenant, len(token_ids), cached, request.policy or "the workers' default",
                  request.lookup_s)
@@ -143,13 +161,22 @@ class Coordinator:
 
     def _wait_turn(self, request: Request) -> bool:
         """Wait for the request's batch; False if it was withdrawn (cancelled) meanwhile."""
-        admitted = self.admission.wait(request.ticket, ADMISSION_TIMEOUT_S)
+        admitted = self.admission.wait(request.ticket, ADMISSION_TIMEOUT_S) and not request.cancelled.is_set()
         request.queue_s = time.perf_counter() - request.arrived - request.lookup_s
         self.metrics.queue_seconds.observe(request.queue_s)
-        self.metrics.queue_depth.set(self.admission.waiting)
-        self.metrics.running.set(self.admission.running)
-        log.info("%s admitted to batch %d after %.3f s in the queue", request.id, request.ticket.batch, request.queue_s)
+        if admitted:
+            log.info("%s admitted to batch %d after %.3f s in the queue", request.id, request.ticket.batch,
+                     request.queue_s)
         return admitted
+
+    def stop_request(self, request: Request) -> None:
+        """Stop a request wherever it is: out of the queue or its slot freed, dropped by every stage (a
+        restore running there fails at once, so the thread waiting on it returns)."""
+        if not request.cancelled.is_set():
+            log.info("%s stopped", request.id)
+        request.cancelled.set()
+        self.admission.done(request.ticket)
+        self.cluster.chain.release(request.id)
 
     def _restore(self, request: Request, reserve_tokens: int) -> None:
         """Restore tokens [0, cached) on every stage (nothing when none are cached)."""
@@ -166,25 +193,38 @@ class Coordinator:
         self.metrics.restore_seconds.observe(request.restore_s)
         self.metrics.record_restore(request.stages, request.cached_tokens, [len(r) for r in self.model.stage_layers])
 
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, request: Request, exc: BaseException) -> None:
+        if request.cancelled.is_set():  # what fails once a request is stopped is the stopping
+            log.info("%s ended after it was stopped: %s", request.id, exc)
+            return
         cause = type(exc).__name__
         if isinstance(exc, ChainError):
             cause = f"stage{exc.stage}:{exc.error or exc.status or 'unreachable'}"
             if exc.status == 0:
                 self.cluster.mark_stage_down(exc.stage)
         self.metrics.failures.labels(cause).inc()
-        log.warning("a request failed (%s): %s", cause, exc)
+        log.warning("%s failed (%s): %s", request.id, cause, exc)
 
     # ------------------------------------------------------------------------------------ completions
     def complete(self, request: Request, *, max_new_tokens: int, temperature: float, seed: int,
-                 stop_ids: frozenset[int], save: bool = True) -> Iterator[int]:
-        """The new tokens, the first once the prefix is restored and the prompt prefilled."""
+                 stop_ids: frozenset[int], save: bool = True) -> Completion:
+        """The new tokens, the first once the prefix is restored and the prompt prefilled; `abort` (or
+        `close`) it at any point, from any thread, and its slot and KV are freed."""
+        tokens = self._tokens(request, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                              stop_ids=stop_ids, save=save)
+        return Completion(tokens, stop=lambda: self.stop_request(request))
+
+    def _tokens(self, request: Request, *, max_new_tokens: int, temperature: float, seed: int,
+                stop_ids: frozenset[int], save: bool) -> Generator[int, None, None]:
         chain = self.cluster.chain
         prompt = request.token_ids
         try:
-            self._wait_turn(request)
             try:
+                if not self._wait_turn(request):
+                    return
                 self._restore(request, reserve_tokens=len(prompt) - request.cached_tokens + max_new_tokens)
+                if request.cancelled.is_set():
+                    return
                 tokens = chain.stream(request.id, prompt[request.cached_tokens :], start=request.cached_tokens,
                                       tenant=request.tenant, max_new_tokens=max_new_tokens, temperature=temperature,
                                       seed=seed, reserve_tokens=len(prompt) + max_new_tokens, stop_ids=stop_ids,
@@ -192,7 +232,6 @@ class Coordinator:
                 first = next(tokens)
             finally:
                 self.admission.done(request.ticket)
-                self.metrics.running.set(self.admission.running)
             self.metrics.ttft.observe(time.perf_counter() - request.arrived)
             log.info("%s first token: TTFT %.3f s", request.id, time.perf_counter() - request.arrived)
             self.metrics.prefix_tokens.labels("restored").inc(request.cached_tokens)
@@ -201,7 +240,7 @@ class Coordinator:
             yield from tokens
         except BaseException as exc:
             if not isinstance(exc, GeneratorExit):
-                self._failed(exc)
+                self._failed(request, exc)
             raise
         finally:
             chain.release(request.id)
@@ -215,22 +254,31 @@ class Coordinator:
         return record
 
     def _run_restore(self, record: RestoreRecord) -> None:
+        """Queue, then restore; a cancel at any point wins (its state stays `cancelled`, nothing held)."""
         request = record.request
         try:
-            if not self._wait_turn(request) or record.state == "cancelled":
+            if not self._wait_turn(request) or not self._advance(record, "queued", "restoring"):
                 return
-            record.state = "restoring"
             self._restore(request, reserve_tokens=0)
-            record.state, record.expires = "ready", time.monotonic() + self.config.held_restore_s
+            record.expires = time.monotonic() + self.config.held_restore_s
+            self._advance(record, "restoring", "ready")
         except Exception as exc:
-            self._failed(exc)
-            record.state, record.error = "failed", str(exc)
+            self._failed(request, exc)
+            if self._advance(record, ("queued", "restoring"), "failed"):
+                record.error = str(exc)
         finally:
             self.admission.done(request.ticket)
-            self.metrics.running.set(self.admission.running)
-            if record.state == "cancelled":  # cancelled while it restored: free what it holds
+            if record.state == "cancelled":  # cancelled while it restored: free what the stages still hold
                 self.cluster.chain.release(request.id)
             record.done.set()
+
+    def _advance(self, record: RestoreRecord, before: str | tuple[str, ...], after: str) -> bool:
+        """Move a restore from (one of) `before` to `after`, unless something (a cancel) moved it first."""
+        with self._lock:
+            if record.state not in ((before,) if isinstance(before, str) else before):
+                return False
+            record.state = after
+            return True
 
     def restore_record(self, restore_id: str, tenant: str) -> RestoreRecord:
         with self._lock:
@@ -240,18 +288,19 @@ class Coordinator:
         return record
 
     def cancel(self, restore_id: str, tenant: str) -> RestoreRecord:
-        """Cancel a queued or running restore, or release a finished one's KV."""
+        """Cancel a queued or running restore (it leaves the queue, or every stage stops it), or release a
+        finished one's KV."""
         record = self.restore_record(restore_id, tenant)
-        if record.state == "ready":
+        if self._advance(record, ("queued", "restoring"), "cancelled"):
+            self.stop_request(record.request)
+        else:
             self._release(record)
-        elif record.state in ("queued", "restoring"):
-            record.state = "cancelled"
-            self.admission.done(record.request.ticket)  # leaves the queue if still there
         return record
 
     def _release(self, record: RestoreRecord) -> None:
-        record.state = "released"
-        self.cluster.chain.release(record.request.id)
+        """Free a ready restore's KV (once, whoever asks first)."""
+        if self._advance(record, "ready", "released"):
+            self.cluster.chain.release(record.request.id)
 
     def _reap_loop(self) -> None:
         """Free restores held past their time; forget the oldest finished records."""

@@ -1,0 +1,47 @@
+"""The request body limit (HTTP 413 naming it), on the bytes actually read: a Content-Length over the
+limit is refused before any byte is read, and a body without one (chunked) as soon as what was read
+passes the limit, so a client cannot make the coordinator buffer more than `max_bytes`."""
+
+from __future__ import annotations
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class BodyTooLargeError(HTTPException):
+    """A request body over the limit (HTTP 413). An HTTPException, so that FastAPI passes it on from its body
+    parsing as it is (any other error there becomes a 400 "error parsing the body")."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than {limit} bytes, this coordinator's limit "
+                              "(max_body_bytes)")
+
+
+class BodyLimit:
+    """ASGI middleware: reading a request's body past `max_bytes` raises BodyTooLargeError."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        too_long = declared.isdigit() and int(declared) > self.max_bytes
+        read = 0
+
+        async def limited() -> Message:
+            nonlocal read
+            if too_long:
+                raise BodyTooLargeError(self.max_bytes)
+            message = await receive()
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+                if read > self.max_bytes:
+                    raise BodyTooLargeError(self.max_bytes)
+            return message
+
+        await self.app(scope, limited, send)
