@@ -1,0 +1,186 @@
+"""The coordinator refuses what it cannot serve with a 4xx and its reason, before the request holds a
+batch slot, and a request abandoned by its client holds none either: real storage pods, stage workers
+and coordinators (tiny model) on loopback. The test that kills a stage worker runs last."""
+
+from __future__ import annotations
+
+import json
+import random
+import secrets
+import socket
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from cacheflow_services.coordinator.launch import LocalCoordinator
+from cacheflow_services.coordinator.tokenizer import tokenizer_dir
+from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
+from tests.reliability.coordinator_checks import local_file, metric, post, samples, second_coordinator, wait_for
+
+CHUNK = 32
+MAX_BATCH = 4
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    spec = ClusterSpec(model=MODEL, stages=2, pods=2, chunk_size=CHUNK, dtype="float32", policy="cake", port=0,
+                       transport="tcp", max_batch=MAX_BATCH, max_queue=8, threads_per_stage=1, batch_window_ms=30)
+    started = start_cluster(spec, tmp_path_factory.mktemp("cluster"))
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def client(local: LocalCluster) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=local.coordinator.url, headers={"Authorization": f"Bearer {local.token}"},
+                      timeout=120) as c:
+        yield c
+
+
+GHOST_TOKEN = secrets.token_urlsafe(16)
+
+
+@pytest.fixture(scope="module")
+def texts(local: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCoordinator]:
+    """A second coordinator with SmolLM2's tokenizer (text prompts) and a tenant, `ghost`, whose pod token
+    the storage pods do not know."""
+    workdir = tmp_path_factory.mktemp("texts")
+    pod_tokens, api_tokens = workdir / "pod-tokens", workdir / "api-tokens"
+    pod_tokens.write_text(local_file(local, "pod-tokens").read_text() + f"ghost {secrets.token_urlsafe(24)}\n")
+    api_tokens.write_text(local_file(local, "api-tokens").read_text() + f"ghost {GHOST_TOKEN}\n")
+    directory = tokenizer_dir("smollm2")
+    assert directory is not None
+    coordinator = second_coordinator(local, workdir, "--tokenizer", str(directory), pod_token_file=pod_tokens,
+                                     token_file=api_tokens)
+    yield coordinator
+    coordinator.stop()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def _body(**extra: object) -> dict[str, object]:
+    return {"model": MODEL, "prompt": _prompt(40, seed=1), "max_tokens": 2, **extra}
+
+
+def _slots_free(url: str) -> bool:
+    return metric(url, "cacheflow_coordinator_slots_held") == 0 and metric(url, "cacheflow_queue_depth") == 0
+
+
+def test_more_refused_requests_than_slots_then_a_good_one_is_served(client, local):
+    refused = [
+        (_body(seed=10**14, temperature=0.7), "seed"),  # was a 502 blamed on a stage: the sampler's seed overflowed
+        (_body(policy="fastest"), "unknown policy"),
+        (_body(n=2), "n = 2 is not supported"),
+        (_body(prompt=[1, True]), "prompt.token_ids.1"),
+        (_body(max_tokens=10**6), "max_tokens"),
+    ]
+    for body, reason in refused:
+        for _ in range(MAX_BATCH + 2):
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 400 and reason in r.json()["detail"], (body, r.text)
+    assert client.post("/v1/completions", json=_body()).status_code == 200
+    assert _slots_free(local.coordinator.url)
+
+
+def test_streamed_requests_whose_client_left_before_the_answer_hold_no_slot(client, local):
+    body = json.dumps({"model": MODEL, "prompt": _prompt(200, seed=2), "max_tokens": 4, "stream": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {local.token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    port = int(local.coordinator.url.rsplit(":", 1)[1])
+    for _ in range(MAX_BATCH + 2):  # each leaked slot would stay held: these alone would lock the coordinator up
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(head + body)  # and gone, before any answer
+    r = client.post("/v1/completions", json=_body(), timeout=90)
+    assert r.status_code == 200, r.text
+    wait_for(lambda: _slots_free(local.coordinator.url), "every batch slot free again")
+
+
+def test_a_seed_must_keep_the_samplers_seed_a_64_bit_integer(client):
+    r = client.post("/v1/completions", json=_body(seed=1 << 31, temperature=0.7))
+    assert r.status_code == 400 and "seed" in r.json()["detail"] and str(1 << 31) in r.json()["detail"]
+    assert client.post("/v1/completions", json=_body(seed=(1 << 31) - 1, temperature=0.7)).status_code == 200
+
+
+@pytest.mark.parametrize(("refused", "field", "neutral"), [
+    ({"n": 2}, "n = 2", {"n": 1}), ({"best_of": 3}, "best_of = 3", {"best_of": None}),
+    ({"logprobs": 1}, "logprobs = 1", {"logprobs": None}), ({"echo": True}, "echo = true", {"echo": False}),
+    ({"top_p": 0.5}, "top_p = 0.5", {"top_p": 1.0}), ({"suffix": "end"}, "suffix", {"suffix": None}),
+    ({"presence_penalty": 0.5}, "presence_penalty", {"presence_penalty": 0}),
+    ({"logit_bias": {"1": 5}}, "logit_bias", {"logit_bias": {}}),
+    ({"stream_options": {"include_usage": True}}, "stream_options", {"stream_options": None}),
+    ({"frobnicate": 1}, "frobnicate", {"user": "someone"}),
+    ({"stop_token_ids": [True]}, "stop_token_ids.0", {"stop_token_ids": [1]}),
+    ({"max_tokens": True}, "max_tokens", {"max_tokens": 1}),
+])
+def test_fields_this_server_does_not_implement_are_refused_by_name(client, refused, field, neutral):
+    r = client.post("/v1/completions", json=_body(**refused))
+    assert r.status_code == 400 and field in r.json()["detail"], r.text
+    assert client.post("/v1/completions", json=_body(**neutral)).status_code == 200  # asks for nothing: served
+
+
+def test_booleans_are_not_token_ids_in_a_restore(client):
+    r = client.post("/v1/restore", json={"token_ids": [1, 2, True]})
+    assert r.status_code == 400 and "token_ids.2" in r.json()["detail"], r.text
+
+
+def test_a_body_over_the_limit_gets_413_naming_it_with_or_without_a_length(client):
+    limit = 8 << 20  # the default
+    big = json.dumps(_body(prompt=[1] * (limit // 2))).encode()  # 2 bytes per token id: over the limit
+    declared = client.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+    assert declared.status_code == 413 and str(limit) in declared.json()["detail"], declared.text[:300]
+
+    def chunked() -> Iterator[bytes]:
+        for i in range(0, len(big), 1 << 16):
+            yield big[i : i + (1 << 16)]
+
+    streamed = client.post("/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
+    assert streamed.status_code == 413 and str(limit) in streamed.json()["detail"], streamed.text[:300]
+    assert client.post("/v1/completions", json=_body()).status_code == 200
+
+
+def test_a_lone_surrogate_in_text_is_a_400_with_the_reason(local, texts):
+    for path, raw in [("/v1/completions", rb'{"model": "tiny", "prompt": "abc\ud800", "max_tokens": 2}'),
+                      ("/v1/chat/completions",
+                       rb'{"model": "tiny", "messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2}')]:
+        r = post(texts.url, local.token, path, content=raw)
+        assert r.status_code == 400 and "surrogate" in r.json()["detail"], r.text
+
+
+def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(local, texts):
+    context = httpx.get(f"{texts.url}/v1/models", headers={"Authorization": f"Bearer {local.token}"}).json()
+    max_tokens = context["data"][0]["max_model_len"]
+    directory = tokenizer_dir("smollm2")
+    assert directory is not None
+    longest_piece = max(map(len, AutoTokenizer.from_pretrained(str(directory)).get_vocab()))  # no normalizer
+    bound = max_tokens * longest_piece  # more characters than this need more tokens than the context holds
+    r = post(texts.url, local.token, "/v1/completions", {"model": MODEL, "prompt": "a" * (bound + 1)})
+    assert r.status_code == 400 and f"a text of {bound + 1} characters cannot fit" in r.json()["detail"], r.text
+
+
+def test_a_tenant_the_storage_pods_refuse_gets_403(texts):
+    r = post(texts.url, GHOST_TOKEN, "/v1/completions", _body())
+    assert r.status_code == 403 and "refuse tenant 'ghost'" in r.json()["detail"], r.text
+    assert _slots_free(texts.url)
+
+
+def test_a_stage_that_dies_mid_request_is_the_stage_named(client, local):
+    body = _body(prompt=_prompt(50, seed=3), max_tokens=4000, stream=True)
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = r.iter_lines()
+        first = next(e for e in events if e.startswith("data: "))
+        assert json.loads(first[len("data: "):])["choices"][0]["token_ids"]
+        local.workers[1].kill()  # stage 0 is alive: it is what the coordinator calls, stage 1 is what failed
+        errors = [json.loads(e[len("data: "):])["error"] for e in events
+                  if e.startswith("data: ") and '"error"' in e]
+    assert len(errors) == 1 and errors[0]["message"].startswith("stage 1: unreachable"), errors
+    assert errors[0]["type"] == "ChainError"
+    failures = {labels["cause"] for labels, value in samples(local.coordinator.url, "cacheflow_failures_total")
+                if value}
+    assert failures == {"stage1:NextStageError"}, failures

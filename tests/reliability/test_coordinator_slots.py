@@ -1,0 +1,118 @@
+"""Batch slots are freed, and the stages' work stopped, whenever a request is given up, and readiness
+says when no slot can free up: real storage pods (their links shaped slow, so that a restore with
+`load-only` takes seconds however fast the machine is), stage workers and coordinators, on loopback."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
+from tests.reliability.coordinator_checks import WAIT_S, metric, post, second_coordinator, wait_for
+
+CHUNK = 32
+PREFIX_CHUNKS = 16  # tiny, fp32: 128 KiB of KV per chunk and stage, 4 MiB to load in all ...
+RATE_GBPS = 0.004  # ... at 0.5 MB/s per pod: seconds
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    spec = ClusterSpec(model=MODEL, stages=2, pods=2, chunk_size=CHUNK, dtype="float32", policy="cake", port=0,
+                       transport="tcp", max_batch=4, max_queue=8, threads_per_stage=1, batch_window_ms=30,
+                       rate_gbps=RATE_GBPS)
+    started = start_cluster(spec, tmp_path_factory.mktemp("cluster"))
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def client(local: LocalCluster) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=local.coordinator.url, headers={"Authorization": f"Bearer {local.token}"},
+                      timeout=WAIT_S) as c:
+        yield c
+
+
+def _stored_prefix(client: httpx.Client, local: LocalCluster, seed: int) -> list[int]:
+    """A prefix of PREFIX_CHUNKS whole chunks, prefilled and stored on the pods."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1000) for _ in range(PREFIX_CHUNKS * CHUNK)]
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [*prefix, 1], "max_tokens": 1,
+                                              "policy": "compute-only"})
+    assert r.status_code == 200, r.text
+    for worker in local.workers:  # its chunks are stored off the critical path: wait for them
+        httpx.post(f"{worker.url}/v1/flush", timeout=WAIT_S).raise_for_status()
+    return prefix
+
+
+def _cancelled_restores(worker_url: str) -> float:
+    return metric(worker_url, "cacheflow_worker_restore_failures_total", {"reason": "RestoreCancelledError"}) or 0.0
+
+
+def _loading(local: LocalCluster, before: list[float]) -> bool:
+    """Every stage has loaded something since `before` (their channels' busy seconds)."""
+    return all(_channel_busy(w.url) > b for w, b in zip(local.workers, before, strict=True))
+
+
+def _channel_busy(worker_url: str) -> float:
+    return metric(worker_url, "cacheflow_worker_channel_busy_seconds_total", {"channel": "0"}) or 0.0
+
+
+def _holding_nothing(local: LocalCluster) -> bool:
+    return all(metric(w.url, "cacheflow_worker_requests") == 0 for w in local.workers)
+
+
+def test_a_cancel_while_the_restore_runs_wins_and_frees_the_kv_on_every_stage(client, local):
+    prefix = _stored_prefix(client, local, seed=1)
+    created = client.post("/v1/restore", json={"token_ids": prefix, "policy": "load-only"}).json()
+    assert created["cached_tokens"] == len(prefix), created
+    rid = created["id"]
+    wait_for(lambda: client.get(f"/v1/restore/{rid}").json()["state"] != "queued", "the restore admitted")
+    assert client.get(f"/v1/restore/{rid}").json()["state"] == "restoring"  # the shaped links make it take seconds
+    assert client.delete(f"/v1/restore/{rid}").json()["state"] == "cancelled"
+    final = client.get(f"/v1/restore/{rid}", params={"wait": WAIT_S}).json()
+    assert final["state"] == "cancelled", final
+    for worker in local.workers:
+        assert httpx.get(f"{worker.url}/v1/requests/{rid}/kv", timeout=30).status_code == 404
+    assert _holding_nothing(local)
+    assert metric(local.coordinator.url, "cacheflow_coordinator_slots_held") == 0
+
+
+def test_a_streaming_client_that_leaves_before_its_first_token_stops_its_work_everywhere(client, local):
+    prefix = _stored_prefix(client, local, seed=2)
+    cancelled = [_cancelled_restores(w.url) for w in local.workers]
+    busy = [_channel_busy(w.url) for w in local.workers]
+    body = {"model": MODEL, "prompt": [*prefix, 5, 6], "max_tokens": 4, "stream": True, "policy": "load-only"}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        wait_for(lambda: _loading(local, busy), "every stage loading the prefix")
+    # the client is gone, seconds before the restore could end: every stage stops it, and the slot is free
+    wait_for(lambda: all(_cancelled_restores(w.url) > c for w, c in zip(local.workers, cancelled, strict=True)),
+             "the restore cancelled on every stage")
+    wait_for(lambda: metric(local.coordinator.url, "cacheflow_coordinator_slots_held") == 0, "the slot free")
+    wait_for(lambda: _holding_nothing(local), "no KV held on any stage")
+    later = client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+    assert later.status_code == 200, later.text
+
+
+def test_readiness_fails_while_every_slot_is_held_too_long(client, local, tmp_path: Path):
+    prefix = _stored_prefix(client, local, seed=3)
+    narrow = second_coordinator(local, tmp_path, "--max-batch", "1", "--slot-stuck-s", "1")
+    try:
+        assert httpx.get(f"{narrow.url}/readyz").status_code == 200
+        rid = post(narrow.url, local.token, "/v1/restore", {"token_ids": prefix, "policy": "load-only"}).json()["id"]
+        wait_for(lambda: httpx.get(f"{narrow.url}/readyz").status_code == 503, "not ready while the slot is stuck")
+        ready = httpx.get(f"{narrow.url}/readyz").json()
+        assert ready["ready"] is False and all(s["up"] for s in ready["stages"])  # only the slots are wrong
+        assert ready["slots"]["held"] == 1 and "held for more than 1 s" in ready["slots"]["stuck"], ready
+        assert metric(narrow.url, "cacheflow_coordinator_slots_held") == 1
+        assert (metric(narrow.url, "cacheflow_coordinator_oldest_slot_age_seconds") or 0) > 1
+        httpx.delete(f"{narrow.url}/v1/restore/{rid}", headers={"Authorization": f"Bearer {local.token}"})
+        wait_for(lambda: httpx.get(f"{narrow.url}/readyz").status_code == 200, "ready once the slot is free")
+        assert metric(narrow.url, "cacheflow_coordinator_oldest_slot_age_seconds") == 0
+    finally:
+        narrow.stop()
