@@ -21,6 +21,7 @@ from pydantic import AfterValidator, BaseModel, Field
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_PROMPT_TOKENS = 1 << 20
+SEED_LIMIT = 1 << 31  # a sampler is seeded with seed * 1_000_003 + position: this keeps it within 64 bits
 InputMode = Literal["boundary", "pipelined", "sequential"]
 
 
@@ -73,7 +74,7 @@ class ForwardMeta(BaseModel):
     reserve_tokens: int = Field(default=0, ge=0)
     save: bool = True  # store whole chunks as they fill up
     temperature: float = Field(default=0.0, ge=0.0)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=SEED_LIMIT)
 
 
 class DeliverMeta(BaseModel):

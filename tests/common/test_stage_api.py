@@ -21,6 +21,9 @@ def test_restore_and_forward_need_tokens_and_a_known_input():
         RestoreRequest.model_validate({"request_id": "r", "tenant": "t", "token_ids": [1], "input": "psychic"})
     with pytest.raises(ValidationError):
         ForwardMeta(request_id="r", start=-1, token_ids=[1])
+    for seed in (-1, 1 << 31):  # a sampler seeded with seed * 1_000_003 + position must fit in 64 bits
+        with pytest.raises(ValidationError):
+            ForwardMeta(request_id="r", start=0, token_ids=[1], seed=seed)
 
 
 def test_a_summary_round_trips_through_json():

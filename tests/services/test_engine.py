@@ -180,6 +180,32 @@ def test_a_restored_request_stores_its_new_chunks_only_if_its_forward_says_so(mo
     assert (len(stored.names()) > stored_before) is save
 
 
+def test_a_request_whose_sampling_fails_gets_the_error_and_the_others_their_tokens(model, engines):
+    engine = _engine(model, MemoryStore())
+    engines.append(engine)
+    sample = engine.loop.sampler
+
+    def failing_for_seed_13(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
+        if seed == 13:
+            raise ValueError("this seed cannot be sampled")
+        return sample(logits, temperature, seed, position)
+
+    engine.loop.sampler = failing_for_seed_13
+    metas = [{"request_id": f"s{seed}", "tenant": TENANT, "start": 0, "token_ids": [1, 2, 3], "reserve_tokens": 4,
+              "save": False, "temperature": 0.7, "seed": seed} for seed in (13, 14)]
+    calls = [functools.partial(_outcome, engine.forward, meta, None) for meta in metas]
+    (failed, error), (served, answer) = _in_threads(calls)
+    assert failed and isinstance(error, ValueError) and not served and isinstance(answer["token"], int)
+
+
+def _outcome(call: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+    """(True, the exception the call raised) or (False, its result)."""
+    try:
+        return False, call(*args)
+    except Exception as exc:
+        return True, exc
+
+
 def test_continuous_batching_gives_each_request_its_greedy_tokens_alone(model, engines):
     prompts = _prompts(4, seed=2)
     n_new = 6

@@ -24,9 +24,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field
 from pydantic_core import PydanticCustomError
 
 from cacheflow_common.errors import CacheFlowError
+from cacheflow_common.stage_api import SEED_LIMIT
 
 MAX_PROMPT_TOKENS = 1 << 20
-SEED_LIMIT = 1 << 31
 
 
 def _unicode(text: str) -> str:

@@ -204,7 +204,10 @@ class StepLoop:
             for item, row in zip(sampled, logits, strict=True):
                 temperature, seed = item.sample or (0.0, 0)
                 position = item.start + item.rows.shape[0]
-                item.future.set_result(self.sampler(row, temperature, seed, position))
+                try:
+                    item.future.set_result(self.sampler(row, temperature, seed, position))
+                except Exception as exc:  # this request's sampling failed: it gets the error, the others their tokens
+                    item.future.set_exception(exc)
         for item in finished:
             if item.sample is None:
                 item.future.set_result(torch.cat(item.outputs))  # [T, hidden]
