@@ -30,7 +30,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cacheflow_common.errors import BadRequestError
 from cacheflow_services.coordinator.admission import AdmissionTimeoutError, QueueFullError
-from cacheflow_services.coordinator.body_limit import BodyLimit, BodyTooLargeError
 from cacheflow_services.coordinator.cluster import StageDownError
 from cacheflow_services.coordinator.completion import Completion
 from cacheflow_services.coordinator.openai_api import (
@@ -48,6 +47,7 @@ from cacheflow_services.coordinator.service import Coordinator, Request, TenantR
 from cacheflow_services.coordinator.stages import ChainError
 from cacheflow_services.coordinator.streaming import CompletionStream
 from cacheflow_services.coordinator.tokenizer import TextCodec
+from cacheflow_services.http_limits import BodyLimit, BodyTooLargeError
 
 _STATUS: list[tuple[type[Exception], int]] = [
     (UnknownRestoreError, 404), (TenantRefusedError, 403), (BadRequestError, 400), (QueueFullError, 429),

@@ -1,10 +1,11 @@
-"""The control API's guard (ASGI middleware): authenticate before reading a byte of the body, then read
-the body only up to the limit, whatever the request declares (Content-Length or chunked).
+"""The control API's guard (ASGI middleware): authenticate before reading a byte of the body, then let
+the app read the body only up to the limit, whatever the request declares (Content-Length or chunked).
 
 Every path but the probes and /metrics needs a bearer token; the guard checks it first, so a
-client without one is answered 401 at once and its body is never read. The body is then read here,
-counting the bytes that actually arrive: past `max_body_bytes` the answer is 413 and the rest is
-not read. The tenant is left in the request's state for the routes (`request.state.tenant`).
+client without one is answered 401 at once and its body is never read. The body is then bounded by
+the services' shared `BodyLimit`, counting the bytes that actually arrive: past `max_body_bytes` the
+answer is 413 and the rest is not read. The tenant is left in the request's state for the routes
+(`request.state.tenant`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from collections.abc import Callable
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from cacheflow_services.http_limits import BodyLimit
 
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 UNAUTHORIZED = "missing or wrong bearer token"
@@ -34,8 +37,8 @@ class RequestGuard:
                  on_refused: Callable[[str], None]) -> None:
         self.app = app
         self.authenticate = authenticate  # token -> tenant, or None
-        self.max_body_bytes = max_body_bytes
         self.on_refused = on_refused  # told the reason of every refusal ("unauthorized", "body_too_large")
+        self.limited = BodyLimit(app, max_body_bytes, on_refused=lambda: on_refused("body_too_large"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -49,36 +52,4 @@ class RequestGuard:
                 await unauthorized()(scope, receive, send)
                 return
             scope.setdefault("state", {})["tenant"] = tenant
-        declared = headers.get("content-length")
-        body = None
-        if declared is None or (declared.isdigit() and int(declared) <= self.max_body_bytes):
-            body = await self._read_body(receive)
-        if body is None:
-            self.on_refused("body_too_large")
-            too_large = JSONResponse({"detail": f"request body over {self.max_body_bytes} bytes"}, status_code=413)
-            await too_large(scope, receive, send)
-            return
-        await self.app(scope, _replay(body, receive), send)
-
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        """The whole body, or None as soon as it passes the limit."""
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away: the app sees an empty body
-                return bytes(body)
-            body += message.get("body", b"")
-            if len(body) > self.max_body_bytes:
-                return None
-            if not message.get("more_body", False):
-                return bytes(body)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that gives the app the body already read, then whatever the client sends next."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def replayed() -> Message:
-        return pending.pop() if pending else await receive()
-
-    return replayed
+        await self.limited(scope, receive, send)

@@ -1,8 +1,11 @@
-"""The request body limit (HTTP 413 naming it), on the bytes actually read: a Content-Length over the
-limit is refused before any byte is read, and a body without one (chunked) as soon as what was read
-passes the limit, so a client cannot make the coordinator buffer more than `max_bytes`."""
+"""The request body limit of the coordinator's and the storage pods' HTTP APIs (HTTP 413 naming it), on
+the bytes actually read: a Content-Length over the limit is refused before any byte is read, and a body
+without one (chunked) as soon as what was read passes the limit, so a client cannot make a service
+buffer more than `max_bytes`."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -14,16 +17,17 @@ class BodyTooLargeError(HTTPException):
     parsing as it is (any other error there becomes a 400 "error parsing the body")."""
 
     def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body is larger than {limit} bytes, this coordinator's limit "
-                              "(max_body_bytes)")
+        super().__init__(413, f"the request body is over {limit} bytes, the limit here (max_body_bytes)")
 
 
 class BodyLimit:
-    """ASGI middleware: reading a request's body past `max_bytes` raises BodyTooLargeError."""
+    """ASGI middleware: reading a request's body past `max_bytes` raises BodyTooLargeError (and tells
+    `on_refused`, for metrics)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, on_refused: Callable[[], None] = lambda: None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -36,12 +40,16 @@ class BodyLimit:
         async def limited() -> Message:
             nonlocal read
             if too_long:
-                raise BodyTooLargeError(self.max_bytes)
+                raise self._refused()
             message = await receive()
             if message["type"] == "http.request":
                 read += len(message.get("body", b""))
                 if read > self.max_bytes:
-                    raise BodyTooLargeError(self.max_bytes)
+                    raise self._refused()
             return message
 
         await self.app(scope, limited, send)
+
+    def _refused(self) -> BodyTooLargeError:
+        self.on_refused()
+        return BodyTooLargeError(self.max_bytes)
