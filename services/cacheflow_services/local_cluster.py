@@ -3,14 +3,19 @@
 One cluster spec (YAML; every key optional) gives `pods` storage pods, `stages` stage workers and a
 coordinator. Chunks live under `directory` (default: the cache directory's `cluster/`), so a second
 `cacheflow up` restores what the first one stored. The client token is kept in `directory/api-tokens`
-(created once); `cacheflow up` prints it with the coordinator's URL.
+(created once); `cacheflow up` prints it with the coordinator's URL. One cluster at a time uses a
+directory: `cacheflow up` holds `directory/up.lock` (`hold_workdir`) while it runs, and a supervised
+cluster (`LocalCluster.supervise`) starts again each of its processes that exits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import secrets
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -22,7 +27,10 @@ from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import model_config
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
 from cacheflow_services.storage.launch import LocalPod, launch_pod
+from cacheflow_services.supervisor import RestartPolicy, Service, Supervisor
 from cacheflow_services.worker.launch import LocalWorker, launch_stages
+
+LOCK_FILE = "up.lock"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,14 +93,51 @@ class LocalCluster:
     coordinator: LocalCoordinator
     tenant: str
     token: str  # the client's bearer token
+    supervisor: Supervisor | None = None
+
+    def services(self) -> list[tuple[str, Service]]:
+        """Every process, named as a person would: "coordinator", "stage 0", "pod 1"."""
+        named: list[tuple[str, Service]] = [("coordinator", self.coordinator)]
+        named += [(f"stage {w.stage}", w) for w in self.workers]
+        named += [(f"pod {i}", p) for i, p in enumerate(self.pods)]
+        return named
+
+    def supervise(self, policy: RestartPolicy | None = None) -> Supervisor:
+        """From now on, start again (same ports, same arguments) each process that exits."""
+        self.supervisor = Supervisor(self.services(), policy).start()
+        return self.supervisor
 
     def stop(self) -> None:
-        """Coordinator first (no new work), then workers (they flush their saves), then pods."""
+        """Coordinator first (no new work), then workers (they flush their saves), then pods; nothing
+        is restarted meanwhile."""
+        if self.supervisor is not None:
+            self.supervisor.pause()
         self.coordinator.stop()
         for w in self.workers:
             w.stop()
         for p in self.pods:
             p.stop()
+        if self.supervisor is not None:
+            self.supervisor.close()
+
+
+@contextlib.contextmanager
+def hold_workdir(workdir: Path) -> Iterator[None]:
+    """Hold the cluster directory's lock (flock on `up.lock`) for the block: ConfigError, in one line
+    naming the process that holds it, when another `cacheflow up` runs on this directory."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / LOCK_FILE, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "?"
+            raise ConfigError(f"{workdir} is in use by another `cacheflow up` (pid {holder}): stop it, or choose "
+                              "another directory (--dir, or `directory:` in the cluster spec)") from None
+        lock.truncate(0)
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        yield  # closing the file releases the lock
 
 
 def _token_file(path: Path, tenant: str) -> str:

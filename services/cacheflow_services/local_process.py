@@ -4,19 +4,31 @@ A service prints one JSON line when it is ready (its ports); `start_service` wai
 then for its HTTP API to answer /healthz. A service that does not get there raises ServiceStartError,
 one line naming the service, why, and its log. Inside `reporting_ready(callback)`, every service that
 becomes ready is told to `callback` (what `cacheflow up` prints while the cluster starts).
+
+On Linux every service is started with a parent-death signal (SIGTERM, armed by a tiny Python
+stub that then execs the service): if the process that started it dies, however it dies, the service
+stops too instead of holding its ports. The kernel sends that signal when the *thread* that started
+the service ends, so start services only from threads that live as long as the services should (the
+main thread, or a supervisor's own thread). Inside `exit_on_signals()`, SIGTERM, SIGINT and SIGHUP
+raise `Stopped` in the main thread, so that the `finally` blocks which stop the services run
+whichever way a command is stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import httpx
@@ -26,10 +38,62 @@ from cacheflow_common.errors import CacheFlowError
 STARTUP_S = 90.0  # a service imports torch and fastapi (and may load a model): seconds on a busy machine
 ReadyCallback = Callable[[str, dict[str, Any], float], None]  # (service, its ready line, seconds it took)
 _on_ready: ContextVar[ReadyCallback | None] = ContextVar("on_ready", default=None)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_received: list[int] = []  # the stop signals received inside `exit_on_signals`
+# Run in the new process before the service: arm PR_SET_PDEATHSIG (1), give up if the parent is already
+# gone, then exec the service. A stub rather than a preexec_fn: no Python runs between fork and exec.
+DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
+                   "ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
+                   "if os.getppid() != int(sys.argv[1]):\n    os._exit(1)\n"
+                   "os.execvp(sys.argv[2], sys.argv[2:])")
 
 
 class ServiceStartError(CacheFlowError):
     """A local service exited or did not answer before it was ready; the message names its log."""
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal arrived (inside `exit_on_signals`): unwind, stopping what was started on the way."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def exit_on_signals() -> Iterator[None]:
+    """Inside the block (main thread only), SIGTERM, SIGINT and SIGHUP raise `Stopped` (a second one
+    during the cleanup cuts it short: the services still get their parent-death signal). The previous
+    handlers come back after the block."""
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        _received.append(signum)
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    _received.clear()
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        _received.clear()
+
+
+def raise_if_stopped() -> None:
+    """In the main thread, raise `Stopped` if a stop signal came inside `exit_on_signals` (call it
+    where no stop is being handled): a handler's exception is lost where Python ignores exceptions
+    (finalizers, fork hooks), and this brings it back."""
+    if _received and threading.current_thread() is threading.main_thread():
+        raise Stopped(_received[-1])
+
+
+def die_with_parent() -> list[str]:
+    """The command prefix that gives a service this process as its parent for the parent-death signal
+    (none where prctl is not available)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    return [sys.executable, "-S", "-c", DIE_WITH_PARENT, str(os.getpid())]
 
 
 @contextlib.contextmanager
@@ -64,11 +128,25 @@ def free_port() -> int:
 def start_service(args: list[str], log_path: Path, *, prefix: Sequence[str] = ()
                   ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """Run `cacheflow <args>` (behind `prefix`, e.g. taskset); returns the process and its ready line
-    once its API answers (ServiceStartError if it exits or does not answer first)."""
+    once its API answers (ServiceStartError if it exits or does not answer first). Interrupted while
+    it waits (a stop signal), it stops the process first."""
     began = time.monotonic()
-    with open(log_path, "a") as log:  # stderr to a file: an unread pipe would block a chatty service
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "cacheflow_services.cli", *args],
-                                stdout=subprocess.PIPE, stderr=log, text=True)
+    with open(log_path, "a") as log_file:  # stderr to a file: an unread pipe would block a chatty service
+        proc = subprocess.Popen([*die_with_parent(), *prefix, sys.executable, "-m", "cacheflow_services.cli", *args],
+                                stdout=subprocess.PIPE, stderr=log_file, text=True)
+    try:
+        ready = _wait_ready(proc, args, log_path)
+        raise_if_stopped()
+    except BaseException:
+        stop_process(proc)
+        raise
+    if callback := _on_ready.get():
+        callback(service_name(args), ready, time.monotonic() - began)
+    return proc, ready
+
+
+def _wait_ready(proc: subprocess.Popen[str], args: list[str], log_path: Path) -> dict[str, Any]:
+    """The service's ready line, once its API answers."""
     assert proc.stdout is not None
     line = " "
     while line and not line.startswith("{"):  # the ready line (a native library may print before it)
@@ -81,11 +159,8 @@ def start_service(args: list[str], log_path: Path, *, prefix: Sequence[str] = ()
     try:
         wait_http(f"http://127.0.0.1:{ready['http_port']}/healthz")
     except ServiceStartError as exc:
-        stop_process(proc)
         raise ServiceStartError(f"`cacheflow {service_name(args)}`: {exc} (its log: {log_path})") from None
-    if callback := _on_ready.get():
-        callback(service_name(args), ready, time.monotonic() - began)
-    return proc, ready
+    return ready
 
 
 def last_line(log_path: Path) -> str:

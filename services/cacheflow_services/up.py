@@ -1,8 +1,11 @@
-"""`cacheflow up`: start the local cluster, say where everything listens, stop it all on Ctrl-C.
+"""`cacheflow up`: start the local cluster, say where everything listens, keep it serving until stopped.
 
-Before anything starts it checks the model and the coordinator's port; without a `profile` in the
-spec it profiles the model on this machine once (a quick profile, reused afterwards), so that the
-CacheFlow policies run as themselves rather than as Cake. Each process is reported as it is ready.
+Before anything starts it checks the model and the coordinator's port and takes the cluster directory's
+lock (a second `cacheflow up` on either fails there, in one line); without a `profile` in the spec it
+profiles the model on this machine once (a quick profile, reused afterwards), so that the CacheFlow
+policies run as themselves rather than as Cake. Each process is reported as it is ready. While it
+serves, a process that exits is restarted (`supervisor.py`). SIGTERM, SIGINT (Ctrl-C), SIGHUP or an
+error stop every process it started, at any point; the processes also stop if `cacheflow up` is killed.
 
 With `--demo`, it sends one long prompt twice through the coordinator instead of waiting: the first
 is prefilled and stored, the second restores the stored prefix; it prints both TTFTs and stops.
@@ -11,9 +14,7 @@ is prefilled and stored, the second restores the stored prefix; it prints both T
 from __future__ import annotations
 
 import argparse
-import signal
-import subprocess
-import threading
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,9 +22,10 @@ from pathlib import Path
 import httpx
 
 from cacheflow_common.errors import CacheFlowError
-from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, preflight, start_cluster
-from cacheflow_services.local_process import print_ready, reporting_ready
+from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, hold_workdir, preflight, start_cluster
+from cacheflow_services.local_process import Stopped, exit_on_signals, print_ready, raise_if_stopped, reporting_ready
 from cacheflow_services.profiling import ensure_quick_profile
+from cacheflow_services.supervisor import Supervisor
 
 DEMO_TEXT = ("CacheFlow restores the KV cache of a long prompt by recomputing its front while it loads its back "
              "from storage, meeting in the middle. ")
@@ -84,6 +86,15 @@ def run(args: argparse.Namespace, cache_dir: Path) -> int:
                             pods=args.pods, port=args.port, directory=args.dir)
     workdir = spec.workdir(cache_dir)
     preflight(spec)  # a wrong model or a busy port fails here, before anything starts
+    with exit_on_signals(), hold_workdir(workdir):  # ... and so does a directory another `up` holds
+        try:
+            return _start_and_serve(args, spec, workdir, cache_dir)
+        except Stopped as stopped:
+            print(f"cacheflow up: stopped by {stopped}", file=sys.stderr, flush=True)
+            return 128 + stopped.signum
+
+
+def _start_and_serve(args: argparse.Namespace, spec: ClusterSpec, workdir: Path, cache_dir: Path) -> int:
     spec = with_profile(spec, cache_dir)
     print(f"starting {spec.pods} storage pod(s), {spec.stages} stage worker(s) and a coordinator "
           f"for model {spec.model!r} (restore policy {spec.policy}; logs in {workdir}) ...", flush=True)
@@ -91,30 +102,26 @@ def run(args: argparse.Namespace, cache_dir: Path) -> int:
         cluster = start_cluster(spec, workdir)
     try:
         print(describe(cluster, workdir, spec.model), flush=True)
+        supervisor = cluster.supervise()
         if args.demo:
             demo(cluster, spec.model, args.demo_tokens, workdir)
             return 0
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        print("\nserving; Ctrl-C stops everything", flush=True)
-        try:
-            while not stop.wait(1.0):
-                if dead := [name for name, proc in _processes(cluster) if proc is not None and proc.poll() is not None]:
-                    print(f"{', '.join(dead)} exited; stopping (see the logs in {workdir})", flush=True)
-                    return 1
-        except KeyboardInterrupt:
-            pass
-        return 0
+        return serve(supervisor, workdir)
     finally:
         print("stopping ...", flush=True)
         cluster.stop()
 
 
-def _processes(cluster: LocalCluster) -> list[tuple[str, subprocess.Popen[str] | None]]:
-    named: list[tuple[str, subprocess.Popen[str] | None]] = [("coordinator", cluster.coordinator.proc)]
-    named += [(f"stage {w.stage}", w.proc) for w in cluster.workers]
-    named += [(f"pod {i}", p.proc) for i, p in enumerate(cluster.pods)]
-    return named
+def serve(supervisor: Supervisor, workdir: Path) -> int:
+    """Until a stop signal (0), or until a process keeps exiting however often it is restarted (1)."""
+    print("\nserving (a process that exits is restarted); Ctrl-C stops everything", flush=True)
+    try:
+        while not (failed := supervisor.wait_failed(1.0)):
+            raise_if_stopped()
+    except Stopped:
+        return 0
+    print(f"{failed}; stopping (see the logs in {workdir})", flush=True)
+    return 1
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -16,6 +16,7 @@ import contextlib
 import math
 import shutil
 import statistics
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -33,7 +34,7 @@ from cacheflow_common.sim.config import balanced_link_gbps
 from cacheflow_common.sim.replay import ReplayRequest, load_slice, select_requests
 from cacheflow_services.demo.report import print_key, print_table, write_report
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
-from cacheflow_services.local_process import print_ready, reporting_ready
+from cacheflow_services.local_process import Stopped, exit_on_signals, print_ready, reporting_ready
 from cacheflow_services.profiling import ensure_quick_profile
 from cacheflow_services.replay import Replayer, ReplayError, replay, restore_alone, warm_up
 
@@ -150,6 +151,16 @@ def balanced_cluster(spec: ClusterSpec, workdir: Path, requests: list[ReplayRequ
 
 
 def run(args: argparse.Namespace, cache_dir: Path) -> int:
+    """The demo; SIGTERM, SIGINT (Ctrl-C) or SIGHUP stop the cluster it started, wherever it is."""
+    with exit_on_signals():
+        try:
+            return _run(args, cache_dir)
+        except Stopped as stopped:
+            print(f"cacheflow demo: stopped by {stopped}", file=sys.stderr, flush=True)
+            return 128 + stopped.signum
+
+
+def _run(args: argparse.Namespace, cache_dir: Path) -> int:
     check_args(args)
     requests = choose_requests(args)
     profile_path = ensure_profile(args, cache_dir)
