@@ -108,3 +108,20 @@ class WorkerInfo(BaseModel):
     policy: str
     step_tokens: int
     busy: BusyTotals
+
+
+# A stage that fails because one further down the pipeline did answers with this error type and a detail
+# naming how many stages down (`stage +1 unreachable (...)`): the caller names the stage that failed.
+RELAYED_ERROR = "NextStageError"
+UNREACHABLE = "unreachable"  # how a relayed (or the coordinator's own) failure to reach a stage starts
+_RELAYED = re.compile(r"stage \+(\d+) (.*)", re.DOTALL)
+
+
+def relayed_detail(hops: int, reason: str) -> str:
+    return f"stage +{hops} {reason}"
+
+
+def downstream_failure(error: str, detail: str) -> tuple[int, str] | None:
+    """(hops, reason) when a stage's error answer (its `error` type and `detail`) relays a failure further down."""
+    match = _RELAYED.fullmatch(detail) if error == RELAYED_ERROR else None
+    return (int(match[1]), match[2]) if match else None

@@ -42,8 +42,9 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+# `cacheflow bench NAME` -> its module in cacheflow_bench
 BENCHMARKS = {"restore": "restore_single", "storage": "storage", "stages": "stages", "batch": "batch",
-              "vllm": "vllm", "report": "report"}  # `cacheflow bench NAME` -> its module in cacheflow_bench
+              "vllm": "vllm", "report": "report", "chaos": "chaos"}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -193,6 +194,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         slot_stuck_s=args.slot_stuck_s,
+        stage_wait_s=args.stage_wait_s,
         host=args.host,
         http_port=args.http_port,
     )
@@ -217,6 +219,8 @@ def _add_coordinator_parser(sub: argparse._SubParsersAction) -> None:
     co.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (larger: 413)")
     co.add_argument("--slot-stuck-s", type=float, default=900.0,
                     help="not ready (/readyz 503) while every batch slot has been held longer than this")
+    co.add_argument("--stage-wait-s", type=float, default=30.0,
+                    help="a request waits this long for a stage that is down (restarting) before a 503")
     co.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     co.add_argument("--http-port", type=int, default=0, help="API port (0: any free one)")
 

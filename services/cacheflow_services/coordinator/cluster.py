@@ -28,6 +28,7 @@ from cacheflow_services.coordinator.stages import ChainError, StageChain
 log = logging.getLogger(__name__)
 PROBE_NAME = "cacheflow-health-probe"  # a name no chunk has: a pod that answers about it is up
 PROBE_TIMEOUT_S = 2.0
+STAGE_POLL_S = 0.25  # how often a request waiting for a stage that is down probes it
 
 
 class StageDownError(CacheFlowError):
@@ -90,6 +91,15 @@ class Cluster:
         if down:
             raise StageDownError(f"stage worker(s) {', '.join(map(str, down))} not answering; retry later")
 
+    def wait_for_stages(self, timeout_s: float) -> None:
+        """Return once every stage answers, probing them meanwhile (a restarting worker comes back within
+        seconds); StageDownError naming those still down after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while not all(self.stage_up) and time.monotonic() < deadline:
+            time.sleep(STAGE_POLL_S)
+            self.probe_stages()
+        self.require_stages()
+
     def mark_stage_down(self, stage: int) -> None:
         """A request found the stage unreachable: refuse others at once until a probe sees it again."""
         if 0 <= stage < len(self.stage_up):
@@ -101,15 +111,18 @@ class Cluster:
 
     def probe(self) -> None:
         """Probe every worker and pod once."""
+        self.probe_stages()
+        for pod_id, client in self._probes.items():
+            before = client.last_failure
+            client.size(PROBE_NAME)  # a failure is swallowed but recorded
+            self.pod_up[pod_id] = client.last_failure == before
+
+    def probe_stages(self) -> None:
         for stage, url in enumerate(self.chain.urls):
             try:
                 self.stage_up[stage] = httpx.get(f"{url}/healthz", timeout=PROBE_TIMEOUT_S).status_code == 200
             except httpx.HTTPError:
                 self.stage_up[stage] = False
-        for pod_id, client in self._probes.items():
-            before = client.last_failure
-            client.size(PROBE_NAME)  # a failure is swallowed but recorded
-            self.pod_up[pod_id] = client.last_failure == before
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(self.config.health_interval_s):

@@ -26,6 +26,7 @@ class CoordinatorConfig:
     max_new_tokens: int = 4096  # the largest max_tokens a request may ask for
     stage_timeout_s: float = 300.0  # one call to a stage worker (a restore of a long prefix included)
     health_interval_s: float = 2.0  # how often workers and pods are probed
+    stage_wait_s: float = 30.0  # a request waits this long for a stage that is down (restarting) before a 503
     held_restore_s: float = 60.0  # a restore's KV held on the workers for a later completion, then freed
     max_body_bytes: int = 8 << 20  # the largest request body accepted (larger: 413)
     slot_stuck_s: float = 900.0  # every batch slot held longer than this: not ready (a slot's restore and first
@@ -42,8 +43,8 @@ class CoordinatorConfig:
             raise ConfigError("the coordinator needs client tokens (--token-file): it serves no request without one")
         if min(self.max_batch, self.max_new_tokens) <= 0 or self.max_queue < 0 or self.batch_window_s < 0:
             raise ConfigError("max batch and max new tokens must be positive, queue and window not negative")
-        if self.max_body_bytes <= 0 or self.slot_stuck_s <= 0:
-            raise ConfigError("the body limit and the stuck-slot bound must be positive")
+        if self.max_body_bytes <= 0 or self.slot_stuck_s <= 0 or self.stage_wait_s < 0:
+            raise ConfigError("the body limit and the stuck-slot bound must be positive, the stage wait not negative")
         if not 1 <= self.replicas <= len(self.pods):
             raise ConfigError(f"{self.replicas} replicas over {len(self.pods)} storage pods")
         if self.policy not in POLICIES:

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,7 +137,7 @@ class Coordinator:
         """Look the prefix up and take a place in the queue (QueueFullError: HTTP 429)."""
         arrived = time.perf_counter()
         policy = self.check_policy(policy)  # every check before the queue: a refused request holds no slot
-        self.cluster.require_stages()
+        self.cluster.wait_for_stages(self.config.stage_wait_s)  # a restarting stage costs time, not an answer
         store = self.cluster.stores.get(tenant)
         if store is None:
             raise BadRequestError(f"tenant {tenant!r} has no storage credentials on this coordinator")
@@ -218,18 +218,24 @@ class Coordinator:
                 stop_ids: frozenset[int], save: bool) -> Generator[int, None, None]:
         chain = self.cluster.chain
         prompt = request.token_ids
+
+        def start() -> Iterator[int] | None:
+            """Restore and prefill; the stream, its first token next (None: stopped meanwhile)."""
+            self._restore(request, reserve_tokens=len(prompt) - request.cached_tokens + max_new_tokens)
+            if request.cancelled.is_set():
+                return None
+            return chain.stream(request.id, prompt[request.cached_tokens :], start=request.cached_tokens,
+                                tenant=request.tenant, max_new_tokens=max_new_tokens, temperature=temperature,
+                                seed=seed, reserve_tokens=len(prompt) + max_new_tokens, stop_ids=stop_ids, save=save)
+
         try:
             try:
                 if not self._wait_turn(request):
                     return
-                self._restore(request, reserve_tokens=len(prompt) - request.cached_tokens + max_new_tokens)
-                if request.cancelled.is_set():
+                started = self._before_first_token(request, start)
+                if started is None:
                     return
-                tokens = chain.stream(request.id, prompt[request.cached_tokens :], start=request.cached_tokens,
-                                      tenant=request.tenant, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      seed=seed, reserve_tokens=len(prompt) + max_new_tokens, stop_ids=stop_ids,
-                                      save=save)
-                first = next(tokens)
+                first, tokens = started
             finally:
                 self.admission.done(request.ticket)
             self.metrics.ttft.observe(time.perf_counter() - request.arrived)
@@ -244,6 +250,25 @@ class Coordinator:
             raise
         finally:
             chain.release(request.id)
+
+    def _before_first_token(self, request: Request, start: Callable[[], Iterator[int] | None]
+                            ) -> tuple[int, Iterator[int]] | None:
+        """`start` the request and take its first token; a stage found unreachable before then costs the
+        request a wait for it (bounded by `stage_wait_s`) and one more try, not its answer: nothing has
+        reached the client yet."""
+        for attempt in (1, 2):
+            try:
+                tokens = start()
+                return None if tokens is None else (next(tokens), tokens)
+            except ChainError as exc:
+                if attempt == 2 or exc.status != 0 or request.cancelled.is_set():
+                    raise
+                log.warning("%s: stage %d unreachable before the first token (%s); trying again once it is back",
+                            request.id, exc.stage, exc)
+                self.cluster.mark_stage_down(exc.stage)
+                self.cluster.chain.release(request.id)
+                self.cluster.wait_for_stages(self.config.stage_wait_s)
+        return None
 
     # ------------------------------------------------------------------------------------ restores
     def start_restore(self, request: Request) -> RestoreRecord:

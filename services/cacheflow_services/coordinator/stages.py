@@ -31,9 +31,15 @@ from typing import Any
 import httpx
 
 from cacheflow_common.errors import CacheFlowError
-from cacheflow_common.stage_api import ForwardMeta, RestoreRequest, RestoreSummary, WorkerInfo
+from cacheflow_common.stage_api import (
+    UNREACHABLE,
+    ForwardMeta,
+    RestoreRequest,
+    RestoreSummary,
+    WorkerInfo,
+    downstream_failure,
+)
 from cacheflow_common.transport import frames
-from cacheflow_services.worker.next_stage import downstream_failure
 
 
 class ChainError(CacheFlowError):
@@ -101,7 +107,7 @@ class StageChain:
             try:
                 response = await http.post(self.urls[stage] + "/v1/restore", json=body.model_dump())
             except httpx.HTTPError as exc:
-                return ChainError(stage, f"unreachable ({type(exc).__name__}: {exc})")
+                return ChainError(stage, f"{UNREACHABLE} ({type(exc).__name__}: {exc})")
             try:
                 return RestoreSummary.model_validate(_answer(stage, response))
             except ChainError as exc:
@@ -164,7 +170,7 @@ class StageChain:
         try:
             response = self._http.request(method, self.urls[stage] + path, **kwargs)
         except httpx.HTTPError as exc:
-            raise ChainError(stage, f"unreachable ({type(exc).__name__}: {exc})") from exc
+            raise ChainError(stage, f"{UNREACHABLE} ({type(exc).__name__}: {exc})") from exc
         return _answer(stage, response)
 
 
@@ -175,10 +181,11 @@ def _answer(stage: int, response: httpx.Response) -> dict[str, Any]:
             body = response.json()
         except ValueError:
             body = {"detail": response.text[:500]}
-        error, detail = str(body.get("error", "")), str(body.get("detail"))
+        error, detail, status = str(body.get("error", "")), str(body.get("detail")), response.status_code
         if relayed := downstream_failure(error, detail):  # it failed further down the pipeline
             stage, detail = stage + relayed[0], relayed[1]
-        raise ChainError(stage, detail, response.status_code, error)
+            status = 0 if detail.startswith(UNREACHABLE) else status  # as if this coordinator had called it
+        raise ChainError(stage, detail, status, error)
     result: dict[str, Any] = response.json()
     return result
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import re
 import threading
 from typing import Any
 
@@ -18,6 +17,7 @@ import httpx
 import torch
 
 from cacheflow_common.errors import BadRequestError, CacheFlowError
+from cacheflow_common.stage_api import UNREACHABLE, downstream_failure, relayed_detail
 from cacheflow_common.transport import frames
 
 log = logging.getLogger(__name__)
@@ -32,17 +32,8 @@ class NextStageError(CacheFlowError):
     """
 
     def __init__(self, hops: int, reason: str) -> None:
-        super().__init__(f"stage +{hops} {reason}")
+        super().__init__(relayed_detail(hops, reason))
         self.hops = hops
-
-
-_DOWNSTREAM = re.compile(r"stage \+(\d+) (.*)", re.DOTALL)
-
-
-def downstream_failure(error: str, detail: str) -> tuple[int, str] | None:
-    """(hops, reason) when a stage's error answer (its `error` type and `detail`) is a NextStageError."""
-    match = _DOWNSTREAM.fullmatch(detail) if error == NextStageError.__name__ else None
-    return (int(match[1]), match[2]) if match else None
 
 
 class NextStage:
@@ -64,7 +55,7 @@ class NextStage:
             response = self._http.post(self.url + path, content=body,
                                        headers={"Content-Type": frames.CONTENT_TYPE})
         except httpx.HTTPError as exc:
-            raise NextStageError(1, f"unreachable ({self.url}): {type(exc).__name__}: {exc}") from exc
+            raise NextStageError(1, f"{UNREACHABLE} ({self.url}): {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 400:
             error, detail = _error_of(response)
             if response.status_code < 500:
