@@ -132,8 +132,9 @@ def hold_workdir(workdir: Path) -> Iterator[None]:
         except BlockingIOError:
             lock.seek(0)
             holder = lock.read().strip() or "?"
-            raise ConfigError(f"{workdir} is in use by another `cacheflow up` (pid {holder}): stop it, or choose "
-                              "another directory (--dir, or `directory:` in the cluster spec)") from None
+            raise ConfigError(f"{workdir} is in use by another `cacheflow up` or `cacheflow demo` (pid {holder}): "
+                              "stop it, or choose another directory (--dir, or `directory:` in the cluster spec)"
+                              ) from None
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")
         lock.flush()

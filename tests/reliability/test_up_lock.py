@@ -54,7 +54,7 @@ def test_a_second_up_on_the_same_directory_or_port_fails_in_one_line_and_starts_
     before = _files(workdir)
 
     same_dir = _one_line_error(_second_up(tmp_path, "--spec", str(spec), "--dir", str(workdir), "--port", "0"))
-    assert f"{workdir} is in use by another `cacheflow up` (pid {first.proc.pid})" in same_dir
+    assert f"{workdir} is in use by another `cacheflow up` or `cacheflow demo` (pid {first.proc.pid})" in same_dir
     same_port = _one_line_error(_second_up(tmp_path, "--spec", str(spec), "--dir", str(tmp_path / "other"),
                                            "--port", port))
     assert f"port {port} (the coordinator's) is in use" in same_port

@@ -10,8 +10,10 @@ import pytest
 
 from cacheflow_common.sim.replay import load_slice
 from cacheflow_services.cli import main
+from cacheflow_services.demo import run as demo_run
 from cacheflow_services.demo.report import POLICY_KEY, cdf_figure
 from cacheflow_services.demo.run import POLICIES, SLICE, DemoError, replay_policies, round_orders, step
+from cacheflow_services.local_cluster import hold_workdir
 from cacheflow_services.replay import ReplayError
 
 
@@ -57,6 +59,20 @@ def test_a_wrong_model_fails_in_one_line_before_anything_starts(tmp_path, monkey
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is neither 'tiny'" in err and "Traceback" not in err
     assert not (tmp_path / "cache" / "demo-cluster").exists()
+
+
+def test_a_second_demo_on_the_same_cache_fails_in_one_line_and_empties_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CACHEFLOW_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(demo_run, "ensure_profile", lambda args, cache_dir: tmp_path / "profile.json")  # no profiling
+    monkeypatch.setattr(demo_run, "balanced_link", lambda args, profile, requests: 1.0)
+    monkeypatch.setattr(demo_run.Profile, "load", staticmethod(lambda path, **kw: None))
+    running = tmp_path / "cache" / "demo-cluster"
+    with hold_workdir(running):  # the first demo, running
+        (running / "pod-0").mkdir()
+        assert main(["demo", "--model", "tiny", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is in use by another `cacheflow up` or `cacheflow demo`" in err
+    assert (running / "pod-0").is_dir()  # the running demo's storage was left alone
 
 
 def test_bad_demo_settings_fail_in_one_line(capsys):

@@ -33,7 +33,7 @@ from cacheflow_common.sim import ModelShape
 from cacheflow_common.sim.config import balanced_link_gbps
 from cacheflow_common.sim.replay import ReplayRequest, load_slice, select_requests
 from cacheflow_services.demo.report import print_key, print_table, write_report
-from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
+from cacheflow_services.local_cluster import LOCK_FILE, ClusterSpec, LocalCluster, hold_workdir, start_cluster
 from cacheflow_services.local_process import Stopped, exit_on_signals, print_ready, reporting_ready
 from cacheflow_services.profiling import ensure_quick_profile
 from cacheflow_services.replay import Replayer, ReplayError, replay, restore_alone, warm_up
@@ -166,7 +166,15 @@ def _run(args: argparse.Namespace, cache_dir: Path) -> int:
     profile_path = ensure_profile(args, cache_dir)
     link = balanced_link(args, Profile.load(profile_path), requests)
     workdir = cache_dir / "demo-cluster"
-    shutil.rmtree(workdir, ignore_errors=True)  # every demo starts from empty storage
+    with hold_workdir(workdir):  # one demo at a time: another would empty this one's storage
+        return _demo(args, workdir, requests, profile_path, link)
+
+
+def _demo(args: argparse.Namespace, workdir: Path, requests: list[ReplayRequest], profile_path: Path,
+          link: float) -> int:
+    for entry in workdir.iterdir():  # every demo starts from empty storage (the lock file stays)
+        if entry.name != LOCK_FILE:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     spec = ClusterSpec(model=args.model, stages=args.stages, pods=args.pods, chunk_size=args.chunk_size,
                        profile=str(profile_path), rate_gbps=link, port=0, threads_per_stage=THREADS,
                        directory=str(workdir))
