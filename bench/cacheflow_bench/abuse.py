@@ -16,7 +16,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -30,27 +30,41 @@ HUGE = 256 << 20  # bytes a hoarding request asks for or announces
 @contextlib.contextmanager
 def idle_sockets(port: int, count: int, *, trickle_s: float = 2.0) -> Iterator[None]:
     """`count` connections to `port` that send one byte of a hello every `trickle_s`, until the block ends."""
-    stop = threading.Event()
     socks: list[socket.socket] = []
     for _ in range(count):
         with contextlib.suppress(OSError):
             socks.append(socket.create_connection(("127.0.0.1", port), timeout=2))
 
     def trickle() -> None:
-        while not stop.wait(trickle_s):
-            for sock in socks:
-                with contextlib.suppress(OSError):
-                    sock.send(wire.HELLO_MAGIC[:1])
+        for sock in socks:
+            with contextlib.suppress(OSError):  # the pod closed it: the others go on
+                sock.send(wire.HELLO_MAGIC[:1])
 
-    thread = threading.Thread(target=trickle, name="abuse-trickle", daemon=True)
+    try:
+        with every(trickle_s, trickle):
+            yield
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+@contextlib.contextmanager
+def every(period_s: float, action: Callable[[], None]) -> Iterator[None]:
+    """Run `action` every `period_s` on a thread of its own until the block ends (an OSError skips a round)."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(period_s):
+            with contextlib.suppress(OSError):
+                action()
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
         yield
     finally:
         stop.set()
         thread.join(timeout=5)
-        for sock in socks:
-            sock.close()
 
 
 @contextlib.contextmanager

@@ -31,13 +31,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from cacheflow_bench.abuse import LegitProbe, hoard_memory, idle_sockets, rss_mb, wasted_slots
+from cacheflow_bench.abuse import LegitProbe, every, hoard_memory, idle_sockets, rss_mb, wasted_slots
 from cacheflow_bench.common import add_out_option, command_line, machine_facts, markdown_table, results_dir, write_json
 from cacheflow_common.sim.replay import ReplayRequest, load_slice, select_requests
 from cacheflow_services.demo.run import SLICE
@@ -152,7 +152,7 @@ def abused_replay(cluster: LocalCluster, send: Callable[[], list[dict[str, Any]]
     pids = [p.proc.pid for p in cluster.pods if p.proc is not None]
     before = {pid: rss_mb(pid) for pid in pids}
     peak = dict(before)
-    with sampling(lambda: peak.update({pid: max(peak[pid], rss_mb(pid)) for pid in pids})), \
+    with every(0.1, lambda: peak.update({pid: max(peak[pid], rss_mb(pid)) for pid in pids})), \
             LegitProbe(pod.data_port, pod_token) as probe, idle_sockets(pod.data_port, 300), \
             hoard_memory(pod.data_port, pod_token, 8):
         not_refused = wasted_slots(cluster.coordinator.url, cluster.token, MODEL, MAX_BATCH)
@@ -160,24 +160,6 @@ def abused_replay(cluster: LocalCluster, send: Callable[[], list[dict[str, Any]]
     return {"outcomes": outcomes, "lockout_s": probe.lockout_s, "probes": probe.probes,
             "bad_requests_not_refused": not_refused,
             "rss_growth_mb": max(peak[pid] - before[pid] for pid in pids)}
-
-
-@contextlib.contextmanager
-def sampling(sample: Callable[[], None], period_s: float = 0.1) -> Iterator[None]:
-    stop = threading.Event()
-
-    def run() -> None:
-        while not stop.wait(period_s):
-            with contextlib.suppress(OSError):
-                sample()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(timeout=5)
 
 
 def slots_held(url: str) -> int:

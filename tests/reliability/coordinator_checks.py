@@ -1,19 +1,39 @@
-"""What the coordinator's reliability tests share: reading a metric from a real process, waiting for
-a condition with a generous bound, and a second coordinator on a running local cluster."""
+"""What the coordinator's reliability tests share: a small local cluster and a client of it, reading a
+metric from a real process, waiting for a condition with a generous bound, and a second coordinator on
+a running local cluster."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
-from cacheflow_services.local_cluster import LocalCluster
+from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
 
 WAIT_S = 120.0  # generous: 2 busy cores
+
+
+def small_cluster(factory: pytest.TempPathFactory, **spec: Any) -> Iterator[LocalCluster]:
+    """A local cluster of the tiny model (2 stages, 2 pods, float32, Cake), with `spec`'s settings, stopped after."""
+    base = ClusterSpec(model="tiny", stages=2, pods=2, chunk_size=32, dtype="float32", policy="cake", port=0,
+                       transport="tcp", max_batch=8, max_queue=8, threads_per_stage=1, batch_window_ms=30)
+    started = start_cluster(replace(base, **spec), factory.mktemp("cluster"))
+    yield started
+    started.stop()
+
+
+def api_client(local: LocalCluster) -> Iterator[httpx.Client]:
+    """An HTTP client of the cluster's coordinator, with its token."""
+    with httpx.Client(base_url=local.coordinator.url, headers={"Authorization": f"Bearer {local.token}"},
+                      timeout=WAIT_S) as c:
+        yield c
 
 
 def samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:

@@ -16,8 +16,17 @@ from transformers import AutoTokenizer
 
 from cacheflow_services.coordinator.launch import LocalCoordinator
 from cacheflow_services.coordinator.tokenizer import tokenizer_dir
-from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
-from tests.reliability.coordinator_checks import local_file, metric, post, samples, second_coordinator, wait_for
+from cacheflow_services.local_cluster import LocalCluster
+from tests.reliability.coordinator_checks import (
+    api_client,
+    local_file,
+    metric,
+    post,
+    samples,
+    second_coordinator,
+    small_cluster,
+    wait_for,
+)
 
 CHUNK = 32
 MAX_BATCH = 4
@@ -26,18 +35,12 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    spec = ClusterSpec(model=MODEL, stages=2, pods=2, chunk_size=CHUNK, dtype="float32", policy="cake", port=0,
-                       transport="tcp", max_batch=MAX_BATCH, max_queue=8, threads_per_stage=1, batch_window_ms=30)
-    started = start_cluster(spec, tmp_path_factory.mktemp("cluster"))
-    yield started
-    started.stop()
+    yield from small_cluster(tmp_path_factory, max_batch=MAX_BATCH)
 
 
 @pytest.fixture(scope="module")
 def client(local: LocalCluster) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=local.coordinator.url, headers={"Authorization": f"Bearer {local.token}"},
-                      timeout=120) as c:
-        yield c
+    yield from api_client(local)
 
 
 GHOST_TOKEN = secrets.token_urlsafe(16)

@@ -11,8 +11,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
-from tests.reliability.coordinator_checks import WAIT_S, metric, post, second_coordinator, wait_for
+from cacheflow_services.local_cluster import LocalCluster
+from tests.reliability.coordinator_checks import (
+    WAIT_S,
+    api_client,
+    metric,
+    post,
+    second_coordinator,
+    small_cluster,
+    wait_for,
+)
 
 CHUNK = 32
 PREFIX_CHUNKS = 16  # tiny, fp32: 128 KiB of KV per chunk and stage, 4 MiB to load in all ...
@@ -22,19 +30,12 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    spec = ClusterSpec(model=MODEL, stages=2, pods=2, chunk_size=CHUNK, dtype="float32", policy="cake", port=0,
-                       transport="tcp", max_batch=4, max_queue=8, threads_per_stage=1, batch_window_ms=30,
-                       rate_gbps=RATE_GBPS)
-    started = start_cluster(spec, tmp_path_factory.mktemp("cluster"))
-    yield started
-    started.stop()
+    yield from small_cluster(tmp_path_factory, max_batch=4, rate_gbps=RATE_GBPS)
 
 
 @pytest.fixture(scope="module")
 def client(local: LocalCluster) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=local.coordinator.url, headers={"Authorization": f"Bearer {local.token}"},
-                      timeout=WAIT_S) as c:
-        yield c
+    yield from api_client(local)
 
 
 def _stored_prefix(client: httpx.Client, local: LocalCluster, seed: int) -> list[int]:

@@ -7,25 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pytest
-
-from tests.reliability.up_cluster import Up, start_up, stopped_after, tiny_profile, write_spec
+from tests.reliability.up_cluster import start_up, write_spec
 
 SECOND_S = 120.0  # a bound for the test, not a timing claim: the second `up` imports torch, then stops
-
-
-@pytest.fixture(scope="module")
-def quick_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_profile(tmp_path_factory.mktemp("profile"))
-
-
-@pytest.fixture
-def ups() -> Iterator[Callable[[Up], Up]]:
-    with stopped_after() as register:
-        yield register
 
 
 def _second_up(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -10,34 +10,18 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
-
-import pytest
 
 from cacheflow_services.profiling import ensure_quick_profile
 from tests.reliability.up_cluster import (
     Up,
     descendants,
     start_up,
-    stopped_after,
-    tiny_profile,
     wait_gone,
     write_spec,
 )
 
 EXIT_S = 120.0  # generous: each process gets 10 s to stop before SIGKILL
-
-
-@pytest.fixture(scope="module")
-def quick_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_profile(tmp_path_factory.mktemp("profile"))
-
-
-@pytest.fixture
-def ups() -> Iterator[Callable[[Up], Up]]:
-    with stopped_after() as register:
-        yield register
 
 
 def _port_free(port: int) -> bool:

@@ -9,11 +9,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.reliability.up_cluster import (
     CHUNK,
@@ -22,24 +20,11 @@ from tests.reliability.up_cluster import (
     cmdline,
     prompt,
     start_up,
-    stopped_after,
-    tiny_profile,
     wait_gone,
     write_spec,
 )
 
 RECOVERY_S = 60.0  # a generous deadline: the brief's target is 15 s, not asserted on a noisy machine
-
-
-@pytest.fixture(scope="module")
-def quick_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_profile(tmp_path_factory.mktemp("profile"))
-
-
-@pytest.fixture
-def ups() -> Iterator[Callable[[Up], Up]]:
-    with stopped_after() as register:
-        yield register
 
 
 def _stream(client: httpx.Client, tokens: list[int]) -> str:
