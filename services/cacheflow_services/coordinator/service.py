@@ -193,6 +193,20 @@ class Coordinator:
         self.metrics.restore_seconds.observe(request.restore_s)
         self.metrics.record_restore(request.stages, request.cached_tokens, [len(r) for r in self.model.stage_layers])
 
+    def _restore_or_recompute(self, request: Request, reserve_tokens: int) -> None:
+        """`_restore`; if a stage fails to restore the prefix (not unreachable: that is waited for), the
+        whole prompt is prefilled instead, as on a miss: a prefix that cannot be restored costs time,
+        never the answer (a stage fed by the previous one cannot recompute a chunk it failed to load)."""
+        try:
+            self._restore(request, reserve_tokens)
+        except ChainError as exc:
+            if exc.status == 0 or request.cancelled.is_set():
+                raise
+            log.warning("%s: restoring its prefix failed (%s); prefilling the whole prompt instead", request.id, exc)
+            self.metrics.failures.labels(f"stage{exc.stage}:restore-recomputed").inc()
+            self.cluster.chain.release(request.id)
+            request.cached_tokens, request.stages = 0, []
+
     def _failed(self, request: Request, exc: BaseException) -> None:
         if request.cancelled.is_set():  # what fails once a request is stopped is the stopping
             log.info("%s ended after it was stopped: %s", request.id, exc)
@@ -221,7 +235,7 @@ class Coordinator:
 
         def start() -> Iterator[int] | None:
             """Restore and prefill; the stream, its first token next (None: stopped meanwhile)."""
-            self._restore(request, reserve_tokens=len(prompt) - request.cached_tokens + max_new_tokens)
+            self._restore_or_recompute(request, reserve_tokens=len(prompt) - request.cached_tokens + max_new_tokens)
             if request.cancelled.is_set():
                 return None
             return chain.stream(request.id, prompt[request.cached_tokens :], start=request.cached_tokens,
