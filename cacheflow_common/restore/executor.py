@@ -103,6 +103,8 @@ def restore(
     mode = choose_mode(policy, len(job.token_ids), l_delta)
     kv = kv if kv is not None else _kv_for(model, job)
     loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
+    if mode == "layer" and loader.absent_chunks():  # holes: token-wise recomputes only them
+        mode = "token"
     planner = _planner(make_policy(policy), mode, job, loader, costs)
     return run_restore(job, model=model, loader=loader, mode=mode, planner=planner, policy=policy,
                        stage_input=stage_input, on_computed=on_computed)

@@ -66,6 +66,12 @@ class KVLoader:
         self._device = DeviceLanding(kv, self._landed_bytes()) if kv.data.is_cuda else None
         self.bytes_read = 0
 
+    def absent_chunks(self) -> list[int]:
+        """Chunks the store does not hold. A layer-wise restore reads every chunk for each layer, so one
+        absent chunk would fail every layer load (after reading the others for nothing) and recompute
+        everything: over a prefix with holes, restore token-wise, which recomputes only the holes."""
+        return [i for i in range(len(self.keys)) if not self.store.exists(self.names(i))]
+
     def names(self, index: int) -> str:
         return object_name(self.keys[index], "kv", self.layers.start, self.layers.stop)
 

@@ -1,7 +1,7 @@
 """One absent chunk must not make a layer-wise restore recompute everything: each layer load reads that
 layer from every chunk, so a hole would fail every layer load (after reading the other chunks for
-nothing). The worker's engine checks which chunks exist first and restores a prefix with holes
-token-wise, loading the chunks that are there.
+nothing). The worker's engine and the library's `restore` check which chunks exist first and restore a
+prefix with holes token-wise, loading the chunks that are there.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
+from cacheflow_common.restore.executor import restore
 from cacheflow_common.restore.profile import Crossover, Profile
 from cacheflow_common.restore.save import compute_prefix_kv, make_job, save_prefix
 from cacheflow_common.store.memory import MemoryStore
@@ -71,3 +72,17 @@ def test_a_layer_wise_restore_with_one_chunk_missing_goes_token_wise_and_loads_t
     loaded_bytes = sum(len(store.read(object_name(k, "kv", 0, model.config.num_layers)) or b"")
                        for i, k in enumerate(job.keys) if i != hole)
     assert summary.bytes_loaded <= loaded_bytes  # nothing read for a load that then missed
+
+
+def test_the_library_restore_goes_token_wise_over_a_hole_too(model):
+    store = MemoryStore()
+    rng = random.Random(12)
+    ids = [rng.randrange(384) for _ in range(5 * CHUNK + 7)]
+    job = make_job(model, ids, tenant=TENANT, chunk_size=CHUNK)
+    save_prefix(model, job, store)
+    store.delete(object_name(job.keys[2], "kv", 0, model.config.num_layers))
+    result = restore(job, model=model, store=store, policy="cacheflow-layer", costs=SLOW_COMPUTE)
+    assert result.mode == "token"  # layer-wise would have failed every layer load and recomputed it all
+    expected = compute_prefix_kv(model, job).data[:, :, :, : len(ids)]
+    torch.testing.assert_close(result.kv.data[:, :, :, : len(ids)], expected, atol=1e-4, rtol=1e-4)
+    assert sum(r.source == "loaded" for r in result.units) >= len(job.keys) - 2

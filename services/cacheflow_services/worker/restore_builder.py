@@ -123,12 +123,10 @@ class RestoreBuilder:
 
 
 def _token_wise_over_holes(spec: RestoreSpec, loader: KVLoader) -> RestoreSpec:
-    """A layer-wise restore reads every chunk for each layer, so one absent chunk would fail every layer
-    load (after reading the others for nothing) and recompute everything: over a prefix with holes, go
-    token-wise, which loads the chunks that are there and recomputes only the holes."""
+    """Layer-wise over a prefix with holes goes token-wise (`KVLoader.absent_chunks`), and says so."""
     if spec.mode != "layer":
         return spec
-    holes = [i for i in range(len(loader.keys)) if not loader.store.exists(loader.names(i))]
+    holes = loader.absent_chunks()
     if not holes:
         return spec
     shown = ", ".join(map(str, holes[:8])) + (", ..." if len(holes) > 8 else "")
