@@ -42,6 +42,7 @@ from cacheflow_bench.common import add_out_option, command_line, machine_facts, 
 from cacheflow_common.sim.replay import ReplayRequest, load_slice, select_requests
 from cacheflow_services.demo.run import SLICE
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
+from cacheflow_services.local_process import wait_http
 from cacheflow_services.profiling import ensure_quick_profile
 from cacheflow_services.replay import replay_outcomes, warm_up
 
@@ -97,7 +98,7 @@ def run_phases(cluster: LocalCluster, requests: list[ReplayRequest], args: argpa
         raise RuntimeError(f"the healthy cluster failed requests: {failed}")
     print("pod kill ...", flush=True)
     pod_kill = replay_with(send, lambda: cluster.pods[0].kill(), args.kill_after_s)
-    wait_until(lambda: _ready(cluster.pods[0].url("/readyz")), "pod 0 to come back")
+    wait_http(cluster.pods[0].url("/readyz"))  # pod 0 back (its supervisor restarts it)
     print("worker kill ...", flush=True)
     worker_kill = replay_with(send, lambda: cluster.workers[1].kill(), args.kill_after_s)
     recovery_s = served_again_after(worker_kill) or recovered_after(url, token, requests[0],
@@ -168,20 +169,6 @@ def slots_held(url: str) -> int:
     if match is None:
         raise RuntimeError("the coordinator exports no cacheflow_coordinator_slots_held")
     return int(float(match.group(1)))
-
-
-def wait_until(ready: Callable[[], bool], what: str, deadline_s: float = 120.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not ready():
-        if time.monotonic() > end:
-            raise RuntimeError(f"gave up waiting for {what}")
-        time.sleep(0.2)
-
-
-def _ready(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(url, timeout=2).status_code == 200
-    return False
 
 
 # -- the summary ----------------------------------------------------------------------------------------

@@ -179,7 +179,8 @@ def wait_http(url: str) -> None:
             if httpx.get(url, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
-            time.sleep(0.05)
+            pass
+        time.sleep(0.05)  # not up yet, or up but not ready
     raise ServiceStartError(f"{url} did not answer within {STARTUP_S:.0f} s")
 
 
