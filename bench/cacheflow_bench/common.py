@@ -43,12 +43,20 @@ def machine_facts() -> dict[str, Any]:
 
 
 def _git_revision() -> str:
+    """The commit the code comes from; `-dirty` when files outside bench/results differ from it (then the
+    numbers belong to no commit, and `cacheflow bench report` will not publish them as one)."""
+    head = _git("rev-parse", "--short", "HEAD").strip()
+    changed = [line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    dirty = any(not path.startswith("bench/results/") for path in changed)
+    return f"{head}-dirty" if head and dirty else head
+
+
+def _git(*args: str) -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, check=False)
+        out = subprocess.run(["git", *args], capture_output=True, text=True, cwd=BENCH_DIR.parent, check=False)
     except OSError:
         return ""
-    return out.stdout.strip()
+    return out.stdout
 
 
 def command_line() -> str:
