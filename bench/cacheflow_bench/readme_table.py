@@ -1,0 +1,210 @@
+"""The README's benchmark table, generated from the benchmarks' JSON results by `cacheflow bench report`.
+
+One row per benchmark whose results exist, its numbers read from the result's summary (Cake beside
+CacheFlow wherever the result has it). A key that an older result lacks reads `n/a (rerun COMMAND)`.
+The table replaces the README's lines between BEGIN and END; a line under it names the commit the
+results come from, or warns that they come from several.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cacheflow_bench.batch_report import aggregate
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+BEGIN = "<!-- benchmark-table:begin -->"
+END = "<!-- benchmark-table:end -->"
+COMMANDS = {"restore_single": "cacheflow bench restore", "storage": "cacheflow bench storage",
+            "stages": "cacheflow bench stages", "batch": "cacheflow bench batch", "chaos": "cacheflow bench chaos",
+            "vllm": "cacheflow bench vllm"}
+Results = dict[str, dict[str, Any]]
+
+
+def num(x: float) -> str:
+    """x to 3 significant digits (2 past 100), without an exponent."""
+    if x == 0 or not math.isfinite(x):
+        return str(x)
+    digits = max(0, 2 - math.floor(math.log10(abs(x))))
+    return f"{x:.{digits}f}"
+
+
+def commit_of(body: dict[str, Any]) -> str | None:
+    return body.get("machine", {}).get("git") or None
+
+
+def commit_problems(results: Results) -> list[str]:
+    """`name.json: commit` for every result, when they are not all of one clean commit; else nothing."""
+    commits = {name: commit_of(body) for name, body in results.items()}
+    clean = {c for c in commits.values() if c and not c.endswith("-dirty")}
+    if len(clean) <= 1 and all(c in clean for c in commits.values()):
+        return []
+    return [f"{name}.json: {commit or 'no commit recorded'}" for name, commit in commits.items()]
+
+
+class Row:
+    """A row's headline: numbers from one result's summary, `n/a (rerun ...)` for keys it lacks."""
+
+    def __init__(self, name: str, body: dict[str, Any]) -> None:
+        self.name, self.body, self.summary = name, body, body.get("summary", {})
+        self.missing = f"n/a (rerun `{COMMANDS[name]}`)"
+
+    def get(self, key: str, fmt: Callable[[Any], str] = num) -> str:
+        value = self.summary.get(key)
+        return self.missing if value is None else fmt(value)
+
+    def times(self, key: str) -> str:
+        return self.get(key, lambda v: f"{num(v)}×")
+
+
+def restore_row(r: Row) -> tuple[str, str]:
+    s = r.summary
+    vs_cake = s.get("cacheflow_vs_cake_at_balance")
+    loses = " (**CacheFlow does not beat Cake**)" if vs_cake is not None and vs_cake >= 1 else ""
+    resolvable = s.get("within_bound_resolvable")
+    spread = (f"T*'s run-to-run spread {r.get('bound_spread')}" if resolvable is not False
+              else f"not resolvable: T* itself varies by {r.get('bound_spread')}")
+    headline = (f"At Tio/Tcomp = 1, median over prefix lengths: CacheFlow / Cake "
+                f"**{r.get('cacheflow_vs_cake_at_balance')}**{loses}; CacheFlow / the better of compute-only and "
+                "load-only "
+                f"**{r.get('ratio_to_best_baseline_at_balance')}**, Cake / the same "
+                f"{r.get('cake_to_best_baseline_at_balance')} (the bound is 0.5). Worst restore time / the optimal "
+                f"bound T* over {s.get('cells', '?')} cells: CacheFlow {r.get('max_ratio_to_bound')}, Cake "
+                f"{r.get('max_cake_ratio_to_bound')} ({spread}). Adaptive regret {r.get('max_adaptive_regret')}")
+    t = s.get("targets", {})
+    target = (f"CacheFlow / better mode ≤ {t.get('ratio_to_best_baseline_at_balance', 0.6)}; worst / T* ≤ "
+              f"{t.get('max_ratio_to_bound', 1.15)}; regret ≤ {t.get('max_adaptive_regret', 0.1)}")
+    return headline, target
+
+
+def storage_row(r: Row) -> tuple[str, str]:
+    worst: dict[str, float] = {}
+    for x in r.body.get("shaping", []):
+        if x.get("sustainable"):
+            worst[x["transport"]] = max(worst.get(x["transport"], 0.0), x["error"])
+    per = ", ".join(f"{num(100 * e)} % over {t.upper()}" for t, e in worst.items()) or r.missing
+    headline = (f"raw TCP {r.get('tcp_gbps')} Gbit/s, NIXL {r.get('nixl_gbps')} Gbit/s; worst shaped-rate error at "
+                f"the rates a link sustains: {per} (all rates: {r.get('max_shaping_error_all_rates', _percent)})")
+    return headline, "≤ 5 %"
+
+
+def _percent(x: float) -> str:
+    return f"{num(100 * x)} %"
+
+
+def stages_row(r: Row) -> tuple[str, str]:
+    return (f"S = 2 from boundary activations vs S = 1: {r.times('speedup_s2_vs_s1')} faster; vs pipelined: "
+            f"{r.times('speedup_s2_vs_pipelined')}; vs sequential: {r.times('speedup_s2_vs_sequential')}; boundary "
+            f"bytes stored / KV bytes {r.get('boundary_bytes_share')}", "≥ 1.5× vs pipelined")
+
+
+POLICIES = (("cacheflow", "CacheFlow"), ("cake", "Cake"), ("load-only", "load-only"), ("compute-only", "compute-only"))
+
+
+def batch_row(r: Row) -> tuple[str, str]:
+    s, runs = r.summary, r.body.get("runs", [])
+    batch = s.get("batch", max((x["batch"] for x in runs), default=0))
+    means = {a["policy"]: a["mean_s"] for a in aggregate(runs) if a["batch"] == batch}
+    repeats = statistics.median(a["repeats"] for a in aggregate(runs) if a["batch"] == batch) if means else 0
+    shown = ", ".join(f"**CacheFlow {num(means[p])} s**" if p == "cacheflow" else f"{label} {num(means[p])} s"
+                      for p, label in POLICIES if p in means)
+    p99, mean = s.get("p99_ratio_vs_cake_b8"), s.get("mean_ratio_vs_cake_b8")
+    loses = [what for what, v in (("mean", mean), ("P99", p99)) if v is not None and v >= 1]
+    verdict = f" (**CacheFlow does not beat Cake at {' or '.join(loses)}**)" if loses else ""
+    headline = (f"{len(r.body.get('requests', []))} trace requests, 2 stage engines, batch {batch}, mean TTFT "
+                f"(median of {repeats:g} runs): {shown or r.missing}. CacheFlow / Cake: mean "
+                f"{r.times('mean_ratio_vs_cake_b8')}, P99 {r.times('p99_ratio_vs_cake_b8')}{verdict}; CacheFlow / the "
+                f"best baseline ({s.get('best_baseline_b8', '?')}) {r.times('mean_ratio_vs_best_baseline_b8')}; "
+                f"compute-only / CacheFlow {r.times('mean_speedup_vs_compute_only_b8')}. Compute loop / channels busy "
+                f"{r.get('compute_busy_share_b8')} / {r.get('io_busy_share_b8')} (paper: 0.88 / 0.78). One forward "
+                f"over 8 requests' chunks: {r.times('batched_forward_speedup')} the throughput of 8 single ones. "
+                f"Simulator vs measured restore time: run means off by up to {r.get('sim_mean_rel_error')}, "
+                f"per-request median error {r.get('sim_median_rel_error')}")
+    return headline, "≤ 0.85×; ≤ 0.90×; ≥ 2.0×; ≥ 1.3; ≤ 0.10 and ≤ 0.20"
+
+
+def chaos_row(r: Row) -> tuple[str, str]:
+    s = r.summary
+    failed = r.get("failed_requests", lambda v: str(int(v)))
+    replays = f"{len(r.body.get('phases', {}))} replays of {len(r.body.get('requests', []))} trace requests"
+    headline = (f"{replays} on a supervised local cluster while a pod is killed, a worker is killed, and a pod and the "
+                f"coordinator are abused: **{failed} of {s.get('requests', '?')} requests failed** "
+                f"({s.get('worker_kill_in_flight', '?')} in flight on the killed worker), "
+                f"{r.get('wrong_answers', _count)} wrong answers, {r.get('leaked_slots', _count)} slots leaked, "
+                f"{r.get('lockout_s')} s of lockout for the legitimate tenant, served again "
+                f"{r.get('worker_kill_recovery_s')} s after the worker kill, pods' resident memory "
+                f"+{r.get('max_rss_growth_mb')} MB, {r.get('bad_requests_not_refused', _count)} bad requests not "
+                "refused")
+    return headline, "failures only in flight on the killed worker; 0; 0; 0; ≤ 15 s; ≤ 256 MB; 0"
+
+
+def _count(x: float) -> str:
+    return str(int(x))
+
+
+def vllm_row(r: Row) -> tuple[str, str]:
+    s = r.summary
+    median, least = s.get("cacheflow_vs_cake_median"), s.get("cacheflow_vs_cake_min")
+    verdict = ""
+    if least is not None and least >= 1:
+        verdict = " (**CacheFlow does not beat Cake at any point**)"
+    elif median is not None and median >= 1:
+        verdict = " (**CacheFlow does not beat Cake at most points**)"
+    fastest = r.get("cacheflow_fastest_at_every_ratio", lambda v: "yes" if v else "**no**")
+    headline = (f"TTFT for 1k–8k-token prefixes at Tio/Tcomp = 0.5, 1, 2 ({len(r.body.get('rows', []))} points): "
+                f"CacheFlow / Cake median **{r.times('cacheflow_vs_cake_median')}**, best "
+                f"{r.times('cacheflow_vs_cake_min')}{verdict}; CacheFlow fastest at every point: {fastest}; "
+                f"at least {r.times('min_speedup_vs_best_other')} faster than the better of vLLM's recompute and "
+                "load-only")
+    return headline, "fastest at every point"
+
+
+ROWS: tuple[tuple[str, str, Callable[[Row], tuple[str, str]]], ...] = (
+    ("restore_single", "single-request restore", restore_row),
+    ("storage", "storage data plane", storage_row),
+    ("stages", "parallel stages", stages_row),
+    ("batch", "batch replay of the Mooncake trace on the local cluster", batch_row),
+    ("chaos", "kills and abuse", chaos_row),
+    ("vllm", "vLLM with the connector", vllm_row),
+)
+
+
+def footer(results: Results) -> str:
+    problems = commit_problems(results)
+    if not problems:
+        commit = next((commit_of(b) for b in results.values()), None)
+        return f"Results of commit {commit} (`cacheflow bench report --run`)."
+    return (f"**Results of several commits, or of uncommitted code** ({'; '.join(problems)}): not one run of "
+            "`cacheflow bench report --run`; each row's numbers belong to its own commit.")
+
+
+def block(results: Results) -> str:
+    """The generated table and its provenance line, between the markers."""
+    lines = [BEGIN, "| benchmark (command) | headline (measured) | target |", "|---|---|---|"]
+    for name, label, row in ROWS:
+        if name in results:
+            headline, target = row(Row(name, results[name]))
+            lines.append(f"| {label} (`{COMMANDS[name]}`) | {headline} | {target} |")
+    return "\n".join([*lines, "", footer(results), END])
+
+
+def current_block(text: str) -> str:
+    """The README's region from BEGIN to END, markers included."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"cacheflow bench report: error: the README has no {BEGIN} ... {END} region")
+    return text[start:end + len(END)]
+
+
+def update_readme(path: Path, results: Results) -> bool:
+    """Replace the README's table with the one these results give; whether it changed."""
+    text = path.read_text()
+    old, new = current_block(text), block(results)
+    if old == new:
+        return False
+    path.write_text(text.replace(old, new, 1))
+    return True
