@@ -1,12 +1,12 @@
-"""Single-request restore: every policy side by side against the optimal two-pointer bound.
+"""Single-request restore: every policy side by side, at its strongest, against the optimal bound.
 
-For each model, prefix length N and link speed (chosen so that Tio/Tcomp takes the listed ratios),
-it runs compute-only, load-only, Cake, CacheFlow token-wise, layer-wise and adaptive in one process
-(interleaved, median of --repeats) and computes the bound T* from the measured per-unit costs:
-`min over split k of max(compute(units < k), load(units >= k))`, the better of the token and layer
-splits. Writes bench/results/restore_single.{json,md,png}.
+For each model, prefix length N and emulated link speed (chosen so that Tio/Tcomp takes the listed
+ratios), it runs compute-only, load-only, Cake, CacheFlow token-wise, layer-wise and adaptive in one
+process, interleaved, median of --repeats; every repeat also measures the unit costs T* comes from
+(`restore_runs.py` says how each baseline and T* are made), so T*'s own run-to-run spread is known.
+Every run's KV is checked against the full prefill. Writes bench/results/restore_single.{json,md,png}.
 
-    python -m cacheflow_bench.restore_single            # the full grid (tens of minutes on 2 cores)
+    python -m cacheflow_bench.restore_single            # the published grid (about 20 minutes on 2 cores)
     python -m cacheflow_bench.restore_single --quick    # a smoke run (tiny model, seconds)
 """
 
@@ -18,26 +18,18 @@ import os
 import random
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cacheflow_bench.common import (
-    add_out_option,
-    markdown_table,
-    median,
-    provenance,
-    results_dir,
-    write_json,
-)
-from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_bench import restore_runs as runs
+from cacheflow_bench.common import add_out_option, median, provenance, results_dir, write_json
+from cacheflow_bench.restore_single_report import POLICIES, plot, render_markdown, summarize
 from cacheflow_common.model.sources import default_device, load_model, parse_dtype
 from cacheflow_common.model.transformer import Transformer
-from cacheflow_common.restore.costs import best_split
-from cacheflow_common.restore.executor import RestoreJob, RestoreResult, restore, run_restore
-from cacheflow_common.restore.loader import KVLoader
-from cacheflow_common.restore.planner import FixedSplitPlanner
+from cacheflow_common.restore.executor import RestoreJob, restore
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.profiler import ProfileSettings, profile_model
 from cacheflow_common.restore.save import make_job, save_prefix
@@ -46,9 +38,7 @@ from cacheflow_common.store.filesystem import FilesystemStore
 from cacheflow_common.store.shaped import ShapedStore
 from cacheflow_common.transport.shaping import TokenBucket
 
-POLICIES = ("compute-only", "load-only", "cake", "cacheflow-token", "cacheflow-layer", "cacheflow")
-# Repeated and interleaved in every cell; load-only (bound by the emulated link) runs once per cell.
-TIMED = ("compute-only", "cake", "cacheflow-token", "cacheflow-layer", "cacheflow")
+TIMED = ("cake", "cacheflow-token", "cacheflow-layer", "cacheflow")  # the policies restore() runs
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -97,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cells += _bench_length(model, name, profile, store, n, ratios, args)
                 _write(out, args, profiles, cells)  # partial results survive an interrupted run
     body = _write(out, args, profiles, cells)
-    _plot(cells, out / f"{args.stem}.png")
+    plot(cells, out / f"{args.stem}.png")
     print(render_markdown(body))
     return 0
 
@@ -124,19 +114,21 @@ def _bench_length(model: Transformer, name: str, profile: Profile, store: ChunkS
     rng = random.Random(n)
     job = make_job(model, [rng.randrange(model.config.vocab_size) for _ in range(n)], tenant="bench",
                    chunk_size=args.chunk_size)
-    save_prefix(model, job, store)
+    reference = save_prefix(model, job, store).data[:, :, :, :n]  # [L, 2, Hkv, N, D]: the full prefill
     for mode, units in (("token", len(job.keys)), ("layer", len(job.layers))):
-        _forced(model, job, store, mode, units)  # warm-up, discarded: first runs of a new length are slower
-    # Layer-wise compute-only is needed only for the layer-split bound: once per length.
-    comp_layer = [_forced(model, job, store, "layer", len(job.layers)) for _ in range(args.repeats)]
-    t_comp = median([_forced(model, job, store, "token", len(job.keys)).elapsed_s for _ in range(args.repeats)])
+        runs.forced(model, job, store, mode, units)  # warm-up, discarded: first runs of a new length are slower
+    chunk, chunk_times = runs.fastest_chunking(model, job, args.chunk_size)
+    # The operating point: the link speed that makes loading the prefix take `ratio` x its recompute.
+    t_comp = chunk_times[args.chunk_size]
     kv_bytes = n * len(job.layers) * model.kv_bytes_per_token_per_layer
+    length = Length(model, name, profile, store, job, reference, chunk, chunk_times)
     cells = []
     for ratio, rate in _links(kv_bytes, t_comp, ratios, args.links_gbps):
-        cells.append(_bench_cell(model, name, profile, store, job, ratio, rate, comp_layer, args))
+        cells.append(_bench_cell(length, ratio, rate, args.repeats))
         c = cells[-1]
         times = ", ".join(f"{p}={c['times_s'][p]:.3f}" for p in POLICIES)
-        print(f"  Tio/Tcomp={ratio:.3g} ({rate * 8 / 1e9:.3g} Gbit/s): {times}, bound={c['bound_s']:.3f}", flush=True)
+        print(f"  Tio/Tcomp={ratio:.3g} ({rate * 8 / 1e9:.3g} Gbit/s): {times}, bound={c['bound_s']:.3f} "
+              f"(spread {c['bound_spread']:.2f})", flush=True)
     return cells
 
 
@@ -148,135 +140,93 @@ def _links(kv_bytes: int, t_comp: float, ratios: Sequence[float], links_gbps: st
     return [(ratio, kv_bytes / (ratio * t_comp)) for ratio in ratios]
 
 
-def _bench_cell(model: Transformer, name: str, profile: Profile, raw: ChunkStore, job: RestoreJob, ratio: float,
-                rate: float, comp_layer: list[RestoreResult], args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Length:
+    """One prefix length's fixed parts: the model, its saved chunks, the full prefill's KV, the best chunking."""
+
+    model: Transformer
+    name: str
+    profile: Profile
+    store: ChunkStore
+    job: RestoreJob
+    reference: torch.Tensor  # [L, 2, Hkv, N, D]
+    compute_chunk: int
+    chunk_times: dict[int, float]
+
+
+class Repeats:
+    """Every measured run of one cell: times per policy, the per-repeat bound, KV checks, unit sources."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {p: [] for p in (*POLICIES, "load-only-token", "load-only-layer")}
+        self.bounds: list[float] = []
+        self.kv_errors: dict[str, dict[str, float]] = {}
+        self.units: dict[str, dict[str, Any]] = {}
+
+    def record(self, policy: str, elapsed: float, kv: torch.Tensor, sources: Sequence[str], mode: str,
+               length: Length, bytes_loaded: int) -> None:
+        self.times[policy].append(elapsed)
+        errors = runs.kv_errors(kv, length.reference, sources, mode, length.job)
+        seen = self.kv_errors.setdefault(policy, {"loaded": 0.0, "computed": 0.0})
+        self.kv_errors[policy] = {k: max(seen[k], v) for k, v in errors.items()}
+        self.units[policy] = {"mode": mode, "computed": [i for i, s in enumerate(sources) if s == "computed"],
+                              "loaded": sum(s == "loaded" for s in sources), "bytes_loaded": bytes_loaded}
+
+
+def _bench_cell(length: Length, ratio: float, rate: float, repeats: int) -> dict[str, Any]:
+    model, job, raw = length.model, length.job, length.store
+
     def linked() -> ShapedStore:
         return ShapedStore(raw, TokenBucket(rate))
 
-    costs, l_delta = profile.cost_model(rate), profile.l_delta_for(rate)
-    # Load-only is bound by the emulated link, which is steady: one run per cell suffices.
-    load_token = _forced(model, job, linked(), "token", 0)
-    load_layer = _forced(model, job, linked(), "layer", 0)
-    runs: dict[str, list[float]] = {p: [] for p in TIMED}
-    comp_token: list[RestoreResult] = []
-    modes: dict[str, str] = {}
-    for _ in range(args.repeats):  # interleaved: drift on a shared machine hits every policy alike
-        gc.collect()
-        comp_token.append(_forced(model, job, raw, "token", len(job.keys)))
-        for policy in TIMED[1:]:
-            gc.collect()  # a collection inside a timed run would be charged to that policy
+    costs, l_delta = length.profile.cost_model(rate), length.profile.l_delta_for(rate)
+    n = len(job.token_ids)
+    rec = Repeats()
+    for _ in range(repeats):  # interleaved: drift on a shared machine hits every policy, and T*, alike
+        gc.collect()  # a collection inside a timed run would be charged to that run
+        best = runs.compute_only(model, job, length.compute_chunk)
+        rec.record("compute-only", best.elapsed_s, best.kv.data[:, :, :, :n], best.sources(), "token", length, 0)
+        by_token = runs.forced(model, job, raw, "token", len(job.keys))  # unit costs for the bound
+        by_layer = runs.forced(model, job, raw, "layer", len(job.layers))
+        loads = {mode: runs.pipelined_load(model, job, linked(), mode) for mode in ("token", "layer")}
+        for mode, load in loads.items():
+            rec.record(f"load-only-{mode}", load.elapsed_s, load.kv, ["loaded"] * len(load.unit_costs), mode,
+                       length, load.bytes_loaded)
+        rec.bounds.append(min(runs.split_bound(runs.unit_costs(by_token), loads["token"].unit_costs),
+                              runs.split_bound(runs.unit_costs(by_layer), loads["layer"].unit_costs),
+                              best.elapsed_s))
+        for policy in TIMED:
+            gc.collect()
             result = restore(job, model=model, store=linked(), policy=policy, costs=costs, l_delta=l_delta)
-            _require_complete(result)
-            runs[policy].append(result.elapsed_s)
-            modes[policy] = result.mode
-    runs["compute-only"] = [r.elapsed_s for r in comp_token]
-    times = {p: median(v) for p, v in runs.items()}
-    times["load-only"] = load_token.elapsed_s
-    token_bound = best_split(_unit_costs(comp_token), _unit_costs([load_token]))[1]
-    layer_bound = best_split(_unit_costs(comp_layer), _unit_costs([load_layer]))[1]
-    bound = min(token_bound, layer_bound)
+            runs.require_complete(result)
+            rec.record(policy, result.elapsed_s, result.kv.data[:, :, :, :n], result.sources(), result.mode, length,
+                       result.bytes_loaded)
+    return _cell(length, ratio, rate, l_delta, rec)
+
+
+def _cell(length: Length, ratio: float, rate: float, l_delta: int, rec: Repeats) -> dict[str, Any]:
+    order = min(("token", "layer"), key=lambda m: median(rec.times[f"load-only-{m}"]))
+    rec.times["load-only"] = rec.times[f"load-only-{order}"]
+    rec.kv_errors["load-only"], rec.units["load-only"] = rec.kv_errors[f"load-only-{order}"], rec.units[
+        f"load-only-{order}"]
+    times = {p: median(rec.times[p]) for p in POLICIES}
+    bound = median(rec.bounds)
     return {
-        "model": name, "n_tokens": len(job.token_ids), "ratio": ratio, "link_gbps": rate * 8 / 1e9,
-        "l_delta": l_delta, "adaptive_mode": modes["cacheflow"], "times_s": times, "runs_s": runs,
-        "bound_s": bound, "token_bound_s": token_bound, "layer_bound_s": layer_bound,
-        "ratio_to_bound": {p: t / bound for p, t in times.items()}, "load_average": os.getloadavg()[0],
+        "model": length.name, "n_tokens": len(length.job.token_ids), "ratio": ratio, "link_gbps": rate * 8 / 1e9,
+        "link": {"emulated": True, "gbps": rate * 8 / 1e9,
+                 "chosen": f"token bucket set so that loading the prefix takes {ratio:g}x its recompute "
+                           f"in {length.job.keys[0].token_end}-token chunks"},
+        "l_delta": l_delta, "adaptive_mode": rec.units["cacheflow"]["mode"], "times_s": times,
+        "runs_s": {p: rec.times[p] for p in POLICIES},
+        "baselines": {"compute_only_chunk": length.compute_chunk, "compute_only_chunk_times_s": length.chunk_times,
+                      "load_only_order": order, "load_only_reads_in_flight": runs.LOAD_ONLY_READS_IN_FLIGHT},
+        "bound_s": bound, "bound_runs_s": rec.bounds, "bound_spread": (max(rec.bounds) - min(rec.bounds)) / bound,
+        "ratio_to_bound": {p: t / bound for p, t in times.items()},
+        "kv_max_rel_error": {p: rec.kv_errors[p] for p in POLICIES}, "units": {p: rec.units[p] for p in POLICIES},
+        "load_average": os.getloadavg()[0],
     }
 
 
-def _forced(model: Transformer, job: RestoreJob, store: ChunkStore, mode: str, split: int) -> RestoreResult:
-    """A run with a fixed split: `split = n_units` is compute-only, `0` load-only."""
-    loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=_fresh_kv(model, job),
-                      dtype=job.kv_dtype, quant=job.quant)
-    result = run_restore(job, model=model, loader=loader, mode=mode, planner=FixedSplitPlanner(split),
-                         policy=f"{mode}-split-{split}")
-    _require_complete(result)
-    return result
-
-
-def _fresh_kv(model: Transformer, job: RestoreJob) -> KVBuffer:
-    return model.new_kv(job.layers, len(job.token_ids))
-
-
-def _require_complete(result: RestoreResult) -> None:
-    if result.misses or result.loader_error:
-        raise RuntimeError(f"benchmark restore had misses {dict(result.misses)} {result.loader_error}")
-
-
-def _unit_costs(results: Sequence[RestoreResult]) -> list[float]:
-    """Median duration of each unit over runs."""
-    return [median([r.units[i].end_s - r.units[i].start_s for r in results]) for i in range(len(results[0].units))]
-
-
-def summarize(cells: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The three targets of the core issue, as measured."""
-    t = [c["times_s"] for c in cells]
-    balance = [c for c in cells if c["ratio"] == 1.0]
-    return {
-        "max_ratio_to_bound": max(c["ratio_to_bound"]["cacheflow"] for c in cells),
-        "ratio_to_best_baseline_at_balance": max(
-            (c["times_s"]["cacheflow"] / min(c["times_s"]["compute-only"], c["times_s"]["load-only"]) for c in balance),
-            default=None),
-        "max_adaptive_regret": max(x["cacheflow"] / min(x["cacheflow-token"], x["cacheflow-layer"]) - 1 for x in t),
-        "targets": {"max_ratio_to_bound": 1.15, "ratio_to_best_baseline_at_balance": 0.6, "max_adaptive_regret": 0.10},
-        "cells": len(cells),
-    }
-
-
-def render_markdown(body: dict[str, Any]) -> str:
-    s, m = body["summary"], body["machine"]
-    header = ["model", "N", "Tio/Tcomp", "link Gbit/s", *POLICIES, "bound T*", "adaptive mode", "CF / T*"]
-    rows = [[c["model"], c["n_tokens"], c["ratio"], round(c["link_gbps"], 3),
-             *[c["times_s"][p] for p in POLICIES], c["bound_s"], c["adaptive_mode"],
-             c["ratio_to_bound"]["cacheflow"]] for c in body["cells"]]
-    return "\n".join([
-        "# Single-request restore vs the optimal bound", "",
-        f"Machine: {m['cpu']}, {m['cpus']} CPUs, torch {m['torch']} with {m['torch_threads']} threads"
-        + (f", GPU {m['gpu']}" if m["gpu"] else ", no GPU") + f"; git {m['git']}.",
-        f"Command: `{body['command']}`. Times in seconds (median of {body['settings']['repeats']}).", "",
-        "| target | measured | goal |", "|---|---|---|",
-        f"| CacheFlow (adaptive) / T*, worst cell | {_fmt(s['max_ratio_to_bound'])} | <= 1.15 |",
-        f"| CacheFlow / best of compute-only and load-only at Tio/Tcomp = 1 | "
-        f"{_fmt(s['ratio_to_best_baseline_at_balance'])} | <= 0.6 |",
-        f"| adaptive vs better of token/layer, worst regret | {_fmt(s['max_adaptive_regret'])} | <= 0.10 |", "",
-        markdown_table(header, rows), "",
-    ])
-
-
-def _fmt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
-
-
-def _plot(cells: Sequence[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = sorted({c["model"] for c in cells})
-    lengths = sorted({c["n_tokens"] for c in cells})
-    fig, axes = plt.subplots(len(models), len(lengths), figsize=(3.2 * len(lengths), 2.8 * len(models)),
-                             squeeze=False, sharey=True)
-    for i, m in enumerate(models):
-        for j, n in enumerate(lengths):
-            ax = axes[i][j]
-            sel = sorted((c for c in cells if c["model"] == m and c["n_tokens"] == n), key=lambda c: c["ratio"])
-            if not sel:  # a length capped for this model
-                ax.set_visible(False)
-                continue
-            for p in POLICIES:
-                ax.plot([c["ratio"] for c in sel], [c["ratio_to_bound"][p] for c in sel], marker="o", label=p)
-            ax.axhline(1.15, color="grey", ls=":", lw=1)
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"{m}, N={n}", fontsize=9)
-            ax.set_xlabel("Tio/Tcomp")
-            if j == 0:
-                ax.set_ylabel("time / bound T*")
-    axes[0][0].set_ylim(0.8, 4.5)
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ its `planner` picks the board's planner — a fixed split at n (compute-only) or
 two pointers (Cake), or the predictive meeting point (the CacheFlow policies); a stage worker restores a
 batch of requests at once with the same policies in its engine instead (`cacheflow_services.worker`).
 
-Misses (absent or corrupt chunks) are recomputed by every policy, load-only included.
+Misses (absent or corrupt chunks) are recomputed by every policy, load-only included. Load-only keeps
+`LOAD_ONLY_READS_IN_FLIGHT` reads outstanding (one lands while the next crosses the link); the two-pointer
+policies have one, the I/O pointer their planners model.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from cacheflow_common.store.base import ChunkStore
 log = logging.getLogger(__name__)
 
 __all__ = ["POLICIES", "RestoreJob", "RestoreResult", "choose_mode", "restore", "run_restore"]
+
+LOAD_ONLY_READS_IN_FLIGHT = 2
 
 # The hidden states entering the stage's first layer for prefix tokens [start, end): [T, hidden].
 StageInput = Callable[[int, int], torch.Tensor]
@@ -105,9 +109,11 @@ def restore(
     loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
     if mode == "layer" and loader.absent_chunks():  # holes: token-wise recomputes only them
         mode = "token"
-    planner = _planner(make_policy(policy), mode, job, loader, costs)
+    chosen = make_policy(policy)
+    planner = _planner(chosen, mode, job, loader, costs)
+    reads = LOAD_ONLY_READS_IN_FLIGHT if chosen.planner == "load" else 1
     return run_restore(job, model=model, loader=loader, mode=mode, planner=planner, policy=policy,
-                       stage_input=stage_input, on_computed=on_computed)
+                       stage_input=stage_input, on_computed=on_computed, reads_in_flight=reads)
 
 
 def run_restore(
@@ -121,8 +127,9 @@ def run_restore(
     stage_input: StageInput | None = None,
     on_computed: ChunkComputed | None = None,
     on_board: Callable[[TwoPointerBoard], None] | None = None,
+    reads_in_flight: int = 1,
 ) -> RestoreResult:
-    """The restore loop: this thread is the compute pointer, a loader thread the I/O pointer.
+    """The restore loop: this thread is the compute pointer, `reads_in_flight` loader threads the I/O pointer.
 
     `on_computed` (token mode only) hears of every computed chunk; `on_board` gets the board before
     the pointers start (to wake it when an outside input a planner waits for arrives).
@@ -137,17 +144,21 @@ def run_restore(
     board = TwoPointerBoard(n_units, planner=planner, compute_skips_loaded=mode == "token")
     if on_board is not None:
         on_board(board)
-    load_unit = loader.load_chunk if mode == "token" else (lambda u: loader.load_layer(job.layers.start + u))
     loader_error: list[str] = []
-    thread = threading.Thread(target=_run_loader, args=(board, load_unit, loader_error), daemon=True)
+    readers = _Readers(reads_in_flight)
+    threads = [threading.Thread(target=_run_loader, args=(board, _unit_loader(loader, job, mode, reads_in_flight > 1),
+                                                          readers, loader_error), daemon=True)
+               for _ in range(reads_in_flight)]
 
     start = time.perf_counter()
-    thread.start()
+    for thread in threads:
+        thread.start()
     if mode == "token":
         _compute_chunks(board, model, job, kv, inputs, on_computed)
     else:
         _compute_layers(board, model, job, kv, inputs)
-    thread.join()
+    for thread in threads:
+        thread.join()
     elapsed = time.perf_counter() - start
     misses = Counter(u.miss_reason for u in board.records if u.miss_reason)
     return RestoreResult(policy=policy, mode=mode, kv=kv, units=board.records, elapsed_s=elapsed,
@@ -193,20 +204,50 @@ def _compute_layers(board: TwoPointerBoard, model: Transformer, job: RestoreJob,
         board.compute_done(unit)
 
 
-def _run_loader(board: TwoPointerBoard, load_unit: Callable[[int], str], error: list[str]) -> None:
-    """The I/O pointer: load units from the back until the planner stops it or the pointers meet."""
+def _unit_loader(loader: KVLoader, job: RestoreJob, mode: str, own_staging: bool) -> Callable[[int], str]:
+    """Loads one unit (a chunk, or a layer of every chunk); with `own_staging`, through a buffer of its own
+    (for one of several reading threads), else through the loader's."""
+    staging = memoryview(bytearray(loader.staging_bytes)) if own_staging else None
+    if mode == "token":
+        return lambda u: loader.load_chunk(u, staging)
+    return lambda u: loader.load_layer(job.layers.start + u, staging)
+
+
+class _Readers:
+    """A restore's reading threads: the loader side retires when the last of them stops on an error."""
+
+    def __init__(self, n: int) -> None:
+        self._live = n
+        self._lock = threading.Lock()
+
+    def failed(self) -> bool:
+        """One reader stopped on an error; True if it was the last one."""
+        with self._lock:
+            self._live -= 1
+            return self._live == 0
+
+
+def _run_loader(board: TwoPointerBoard, load_unit: Callable[[int], str], readers: _Readers,
+                error: list[str]) -> None:
+    """One reader of the I/O pointer: load units from the back until the planner stops it or the pointers meet.
+
+    A failure (not a miss: the store itself failing) hands the unit it was reading back to compute and
+    stops this reader; when it was the last one, whatever is left is recomputed."""
     move_off_compute_cores()
-    try:
-        while (unit := board.claim_load()) is not None:
+    while (unit := board.claim_load()) is not None:
+        try:
             reason = load_unit(unit)
-            if reason:
-                board.load_missed(unit, reason)
-            else:
-                board.load_done(unit)
-    except Exception as exc:  # any loader failure: its units are recomputed, and the result reports it
-        log.exception("loader failed; its chunks will be recomputed")
-        error.append(f"{type(exc).__name__}: {exc}")
-        board.abort_loader("loader-error")
+        except Exception as exc:  # its unit, and once no reader is left every other unit, are recomputed
+            log.exception("loader failed; its chunks will be recomputed")
+            error.append(f"{type(exc).__name__}: {exc}")
+            board.load_missed(unit, "loader-error")
+            if readers.failed():
+                board.abort_loader("loader-error")
+            return
+        if reason:
+            board.load_missed(unit, reason)
+        else:
+            board.load_done(unit)
 
 
 def _planner(policy: Policy, mode: str, job: RestoreJob, loader: KVLoader, costs: CostModel | None) -> Planner:
