@@ -106,6 +106,22 @@ def test_fresh_process_restores_from_cacheflow_with_the_same_outputs(setup):
         assert e["loaded"] >= 1 and not e["misses"]
 
 
+def test_runs_recompute_with_vllms_own_model(setup):
+    """The save and restore runs above recomputed with vLLM's loaded model, not a second copy."""
+    runtimes = setup.events("runtime")
+    assert [e["runtime"] for e in runtimes] == ["shared", "shared"]
+    assert all(e["own_bytes"] == 0 and e["shared_bytes"] > 0 for e in runtimes)
+
+
+def test_separate_runtime_fallback_gives_the_same_outputs(setup):
+    before = len(setup.events("restore"))
+    run = setup.run("separate", setup.connector(share_weights=False, save=False))
+    assert_same_outputs(run, setup.runs["reference"])
+    assert len(setup.events("restore")) - before == len(LENGTHS)
+    last = setup.events("runtime")[-1]
+    assert last["runtime"] == "separate" and last["reason"] == "share_weights is off" and last["own_bytes"] > 0
+
+
 def corrupt(pod: LocalPod, name: str) -> bool:
     """Flip bytes in the middle of a stored object on the pod's disk; False if the pod does not hold it."""
     files = list((pod.log_path.parent / "chunks").rglob(f"{name}*"))

@@ -25,7 +25,8 @@ class ConnectorConfig:
     save: bool = True  # store the prompt's whole chunks as vLLM computes them
     replicas: int = 1  # copies of each chunk over the pods
     timeout_s: float = 5.0  # a dead pod turns reads into misses within this
-    model: str = ""  # CacheFlow's copy of the model (config.json + safetensors); default: the directory vLLM serves
+    model: str = ""  # the model's directory (config.json + safetensors); default: the directory vLLM serves
+    share_weights: bool = True  # recompute with vLLM's loaded model; off (or not covered): a copy from `model`
     stats_file: str = ""  # append one JSON line per restore / save / load error (tests, benchmarks)
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ Only this module imports vLLM; the logic lives in `plan.py` (scheduler) and `wor
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -73,7 +74,8 @@ class CacheFlowConnector(KVConnectorBase_V1):
         else:
             device = "cpu" if vllm_config.device_config.device_type == "cpu" else "cuda"
             layout = _paged_layout(vllm_config) if device == "cpu" else "split"
-            self._engine = WorkerEngine(self.cfg, dtype=dtype, block_size=block_size, device=device, layout=layout)
+            self._engine = WorkerEngine(self.cfg, dtype=dtype, block_size=block_size, device=device, layout=layout,
+                                        vllm_model=lambda: find_vllm_model(vllm_config))
 
     # ------------------------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -164,6 +166,43 @@ def _paged_layout(vllm_config: VllmConfig) -> str:
         raise ConfigError(f"the CacheFlow connector does not know the KV layout of vLLM's CPU attention ISA {isa!r} "
                           f"(known: {', '.join(layouts)})")
     return layouts[isa]
+
+
+def find_vllm_model(vllm_config: VllmConfig) -> Any:
+    """vLLM's loaded model module, or None: the connector is handed no reference to it, so it is taken from
+    the worker or model runner on the call stack (the connector is created, handed its caches and asked to
+    load by them), and accepted only if it holds this engine's own attention layers."""
+    attn_layers = vllm_config.compilation_config.static_forward_context
+    if not attn_layers:
+        return None
+    name, attn = min(attn_layers.items())  # e.g. "model.layers.0.self_attn.attn" -> its Attention module
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not None and type(owner).__module__.startswith("vllm."):
+            model = _model_of(owner)
+            if model is not None and _holds(model, name, attn):
+                return model
+        frame = frame.f_back
+    return None
+
+
+def _model_of(owner: Any) -> Any:
+    """The unwrapped model a vLLM worker or model runner holds (`get_model()`), or None."""
+    get_model = getattr(owner, "get_model", None)
+    if not callable(get_model):
+        return None
+    try:
+        return get_model()
+    except Exception:  # not loaded yet, or not a worker / model runner after all
+        return None
+
+
+def _holds(model: Any, name: str, attn: Any) -> bool:
+    try:
+        return bool(model.get_submodule(name) is attn)
+    except (AttributeError, TypeError):
+        return False
 
 
 def _scheduler_plan(cfg: ConnectorConfig, block_size: int, dtype: torch.dtype) -> SchedulerPlan:

