@@ -266,6 +266,9 @@ def report(args: argparse.Namespace, requests: list[ReplayRequest], link: float,
     out = results_dir(args)
     body = {"summary": summary, "machine": machine_facts(), "command": command_line(), "quick": args.quick,
             "link_gbps_per_pod": link,
+            "link": {"emulated": True, "gbps_per_pod": link,
+                     "chosen": "each pod's token bucket at the rate at which a stage's loads of a 1,024-token prefix "
+                               "take as long as its compute (the profile's costs): Tio/Tcomp = 1"},
             "cluster_requests": args.cluster_requests, "cluster_time_scale": args.cluster_time_scale,
             "calibration": asdict(calibration),
             "requests": [{"id": r.trace.request_id, "arrival_s": r.trace.arrival_s, "tokens": r.trace.input_length,

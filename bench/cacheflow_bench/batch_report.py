@@ -92,12 +92,28 @@ def target_rows(s: dict[str, Any]) -> list[list[Any]]:
     ]
 
 
+BASELINES = [
+    "Baselines, each at its strongest in this engine:",
+    "- **compute-only** is what vLLM does on a miss, with the engine's fastest recompute: the whole prompt "
+    "prefilled through the stages in one pass, batched with the other requests' prefills like any prefill; "
+    "nothing is looked up or loaded.",
+    "- **load-only** loads every chunk (LMCache-style), oldest request first; each pod channel keeps one read in "
+    "flight (deeper pipelining is not built); the pod books its link before it fetches, so a fetch overlaps "
+    "its own transfer, and an idle link credits up to 256 KiB (about 20 ms at these rates) of the gap between "
+    "one read and the next.",
+    "- **Cake** runs its per-request token-wise two pointers, the channels serving requests in arrival order.",
+    "- **CacheFlow** ranks requests for the channels by the least recomputation left (SRPT); the other rankings "
+    "are rows of their own at the largest batch.",
+]
+
+
 def write_markdown(path: Path, body: dict[str, Any], table: Callable[..., str]) -> None:
     s, facts = body["summary"], body["machine"]
     lines = ["# Batch restore on the local cluster and in the simulator", "",
              f"Machine: {facts['cpu']}, {facts['cpus']} CPUs; git {facts['git']}. Command: `{body['command']}`.",
-             f"{len(body['requests'])} trace requests, link {body['link_gbps_per_pod']:.4f} Gbit/s per pod "
-             "(Tio/Tcomp = 1 per stage). Simulator calibration (the shortest and a median request served "
+             f"{len(body['requests'])} trace requests, link {body['link_gbps_per_pod']:.4f} Gbit/s per pod, "
+             "emulated (each pod's token bucket, at the rate that makes Tio/Tcomp = 1 per stage for a 1,024-token "
+             "prefix by the profile's costs). Simulator calibration (the shortest and a median request served "
              "alone, measured / profiled: compute-only prefills for compute, load-only restores for load and "
              f"the fixed time per restore): compute x{body['calibration']['compute']:.2f}, "
              f"load x{body['calibration']['load']:.2f}, plus {body['calibration']['overhead_s']:.3f} s "
@@ -105,7 +121,7 @@ def write_markdown(path: Path, body: dict[str, Any], table: Callable[..., str]) 
              f"x{body['calibration'].get('slowdown', 1.0):.2f} (fitted to a median request restored alone by Cake: "
              "the loaders and pods share this host's cores with the compute loops). Simulated requests enter the "
              "admission queue when the real ones did (after their prefix lookup).",
-             "",
+             "", *BASELINES, "",
              table(["target", "measured", "goal"], target_rows(s)), "", *_failures(body["runs"]),
              "## Local cluster: TTFT (s), median of the repeated runs (range over them)", "",
              table(["batch", "policy", "runs", "mean", "P50", "P90", "P99", "compute / channel busy"],

@@ -207,6 +207,8 @@ def report(args: argparse.Namespace, requests: list[ReplayRequest], phases: dict
     out = results_dir(args)
     body = {"summary": summary, "machine": machine_facts(), "command": command_line(), "quick": args.quick,
             "requests": [r.trace.request_id for r in requests], "rate_gbps_per_pod_emulated": args.rate_gbps,
+            "link": {"emulated": True, "gbps_per_pod": args.rate_gbps,
+                     "chosen": "the fixed --rate-gbps, not calibrated to a Tio/Tcomp ratio"},
             "phases": {k: v for k, v in phases.items() if k != "reference"}}
     write_json(out / "chaos.json", body)
     rows = [[key, _shown(summary[key]), TARGETS.get(key, "")] for key in summary if key != "failed_by_phase"]

@@ -200,7 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "min_reader_share": min(r["min_share"] for r in shaped),
     }
     out = results_dir(args)
-    write_json(out / "storage.json", {"summary": summary, **provenance(args.quick), "shaping": shaped, "raw": raws})
+    link = {"emulated": True, "chosen": "the configured --rates, each pod's token bucket; raw runs unshaped loopback"}
+    write_json(out / "storage.json", {"summary": summary, **provenance(args.quick), "link": link, "shaping": shaped,
+                                      "raw": raws})
     _write_markdown(out / "storage.md", summary, shaped, raws)
     _plot(out / "storage.png", shaped, raws)
     print(f"max shaping error {summary['max_shaping_error']} (sustainable rates); "
@@ -214,6 +216,9 @@ def _write_markdown(path: Path, summary: dict[str, Any], shaped: list[dict[str, 
     facts = machine_facts()
     lines = ["# Storage data plane", "",
              f"Machine: {facts['cpu']}, {facts['cpus']} CPUs; git {facts['git']}. Command: `{command_line()}`.", "",
+             "Shaped rates are emulated links: each pod's token bucket, at the configured rates (`--rates`: ones "
+             "this host sustains, up to half its raw rate, count towards the target); raw rates are loopback, "
+             "unshaped. No real network link is measured here.", "",
              markdown_table(["target", "measured", "goal"], [
                  [f"worst shaped-rate error, rates <= {SUSTAINABLE_SHARE} x raw", summary["max_shaping_error"],
                   "<= 0.05"],

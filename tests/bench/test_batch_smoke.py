@@ -32,5 +32,7 @@ def test_batch_benchmark_quick_run(tmp_path):
             assert all(sum(r["units_computed"]) == 0 < sum(r["units_loaded"]) for r in run["requests"])
     assert body["calibration"]["slowdown"] >= 1
     assert {r["tio_over_tcomp"] for r in body["cluster_scale"]} == {2.0, 1.0, 0.5}
-    assert (tmp_path / "batch.md").read_text().startswith("# Batch restore")
+    assert body["link"]["emulated"] is True
+    md = (tmp_path / "batch.md").read_text()
+    assert md.startswith("# Batch restore") and "emulated" in md and "Baselines" in md
     assert (tmp_path / "batch.png").stat().st_size > 0

@@ -173,3 +173,27 @@ def test_the_committed_readme_table_is_the_one_the_committed_results_give():
     """A README whose table disagrees with bench/results/*.json fails here: rerun `cacheflow bench report`."""
     expected = readme_table.block(report.load_results(RESULTS_DIR))
     assert readme_table.current_block(readme_table.README.read_text()) == expected
+
+
+def test_run_on_uncommitted_code_is_refused_before_any_benchmark_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(report, "machine_facts", lambda: {"git": "abc1234-dirty"})
+    monkeypatch.setattr(report, "run_suite", lambda out, quick: pytest.fail("the suite ran on uncommitted code"))
+    assert report.main(["--run", "--out", str(tmp_path)]) == 2
+    assert "commit it first" in capsys.readouterr().err
+
+
+def test_run_passes_the_published_settings(tmp_path, monkeypatch):
+    seen: dict[str, list[str]] = {}
+
+    class Bench:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def main(self, argv: list[str]) -> int:
+            seen[self.name] = argv
+            return 0
+
+    monkeypatch.setattr(importlib, "import_module", lambda name: Bench(name.rsplit(".", 1)[1]))
+    report.run_suite(tmp_path, quick=False)
+    assert seen["restore_single"] == ["--out", str(tmp_path), *report.PUBLISHED["restore_single"]]
+    assert seen["batch"] == ["--out", str(tmp_path)]
