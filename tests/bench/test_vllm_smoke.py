@@ -1,0 +1,36 @@
+"""The vLLM benchmark end to end on real vLLM (CPU) processes, one short prefix at one ratio, checked by
+invariants: every column measured, the greedy next token of every connector policy equals vLLM's own
+recompute, load-only computed nothing, compute-only loaded nothing, and no restore missed. No timings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cacheflow_bench import vllm
+
+pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
+
+
+def test_vllm_bench_invariants(tmp_path):
+    assert vllm.main(["--lengths", "512", "--ratios", "1", "--out", str(tmp_path),
+                      "--workdir", str(tmp_path / "work")]) == 0
+    body = json.loads((tmp_path / "vllm.json").read_text())
+    [row] = body["rows"]
+    for column in ("recompute_s", "own-recompute_s", *(f"{p}_s" for p in vllm.POLICIES)):
+        assert row[column] > 0, column
+    assert set(row["recompute_by_budget_s"]) == {"default", "16384"} and row["link_emulated"] is True
+    assert body["summary"]["next_token_matches_vllm"] is True
+    assert {"cacheflow_vs_cake_median", "cacheflow_vs_cake_min"} <= set(body["summary"])
+    restores = body["restores"]
+    assert {r["policy"] for r in restores} == {"compute-only", *vllm.POLICIES}
+    for r in restores:
+        assert r["misses"] == {}, r
+        assert r["computed"] + r["loaded"] > 0
+        if r["policy"] == "load-only":
+            assert r["computed"] == 0, r
+        if r["policy"] == "compute-only":
+            assert r["loaded"] == 0 and r["bytes_loaded"] == 0, r
+    md = (tmp_path / "vllm.md").read_text()
+    assert "CacheFlow / Cake" in md and "emulated" in md
