@@ -49,14 +49,24 @@ TARGET = 0.05  # the connector may add at most this fraction of the weights' siz
 CONFIGS = {"vllm": None, "connector-shared": {}, "connector-separate": {"share_weights": False}}
 MiB = 1 << 20
 # Run in vLLM's Python: drive.py's run, then this process's memory from /proc/self/status (kB there).
+# Then again after malloc_trim(0), which hands the heap's freed pages back: what is live, without what the
+# allocator keeps from vLLM's start-up (that part varies from run to run).
 MEASURE = """
-import json, sys
+import ctypes, json, sys
 from cacheflow_services.vllm_connector.drive import run
+
+def status():
+    lines = open("/proc/self/status").read().splitlines()
+    return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in lines if ":" in line)
+            if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+
 spec = json.load(open(sys.argv[1]))
 out = run(spec)
-fields = {"VmRSS": "rss_bytes", "VmHWM": "peak_rss_bytes", "RssAnon": "anon_rss_bytes", "RssFile": "file_rss_bytes"}
-status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
-out["memory"] = {name: int(status[key].split()[0]) * 1024 for key, name in fields.items()}
+before = status()
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+after = status()
+out["memory"] = {"rss_bytes": before["VmRSS"], "peak_rss_bytes": before["VmHWM"], "anon_rss_bytes": before["RssAnon"],
+                 "file_rss_bytes": before["RssFile"], "trimmed_rss_bytes": after["VmRSS"]}
 json.dump(out, open(spec["out"], "w"))
 """
 
@@ -115,18 +125,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per configuration, the median over its repeats of each memory figure."""
-    keys = ("rss_bytes", "peak_rss_bytes", "anon_rss_bytes", "file_rss_bytes")
+    keys = ("rss_bytes", "peak_rss_bytes", "anon_rss_bytes", "file_rss_bytes", "trimmed_rss_bytes")
     return {name: {k: median([r[k] for r in rows if r["config"] == name]) for k in keys} for name in CONFIGS}
 
 
 def summarize(body: dict[str, Any]) -> dict[str, Any]:
     by, weights = medians(body["rows"]), body["weight_bytes"]
     base = by["vllm"]
-    added = {name: (by[name]["rss_bytes"] - base["rss_bytes"]) / weights for name in by if name != "vllm"}
-    peak = {name: (by[name]["peak_rss_bytes"] - base["peak_rss_bytes"]) / weights for name in by if name != "vllm"}
+    def fraction(key: str) -> dict[str, float]:
+        return {name: (by[name][key] - base[key]) / weights for name in by if name != "vllm"}
+
+    added, trimmed = fraction("rss_bytes"), fraction("trimmed_rss_bytes")
     reference = next(r["tokens"] for r in body["rows"] if r["config"] == "vllm")
-    return {"added_rss_fraction_of_weights": added, "added_peak_rss_fraction_of_weights": peak,
-            "shared_within_target": added["connector-shared"] <= TARGET,
+    return {"added_rss_fraction_of_weights": added, "added_peak_rss_fraction_of_weights": fraction("peak_rss_bytes"),
+            "added_trimmed_rss_fraction_of_weights": trimmed,
+            "shared_within_target": max(added["connector-shared"], trimmed["connector-shared"]) <= TARGET,
             "restores_ran": all(r["restores"] >= 1 for r in body["rows"] if r["config"] != "vllm"),
             "runtimes_as_configured": all(r["runtime"][0]["runtime"] == r["config"].removeprefix("connector-")
                                           for r in body["rows"] if r["config"] != "vllm"),
@@ -168,26 +181,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 def report(body: dict[str, Any]) -> str:
     by, weights = medians(body["rows"]), body["weight_bytes"]
     base = by["vllm"]
-    header = ["configuration", "RSS (MiB)", "added RSS (MiB)", "added / weights", "of it anon / file (MiB)",
-              "peak RSS (MiB)", "added peak / weights"]
+    header = ["configuration", "RSS (MiB)", "spread (MiB)", "added RSS (MiB)", "added / weights",
+              "of it anon / file (MiB)", "peak RSS (MiB)", "added peak / weights", "RSS after trim (MiB)",
+              "spread", "added / weights"]
     rows = []
     for name, r in by.items():
         more, peak = r["rss_bytes"] - base["rss_bytes"], r["peak_rss_bytes"] - base["peak_rss_bytes"]
         anon, file = r["anon_rss_bytes"] - base["anon_rss_bytes"], r["file_rss_bytes"] - base["file_rss_bytes"]
-        rows.append([name, f"{r['rss_bytes'] / MiB:.0f}", f"{more / MiB:+.0f}", f"{more / weights:+.1%}",
+        runs = [x["rss_bytes"] for x in body["rows"] if x["config"] == name]
+        trims = [x["trimmed_rss_bytes"] for x in body["rows"] if x["config"] == name]
+        trim = r["trimmed_rss_bytes"] - base["trimmed_rss_bytes"]
+        rows.append([name, f"{r['rss_bytes'] / MiB:.0f}", f"{(max(runs) - min(runs)) / MiB:.0f}",
+                     f"{more / MiB:+.0f}", f"{more / weights:+.1%}",
                      f"{anon / MiB:+.0f} / {file / MiB:+.0f}", f"{r['peak_rss_bytes'] / MiB:.0f}",
-                     f"{peak / weights:+.1%}"])
+                     f"{peak / weights:+.1%}", f"{r['trimmed_rss_bytes'] / MiB:.0f}",
+                     f"{(max(trims) - min(trims)) / MiB:.0f}", f"{trim / weights:+.1%}"])
     m, s = body["model"], body["summary"]
-    added = s["added_rss_fraction_of_weights"]
+    added, trimmed = s["added_rss_fraction_of_weights"], s["added_trimmed_rss_fraction_of_weights"]
     return (f"# Memory the CacheFlow connector adds to vLLM (CPU)\n\n`{body['command']}`; model: random Qwen3 "
             f"({m['num_hidden_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}, fp32), "
             f"weights {weights / MiB:.0f} MiB; per row the median of {body['repeats']} fresh vLLM processes, each "
             f"running one {body['prompt_tokens']}-token prompt twice (the connector saves it, then restores it); "
-            "resident memory read after.\n\n"
+            "resident memory read after, and again after `malloc_trim(0)` (the heap's freed pages handed back: "
+            "live memory, without what the allocator keeps from start-up); spread: the largest minus the "
+            "smallest of its runs.\n\n"
             f"{markdown_table(header, rows)}\n\n"
             f"Connector recomputing with vLLM's own model: **{added['connector-shared']:+.1%}** of the weights' "
-            f"size (target <= {TARGET:.0%}: {s['shared_within_target']}); with its separate runtime (the "
-            f"fallback): {added['connector-separate']:+.1%}. "
+            f"size (**{trimmed['connector-shared']:+.1%}** after the trim; target <= {TARGET:.0%}: "
+            f"{s['shared_within_target']}); with its separate runtime (the fallback): "
+            f"{added['connector-separate']:+.1%} ({trimmed['connector-separate']:+.1%}). "
             f"Same greedy tokens in every run: {s['same_tokens']}.\n\n"
             "The separate runtime's copy is read through safetensors' memory map on the CPU: it shows as "
             "file-backed memory, and only the pages a restore touches become resident (the LM head and the "
