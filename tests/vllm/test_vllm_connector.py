@@ -113,6 +113,21 @@ def test_runs_recompute_with_vllms_own_model(setup):
     assert all(e["own_bytes"] == 0 and e["shared_bytes"] > 0 for e in runtimes)
 
 
+def test_a_steps_loads_restore_together_in_the_batch_engine(setup):
+    """Both prompts arrive together: vLLM loads them in one step, and the connector restores them at once
+    with the stage engine's batch scheduler; the outputs stay the reference's."""
+    before = len(setup.events("restore"))
+    spec = {"model": str(setup.model_dir), "prompts": setup.prompts, "max_tokens": 8, "block_size": BLOCK,
+            "connector": setup.connector(save=False), "batches": [list(range(len(setup.prompts)))]}
+    run = drive(spec, setup.root, "together")
+    assert_same_outputs(run, setup.runs["reference"])
+    restores = setup.events("restore")[before:]
+    assert sorted(e["tokens"] for e in restores) == [n // CHUNK * CHUNK for n in LENGTHS]
+    assert all(e["batch"] == len(LENGTHS) for e in restores)  # one batch restore, not one per request
+    for e in restores:
+        assert e["computed"] + e["loaded"] == e["tokens"] // CHUNK and e["loaded"] >= 1 and not e["misses"]
+
+
 def test_separate_runtime_fallback_gives_the_same_outputs(setup):
     before = len(setup.events("restore"))
     run = setup.run("separate", setup.connector(share_weights=False, save=False))

@@ -27,6 +27,7 @@ class ConnectorConfig:
     timeout_s: float = 5.0  # a dead pod turns reads into misses within this
     model: str = ""  # the model's directory (config.json + safetensors); default: the directory vLLM serves
     share_weights: bool = True  # recompute with vLLM's loaded model; off (or not covered): a copy from `model`
+    batch_restores: bool = True  # a step's loads restored together by the batch engine; off: one after another
     stats_file: str = ""  # append one JSON line per restore / save / load error (tests, benchmarks)
 
     def __post_init__(self) -> None:

@@ -118,8 +118,8 @@ class CacheFlowConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, CacheFlowMetadata) and self._engine is not None
-        for spec in meta.loads:
-            self._load_errors |= self._engine.load(spec)
+        if meta.loads:
+            self._load_errors |= self._engine.load_step(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv restores every layer before the forward pass starts

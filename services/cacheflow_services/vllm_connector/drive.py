@@ -4,16 +4,18 @@
 
 run.json: {"model": dir, "prompts": [[token ids], ...], "max_tokens": 8, "out": path,
            "connector": {extra config} or null, "max_model_len": 4096, "dtype": "float32", "prefix_caching": false,
-           "block_size": 128, "max_num_batched_tokens": vLLM's default}
+           "block_size": 128, "max_num_batched_tokens": vLLM's default,
+           "batches": [[prompt indices submitted together], ...] (default: each prompt alone, in order)}
 
 Writes to `out`: per prompt the greedy tokens, their logprobs and the request's wall time (with
-max_tokens=1 that is its TTFT), and the engine's start-up time. Prompts run one at a time, in order.
-Run it with vLLM's Python (its own virtual environment) and `-P` (the repository root must not be on
-sys.path: operator/ there shadows the standard library); it waits for the connector's saves before exiting.
+max_tokens=1 that is its TTFT; measured from its batch's submission) and when its first token came, and the
+engine's start-up time. Batches run one after another; the prompts of a batch arrive together.
+Run it with vLLM's Python (its own virtual environment); it waits for the connector's saves before exiting.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -44,16 +46,41 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
               kv_transfer_config=transfer_config(extra) if extra is not None else None)
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1)
-    results = []
-    for ids in spec["prompts"]:
-        t0 = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].outputs[0]
-        wall = time.perf_counter() - t0
-        logprobs = [lp[t].logprob for lp, t in zip(out.logprobs or [], out.token_ids, strict=True)]
-        results.append({"tokens": list(out.token_ids), "logprobs": logprobs, "wall_s": wall})
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+    results: list[dict[str, Any]] = [{} for _ in prompts]
+    for batch in spec.get("batches") or [[i] for i in range(len(prompts))]:
+        for i, result in zip(batch, _together(llm.llm_engine, [prompts[i] for i in batch], params), strict=True):
+            results[i] = result
     if extra is not None:
         _flush_saves()
     return {"startup_s": startup_s, "results": results}
+
+
+def _together(engine: Any, prompts: list[Any], params: Any) -> list[dict[str, Any]]:
+    """Submit `prompts` at once and step vLLM's engine until every one is done: per prompt its greedy tokens,
+    their logprobs, when its first token came (`first_token_s`) and when it finished (`wall_s`), in seconds
+    since the submission."""
+    start = time.perf_counter()
+    ids = [f"drive-{next(_REQUEST_IDS)}" for _ in prompts]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    first: dict[str, float] = {}
+    done: dict[str, dict[str, Any]] = {}
+    while len(done) < len(ids):
+        for out in engine.step():
+            now = time.perf_counter() - start
+            if out.outputs and out.outputs[0].token_ids:
+                first.setdefault(out.request_id, now)
+            if out.finished:
+                completion = out.outputs[0]
+                logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs or [], completion.token_ids,
+                                                           strict=True)]
+                done[out.request_id] = {"tokens": list(completion.token_ids), "logprobs": logprobs, "wall_s": now,
+                                        "first_token_s": first.get(out.request_id, now)}
+    return [done[request_id] for request_id in ids]
+
+
+_REQUEST_IDS = itertools.count()
 
 
 def _flush_saves() -> None:

@@ -21,7 +21,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from cacheflow_common.restore.save import dtype_name, make_job, save_chunks
 from cacheflow_common.store.placement import ClusterStore
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
 from cacheflow_common.transport.shaping import gbps
+from cacheflow_services.vllm_connector.batch import BatchRestorer, engine_config
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather, layer_index, scatter
 from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
@@ -97,6 +98,7 @@ class WorkerEngine:
         self.caches: list[tuple[int, torch.Tensor]] = []  # (decoder layer, its vLLM cache), by layer
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheflow-saver",
                                          initializer=move_off_compute_cores)
+        self._batcher: BatchRestorer | None = None
         self._choose_runtime(final=False)
 
     # ------------------------------------------------------------------------------------ runtime
@@ -150,16 +152,39 @@ class WorkerEngine:
             check_cache(cache, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=self.block_size)
 
     # ------------------------------------------------------------------------------------ restore
-    def load(self, spec: LoadSpec) -> set[int]:
-        """Restore the spec's prefix into its blocks; returns the block ids vLLM must recompute."""
+    def load_step(self, specs: Sequence[LoadSpec]) -> set[int]:
+        """Restore the prefixes one vLLM step loads into their blocks: together, by the batch engine, when
+        there are several (`batch_restores`), else one after another. Returns the block ids vLLM must
+        recompute (those of every restore that failed outright, and of misses with `on_miss="vllm"`)."""
+        failed: set[int] = set()
+        jobs: dict[str, RestoreJob] = {}
+        for spec in specs:
+            try:
+                jobs[spec.req_id] = make_job(self.model, spec.token_ids, tenant=self.cfg.tenant,
+                                             chunk_size=self.cfg.chunk_size)
+            except Exception as exc:
+                failed |= self._failed_load(spec, exc)
+        together = self.cfg.batch_restores and len(jobs) > 1
+        outcomes = self._batch().restore(jobs, self._policy()[0]) if together else {
+            request_id: self._restore_alone(job) for request_id, job in jobs.items()}
+        for spec in specs:
+            outcome = outcomes.get(spec.req_id)
+            if isinstance(outcome, Exception):
+                failed |= self._failed_load(spec, outcome)
+            elif outcome is not None:
+                failed |= self._land(spec, jobs[spec.req_id], outcome, batch=len(jobs) if together else 1)
+        return failed
+
+    def _failed_load(self, spec: LoadSpec, exc: Exception) -> set[int]:
+        """A failed restore is a failed load: vLLM recomputes the prefix."""
+        log.error("CacheFlow restore of %s failed (%s: %s); vLLM recomputes it", spec.req_id, type(exc).__name__, exc)
+        self.stats.event("load_error", req=spec.req_id, tokens=len(spec.token_ids),
+                         error=f"{type(exc).__name__}: {exc}")
+        return self._blocks(spec, spec.start)
+
+    def _land(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult, *, batch: int) -> set[int]:
+        """Scatter a restored prefix into the request's blocks, log it, and deal with its misses."""
         n = len(spec.token_ids)
-        try:
-            job = make_job(self.model, spec.token_ids, tenant=self.cfg.tenant, chunk_size=self.cfg.chunk_size)
-            result = self._restore(job)
-        except Exception as exc:  # a failed restore is a failed load: vLLM recomputes the prefix
-            log.exception("CacheFlow restore of %s failed; vLLM recomputes it", spec.req_id)
-            self.stats.event("load_error", req=spec.req_id, tokens=n, error=f"{type(exc).__name__}: {exc}")
-            return self._blocks(spec, spec.start)
         kv = result.kv.data  # [L, 2, Hkv, N, D]
         for layer, cache in self.caches:
             scatter(cache, self.layout, spec.block_ids, self.block_size, spec.start, kv[layer, :, :, spec.start : n])
@@ -167,8 +192,22 @@ class WorkerEngine:
         self.stats.event("restore", req=spec.req_id, tokens=n, written=n - spec.start, policy=self._policy()[0],
                          mode=result.mode, computed=sources.count("computed"),
                          loaded=sources.count("loaded"), misses=dict(result.misses),
-                         bytes_loaded=result.bytes_loaded, elapsed_s=result.elapsed_s)
+                         bytes_loaded=result.bytes_loaded, elapsed_s=result.elapsed_s, batch=batch,
+                         runtime=self.runtime)
         return self._after_misses(spec, job, result)
+
+    def _restore_alone(self, job: RestoreJob) -> RestoreResult | Exception:
+        try:
+            return self._restore(job)
+        except Exception as exc:
+            return exc
+
+    def _batch(self) -> BatchRestorer:
+        """The batch engine, started at the first step with several loads."""
+        if self._batcher is None:
+            config = engine_config(self.cfg, self.config.num_layers, self.cfg.token())
+            self._batcher = BatchRestorer(config, self.model, self.store, self.profile)
+        return self._batcher
 
     def _restore(self, job: RestoreJob) -> RestoreResult:
         policy, link = self._policy()
@@ -242,6 +281,8 @@ class WorkerEngine:
             return
 
     def close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.close()
         self.flush()
         self._saver.shutdown()
         for pod in self.store.pods.values():
