@@ -35,7 +35,7 @@ from cacheflow_bench.batch_report import target_rows
 from cacheflow_bench.common import RESULTS_DIR, SCRATCH_DIR, machine_facts, markdown_table, results_dir
 from cacheflow_bench.readme_table import commit_of, commit_problems
 
-SUITE = ("restore_single", "storage", "stages", "batch", "chaos", "vllm")
+SUITE = ("restore_single", "storage", "stages", "batch", "chaos", "vllm", "vllm_memory")
 Section = Callable[[dict[str, dict[str, Any]], Path, bool], list[str]]
 
 
@@ -71,8 +71,8 @@ def run_suite(out: Path, quick: bool) -> None:
     from cacheflow_bench.vllm import VLLM_PYTHON
 
     for name in SUITE:
-        if name == "vllm" and not VLLM_PYTHON.exists():
-            print(f"== vllm skipped: {VLLM_PYTHON} is missing (create it as .ci/run does)", flush=True)
+        if name.startswith("vllm") and not VLLM_PYTHON.exists():
+            print(f"== {name} skipped: {VLLM_PYTHON} is missing (create it as .ci/run does)", flush=True)
             continue
         print(f"== {name}", flush=True)
         args = ["--out", str(out)] + (["--quick"] if quick else PUBLISHED.get(name, []))
@@ -179,7 +179,8 @@ def single_rows(s: dict[str, Any]) -> list[list[Any]]:
 def other_sections(results: dict[str, dict[str, Any]], out: Path, mixed: bool) -> list[str]:
     lines = []
     for name, title in (("storage", "Storage data plane"), ("stages", "Parallel stages from boundary activations"),
-                        ("chaos", "Kills and abuse (chaos)"), ("vllm", "vLLM connector")):
+                        ("chaos", "Kills and abuse (chaos)"), ("vllm", "vLLM connector"),
+                        ("vllm_memory", "vLLM memory with the connector")):
         body = results.get(name)
         if body is None:
             continue
