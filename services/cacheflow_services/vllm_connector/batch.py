@@ -1,8 +1,9 @@
 """The loads of one vLLM step restored together, as a CacheFlow stage worker restores its batch: the
 stage engine's batch scheduler, one compute loop running one batched forward per step over every
 request's units, and one loader per storage pod, all shared by the step's requests, with the same
-policies and the same channel ranking (`cacheflow_services.worker`). vLLM holds every layer, so the
-connector is a one-stage engine over all of them, fed by the token embeddings.
+policies and the same channel ranking (`cacheflow_services.worker`). The connector is a one-stage engine
+over its vLLM rank's layers: all of them, fed by the token embeddings, or (a pipeline-parallel rank after the
+first) [a, b), fed by the stored boundary activations entering layer a.
 
 A request's restore that fails (its plan cannot be built, the engine gives up on it) is answered with
 its error; the others go on.
@@ -34,9 +35,11 @@ from cacheflow_services.worker.step_loop import StepLoop
 JOIN_S = 10.0  # longest wait for the loop and the channels at close
 
 
-def engine_config(cfg: ConnectorConfig, n_layers: int, token: str) -> WorkerConfig:
-    """The connector's settings as a one-stage worker's over every layer."""
-    return WorkerConfig(stage=0, layers=range(n_layers), last_stage=True, model=cfg.model, chunk_size=cfg.chunk_size,
+def engine_config(cfg: ConnectorConfig, layers: range, token: str) -> WorkerConfig:
+    """The connector's settings as a one-stage worker's over the rank's layers (stage 1 stands for any rank
+    after the first: its restores read boundary activations)."""
+    return WorkerConfig(stage=int(layers.start > 0), layers=layers, last_stage=True, model=cfg.model,
+                        chunk_size=cfg.chunk_size,
                         pods=tuple(PodAddress.parse(p) for p in cfg.pods), pod_tokens={cfg.tenant: token},
                         replicas=cfg.replicas, policy=cfg.policy, profile=Path(cfg.profile) if cfg.profile else None,
                         link_gbps=cfg.link_gbps or None)
@@ -47,7 +50,7 @@ class BatchRestorer:
         self.config = config
         self.model = model
         self.store = store
-        self.core = EngineCore(make_policy(config.policy), stage=0)
+        self.core = EngineCore(make_policy(config.policy), stage=config.stage)
         self.builder = RestoreBuilder(config, model, profile, on_input=self.core.wake)
         loop = StepLoop(self.core, model, config.layers, step_tokens=config.step_tokens, beside_forward_tokens=0,
                         sampler=_no_sampling, on_step=lambda plan, seconds: None)

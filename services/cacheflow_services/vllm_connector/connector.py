@@ -13,6 +13,13 @@ The protocol, as vLLM drives it (`vllm/distributed/kv_transfer/kv_connector/v1/b
              -> forward -> wait_for_save (copy the finished chunks out, store them in the background)
              -> get_block_ids_with_load_errors (vLLM recomputes those blocks)
 Only this module imports vLLM; the logic lives in `plan.py` (scheduler) and `worker.py` (worker).
+
+Pipeline parallelism (`--pipeline-parallel-size N`): every rank's worker connector holds that rank's layers,
+a CacheFlow stage (worker.py, ranks.py); the scheduler looks prefixes up for the ranks' split, and each step
+tells the ranks which prompt rows it computes, so a rank after the first can store the boundary activation
+entering its first layer. The capture is a forward pre-hook on vLLM's top-level model, outside the region
+vLLM compiles; a step replayed as one full CUDA graph (pure decode batches) skips it, and a prompt row
+computed in one leaves its chunk without a boundary activation (that rank then recomputes the prefix).
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ log = logging.getLogger(__name__)
 class CacheFlowMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    scheduled: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (rows this step, prompt length)
+    finished: list[str] = field(default_factory=list)
 
 
 class CacheFlowConnector(KVConnectorBase_V1):
@@ -69,13 +78,16 @@ class CacheFlowConnector(KVConnectorBase_V1):
         self._plan: SchedulerPlan | None = None
         self._engine: WorkerEngine | None = None
         self._load_errors: set[int] = set()
+        self._prompt_lens: dict[str, int] = {}  # scheduler side: each running request's prompt length
         if role == KVConnectorRole.SCHEDULER:
-            self._plan = _scheduler_plan(self.cfg, block_size, dtype)
+            pp_size = vllm_config.parallel_config.pipeline_parallel_size
+            self._plan = _scheduler_plan(self.cfg, block_size, dtype, pp_size)
         else:
             device = "cpu" if vllm_config.device_config.device_type == "cpu" else "cuda"
             layout = _paged_layout(vllm_config) if device == "cpu" else "split"
             self._engine = WorkerEngine(self.cfg, dtype=dtype, block_size=block_size, device=device, layout=layout,
-                                        vllm_model=lambda: find_vllm_model(vllm_config))
+                                        vllm_model=lambda: find_vllm_model(vllm_config),
+                                        layers=_rank_layers(self.cfg, vllm_config))
 
     # ------------------------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -91,6 +103,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
         assert plan is not None
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
+            self._prompt_lens[new.req_id] = len(new.prompt_token_ids or ())
             specs = plan.new_request(new.req_id, list(new.prompt_token_ids or ()), new.block_ids[0],
                                      new.num_computed_tokens + scheduled.get(new.req_id, 0))
             _add(meta, *specs)
@@ -103,6 +116,9 @@ class CacheFlowConnector(KVConnectorBase_V1):
             _add(meta, *specs)
         for req_id in scheduler_output.finished_req_ids:
             plan.finished(req_id)
+            self._prompt_lens.pop(req_id, None)
+        meta.scheduled = {r: (n, self._prompt_lens.get(r, 0)) for r, n in scheduled.items()}
+        meta.finished = list(scheduler_output.finished_req_ids)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -118,6 +134,9 @@ class CacheFlowConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, CacheFlowMetadata) and self._engine is not None
+        if self._engine.captures:  # the step's rows, in the batch order of the model runner on the stack
+            order = _batch_order()
+            self._engine.begin_step([(r, *meta.scheduled[r]) for r in order if r in meta.scheduled])
         if meta.loads:
             self._load_errors |= self._engine.load_step(meta.loads)
 
@@ -133,6 +152,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
         assert isinstance(meta, CacheFlowMetadata) and self._engine is not None
         for spec in meta.saves:
             self._engine.save(spec)
+        self._engine.finished(meta.finished)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -187,6 +207,35 @@ def find_vllm_model(vllm_config: VllmConfig) -> Any:
     return None
 
 
+def _rank_layers(cfg: ConnectorConfig, vllm_config: VllmConfig) -> range | None:
+    """This pipeline rank's layers by vLLM's split (None without pipeline parallelism, or before vLLM's
+    groups exist); `register` checks them against the caches vLLM hands over."""
+    pp_size = vllm_config.parallel_config.pipeline_parallel_size
+    if pp_size == 1:
+        return None
+    from vllm.distributed.parallel_state import get_pp_group
+    from vllm.distributed.utils import get_pp_indices
+
+    try:
+        rank = get_pp_group().rank_in_group
+    except AssertionError:  # the pipeline group is not initialized in this process
+        return None
+    return range(*get_pp_indices(ModelConfig.from_dir(cfg.model).num_layers, rank, pp_size))
+
+
+def _batch_order() -> list[str]:
+    """The request ids of this step's batch, in the order of its rows: the model runner's `input_batch`
+    (taken from the call stack; vLLM calls `start_load_kv` after preparing the step's inputs)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        batch = getattr(owner, "input_batch", None) if owner is not None else None
+        if batch is not None and type(owner).__module__.startswith("vllm."):
+            return [r for r in batch.req_ids if r is not None]
+        frame = frame.f_back
+    return []
+
+
 def _model_of(owner: Any) -> Any:
     """The unwrapped model a vLLM worker or model runner holds (`get_model()`), or None."""
     get_model = getattr(owner, "get_model", None)
@@ -205,14 +254,17 @@ def _holds(model: Any, name: str, attn: Any) -> bool:
         return False
 
 
-def _scheduler_plan(cfg: ConnectorConfig, block_size: int, dtype: torch.dtype) -> SchedulerPlan:
-    """The scheduler's plan, looking prefixes up on the pods (the model's fingerprint, without its weights)."""
+def _scheduler_plan(cfg: ConnectorConfig, block_size: int, dtype: torch.dtype, pp_size: int) -> SchedulerPlan:
+    """The scheduler's plan, looking prefixes up on the pods (the model's fingerprint, without its weights)
+    with the chunk objects of every pipeline rank's layers."""
     from pathlib import Path
+
+    from vllm.distributed.utils import get_pp_indices
 
     model_config = ModelConfig.from_dir(cfg.model)
     fingerprint = checkpoint_fingerprint(Path(cfg.model), model_config, dtype)
     store = open_store(cfg)
-    layers = [range(model_config.num_layers)]
+    layers = [range(*get_pp_indices(model_config.num_layers, r, pp_size)) for r in range(pp_size)]
 
     def lookup(prompt: Any, limit: int) -> int:
         return cached_prefix_tokens(prompt, fingerprint=fingerprint, tenant=cfg.tenant, chunk_size=cfg.chunk_size,

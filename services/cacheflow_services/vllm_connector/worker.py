@@ -13,6 +13,12 @@ outright reports all its blocks. Either way the output is never wrong.
 Save (after the forward pass): the finished chunks' KV is copied out of vLLM's blocks (the only work on
 the forward thread) and a saver thread encodes and stores them, with the same keys and chunk format as
 CacheFlow's stage workers, so a CacheFlow cluster and vLLM instances share chunks.
+
+Pipeline parallelism: the engine holds its vLLM rank's layers [a, b) (those of the caches vLLM registers),
+a CacheFlow stage. Its chunks are named for [a, b) exactly as a stage worker with that split names them;
+a rank with a > 0 also stores the boundary activation entering layer a of each chunk (captured by
+`ranks.BoundaryCapture`) and restores from the stored ones, so every rank restores at once, on its own.
+A rank missing a boundary reports the whole load as failed: vLLM recomputes it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 
 import torch
 
+from cacheflow_common.errors import ConfigError
 from cacheflow_common.kv.chunk import encode_kv_chunk
 from cacheflow_common.kv.keys import ChunkKey, chunk_keys, object_name, tenant_salt
 from cacheflow_common.model.config import ModelConfig
@@ -37,6 +44,7 @@ from cacheflow_common.restore.cores import move_off_compute_cores
 from cacheflow_common.restore.executor import RestoreJob, RestoreResult, restore
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.save import dtype_name, make_job, save_chunks
+from cacheflow_common.restore.stages import BoundaryInput, BoundaryMissingError, save_boundaries
 from cacheflow_common.store.placement import ClusterStore
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
 from cacheflow_common.transport.shaping import gbps
@@ -44,6 +52,7 @@ from cacheflow_services.vllm_connector.batch import BatchRestorer, engine_config
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather, layer_index, scatter
 from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
+from cacheflow_services.vllm_connector.ranks import BoundaryCapture, rank_layers
 from cacheflow_services.vllm_connector.shared import Unsupported, shared_bytes, shared_runtime
 
 log = logging.getLogger(__name__)
@@ -77,9 +86,10 @@ VllmModel = Callable[[], Any]  # vLLM's loaded model module, or None while it ca
 
 class WorkerEngine:
     def __init__(self, cfg: ConnectorConfig, *, dtype: torch.dtype, block_size: int, device: str,
-                 layout: str, vllm_model: VllmModel | None = None) -> None:
+                 layout: str, vllm_model: VllmModel | None = None, layers: range | None = None) -> None:
         """`vllm_model` finds vLLM's loaded model module (None while it cannot); it is asked now, and if it
-        has no answer yet, again at `register` and at the first load, before falling back to a copy."""
+        has no answer yet, again at `register` and at the first load, before falling back to a copy.
+        `layers`: this pipeline rank's layers, where known before `register` (its copy then loads only them)."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown paged KV layout {layout!r}; known: {LAYOUTS}")
         self.cfg = cfg
@@ -96,6 +106,9 @@ class WorkerEngine:
         self.profile = Profile.load(cfg.profile) if cfg.profile else None
         self.stats = StatsLog(cfg.stats_file)
         self.caches: list[tuple[int, torch.Tensor]] = []  # (decoder layer, its vLLM cache), by layer
+        self._expected = layers  # the rank's layers vLLM's split gives, checked at `register`
+        self.layers = layers or range(self.config.num_layers)  # this rank's layers [a, b), set at `register`
+        self.capture = BoundaryCapture()  # the hidden state entering layer a (ranks with a > 0 that save)
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheflow-saver",
                                          initializer=move_off_compute_cores)
         self._batcher: BatchRestorer | None = None
@@ -136,7 +149,7 @@ class WorkerEngine:
 
     def _separate(self, reason: str) -> None:
         log.warning("CacheFlow recomputes with its own copy of the weights from %s: %s", self.cfg.model, reason)
-        self._model = Transformer.from_dir(self.cfg.model, dtype=self.dtype, device=self.device)
+        self._model = Transformer.from_dir(self.cfg.model, dtype=self.dtype, device=self.device, layers=self.layers)
         self.runtime = "separate"
         own = sum(t.numel() * t.element_size() for t in self._model.weights.values())
         self.stats.event("runtime", runtime="separate", reason=reason, shared_bytes=0, own_bytes=own)
@@ -145,11 +158,35 @@ class WorkerEngine:
         self._choose_runtime(final=False)
         c = self.config
         self.caches = sorted((layer_index(name), cache) for name, cache in kv_caches.items())
-        if [layer for layer, _ in self.caches] != list(range(c.num_layers)):
-            raise ValueError(f"vLLM's attention layers {[layer for layer, _ in self.caches]} are not the "
-                             f"model's {c.num_layers} layers")
+        self.layers = rank_layers([layer for layer, _ in self.caches], c.num_layers)
+        if self._expected is not None and self.layers != self._expected:
+            raise ConfigError(f"vLLM registered the caches of layers {self.layers}, not this rank's {self._expected}")
         for _, cache in self.caches:
             check_cache(cache, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=self.block_size)
+        if self.layers.start > 0:
+            log.info("CacheFlow connector on a pipeline rank holding layers [%d, %d)", self.layers.start,
+                     self.layers.stop)
+        self._attach_capture()
+
+    # ------------------------------------------------------------------------------------ pipeline ranks
+    @property
+    def captures(self) -> bool:
+        """Whether this rank stores boundary activations (a rank after the first that saves)."""
+        return self.layers.start > 0 and self.cfg.save
+
+    def _attach_capture(self) -> None:
+        if self.captures and not self.capture.attached and (module := self._vllm_model()) is not None:
+            self.capture.attach(module)
+
+    def begin_step(self, order: Sequence[tuple[str, int, int]]) -> None:
+        """The step's requests in vLLM's batch order: (request id, rows scheduled, prompt length)."""
+        if self.captures:
+            self._attach_capture()
+            self.capture.begin_step(order)
+
+    def finished(self, req_ids: Sequence[str]) -> None:
+        for req_id in req_ids:
+            self.capture.finish(req_id)
 
     # ------------------------------------------------------------------------------------ restore
     def load_step(self, specs: Sequence[LoadSpec]) -> set[int]:
@@ -161,7 +198,7 @@ class WorkerEngine:
         for spec in specs:
             try:
                 jobs[spec.req_id] = make_job(self.model, spec.token_ids, tenant=self.cfg.tenant,
-                                             chunk_size=self.cfg.chunk_size)
+                                             chunk_size=self.cfg.chunk_size, layers=self.layers)
             except Exception as exc:
                 failed |= self._failed_load(spec, exc)
         together = self.cfg.batch_restores and len(jobs) > 1
@@ -185,9 +222,10 @@ class WorkerEngine:
     def _land(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult, *, batch: int) -> set[int]:
         """Scatter a restored prefix into the request's blocks, log it, and deal with its misses."""
         n = len(spec.token_ids)
-        kv = result.kv.data  # [L, 2, Hkv, N, D]
+        kv = result.kv.data  # [b - a, 2, Hkv, N, D]: this rank's layers
         for layer, cache in self.caches:
-            scatter(cache, self.layout, spec.block_ids, self.block_size, spec.start, kv[layer, :, :, spec.start : n])
+            part = kv[layer - result.kv.layer_start, :, :, spec.start : n]  # [2, Hkv, n - start, D]
+            scatter(cache, self.layout, spec.block_ids, self.block_size, spec.start, part)
         sources = result.sources()
         self.stats.event("restore", req=spec.req_id, tokens=n, written=n - spec.start, policy=self._policy()[0],
                          mode=result.mode, computed=sources.count("computed"),
@@ -205,7 +243,7 @@ class WorkerEngine:
     def _batch(self) -> BatchRestorer:
         """The batch engine, started at the first step with several loads."""
         if self._batcher is None:
-            config = engine_config(self.cfg, self.config.num_layers, self.cfg.token())
+            config = engine_config(self.cfg, self.layers, self.cfg.token())
             self._batcher = BatchRestorer(config, self.model, self.store, self.profile)
         return self._batcher
 
@@ -213,7 +251,14 @@ class WorkerEngine:
         policy, link = self._policy()
         costs = self.profile.cost_model(link) if self.profile is not None else None
         l_delta = self.profile.l_delta_for(link) if self.profile is not None else 0
-        return restore(job, model=self.model, store=self.store, policy=policy, costs=costs, l_delta=l_delta)
+        if self.layers.start == 0:
+            return restore(job, model=self.model, store=self.store, policy=policy, costs=costs, l_delta=l_delta)
+        with BoundaryInput(job, self.store, device=self.model.device) as boundary:  # as a stage worker's
+            if missing := boundary.missing():
+                raise BoundaryMissingError(f"boundary activations entering layer {self.layers.start} missing "
+                                           f"for chunks {missing[:8]}")
+            return restore(job, model=self.model, store=self.store, policy=policy, costs=costs, l_delta=l_delta,
+                           stage_input=boundary)
 
     def _policy(self) -> tuple[str, float | None]:
         """The restore policy and the link its costs are for; the CacheFlow ones need a profile (else Cake)."""
@@ -249,20 +294,33 @@ class WorkerEngine:
         """Copy the spec's new chunks out of vLLM's blocks, then store them off the forward thread."""
         end = len(spec.token_ids)
         kv = torch.stack([gather(cache, self.layout, spec.block_ids, self.block_size, spec.start, end)
-                          for _, cache in self.caches])  # [L, 2, Hkv, T, D]
-        self._saver.submit(self._guarded, self._store_chunks, spec, kv.cpu())
+                          for _, cache in self.caches])  # [b - a, 2, Hkv, T, D]
+        hidden = None
+        if self.captures:
+            hidden = self.capture.take(spec.req_id, spec.start, end)  # [T, hidden] entering layer a, or None
+            self.capture.release(spec.req_id, end)
+        self._saver.submit(self._guarded, self._store_chunks, spec, kv.cpu(), hidden)
 
-    def _store_chunks(self, spec: SaveSpec, kv: torch.Tensor) -> None:
-        salt = tenant_salt(self.fingerprint, self.cfg.tenant)
-        keys = [k for k in chunk_keys(spec.token_ids, self.cfg.chunk_size, salt) if k.token_start >= spec.start]
+    def _store_chunks(self, spec: SaveSpec, kv: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        """Store the spec's chunks [start, end) for this rank's layers, and (rank after the first) the
+        boundary activations entering its first layer, hidden [T, hidden] for tokens [start, end)."""
+        every = tuple(chunk_keys(spec.token_ids, self.cfg.chunk_size, tenant_salt(self.fingerprint, self.cfg.tenant)))
+        keys = [k for k in every if k.token_start >= spec.start]
         written = sum(self._put(spec, key, kv) for key in keys)
+        if self.captures and hidden is None:  # this rank cannot restore these chunks: vLLM will recompute them
+            self.stats.event("boundary_missing", req=spec.req_id, chunks=len(keys), layer=self.layers.start)
+        elif hidden is not None:
+            job = RestoreJob(token_ids=spec.token_ids, keys=every, layers=self.layers, kv_dtype=dtype_name(self.dtype))
+            written += save_boundaries(job, hidden.to(self.dtype), self.store, model_fingerprint=self.fingerprint,
+                                       keys=keys, first_row_token=spec.start)
         self.stats.event("save", req=spec.req_id, chunks=len(keys), bytes=written, tokens_end=len(spec.token_ids))
 
     def _put(self, spec: SaveSpec, key: ChunkKey, kv: torch.Tensor) -> int:
-        part = kv[:, :, :, key.token_start - spec.start : key.token_end - spec.start]  # [L, 2, Hkv, C, D]
+        part = kv[:, :, :, key.token_start - spec.start : key.token_end - spec.start]  # [b - a, 2, Hkv, C, D]
         obj = encode_kv_chunk(key=key, token_ids=spec.token_ids[key.token_start : key.token_end],
-                              model=self.fingerprint, layer_start=0, kv=part, dtype=dtype_name(self.dtype))
-        self.store.put(object_name(key, "kv", 0, self.config.num_layers), obj)
+                              model=self.fingerprint, layer_start=self.layers.start, kv=part,
+                              dtype=dtype_name(self.dtype))
+        self.store.put(object_name(key, "kv", self.layers.start, self.layers.stop), obj)
         return len(obj)
 
     def _guarded(self, fn: Any, *args: Any, **kwargs: Any) -> None:
@@ -281,6 +339,7 @@ class WorkerEngine:
             return
 
     def close(self) -> None:
+        self.capture.detach()
         if self._batcher is not None:
             self._batcher.close()
         self.flush()

