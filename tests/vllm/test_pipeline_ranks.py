@@ -235,7 +235,9 @@ def test_capture_files_rows_by_request_and_never_fails_the_forward():
     hidden = torch.randn(7, 4)  # [R, hidden]: 6 rows and one of padding
     capture.begin_step([("a", 2, 10), ("b", 4, 3)])  # b: a prompt of 3, then its first decode row
     stand_in(None, torch.tensor([8, 9, 0, 1, 2, 3, 0]), {"hidden_states": hidden, "residual": None})
-    assert torch.equal(capture.take("a", 8, 10), hidden[0:2]) and torch.equal(capture.take("b", 0, 3), hidden[2:5])
+    a_rows, b_rows = capture.take("a", 8, 10), capture.take("b", 0, 3)
+    assert a_rows is not None and torch.equal(a_rows, hidden[0:2])
+    assert b_rows is not None and torch.equal(b_rows, hidden[2:5])
     assert capture.take("b", 0, 4) is None and capture.take("a", 7, 9) is None  # decode rows are not kept
     capture.begin_step([("a", 1, 10)])
     stand_in(None, torch.zeros(3, 1, dtype=torch.long), {"hidden_states": hidden})  # unreadable: nothing kept
