@@ -170,6 +170,16 @@ def vllm_row(r: Row) -> tuple[str, str]:
                      f"{r.times('vllm_batch_mean_ratio_vs_cake')}"
                      + (" (**CacheFlow does not beat Cake here**)" if batch_loses else "")
                      + f"; batched / per-request restores {r.times('vllm_batch_batched_vs_per_request')}")
+    if "vllm_trace_mean_ratio_vs_best_baseline" in s:
+        trace_loses = s.get("vllm_trace_mean_ratio_vs_cake", 0) >= 1
+        headline += (f". {len((r.body.get('trace') or {}).get('requests', []))} Mooncake trace requests through "
+                     f"vLLM's OpenAI server: CacheFlow mean TTFT / the best baseline's "
+                     f"({s.get('vllm_trace_best_baseline', '?')}) "
+                     f"**{r.times('vllm_trace_mean_ratio_vs_best_baseline')}**, mean / Cake's "
+                     f"{r.times('vllm_trace_mean_ratio_vs_cake')}, P99 / Cake's "
+                     f"{r.times('vllm_trace_p99_ratio_vs_cake')}"
+                     + (" (**CacheFlow does not beat Cake here**)" if trace_loses else ""))
+    if "vllm_batch_mean_ratio_vs_best_baseline" in s:
         return headline, "fastest at every point; batch ≤ 0.85×, P99 ≤ 0.90× Cake's"
     return headline, "fastest at every point"
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from cacheflow_bench import vllm_batch, vllm_trace
 from cacheflow_bench.common import (
     SCRATCH_DIR,
     add_out_option,
@@ -91,11 +92,19 @@ class Bench:
 
     def drive(self, name: str, prompts: list[list[int]], connector: dict[str, Any] | None,
               budget: int | None = None) -> list[float]:
-        """Wall time of each prompt (max_tokens=1: its TTFT) in one fresh vLLM process."""
-        spec = {"model": str(self.model_dir), "prompts": prompts, "max_tokens": 1, "block_size": BLOCK,
-                "max_model_len": 16384, "connector": connector, "out": str(self.root / f"{name}.json")}
+        """Wall time of each prompt (max_tokens=1: its TTFT), one at a time, in one fresh vLLM process."""
+        return [r["wall_s"] for r in self.results(name, prompts, connector, budget)]
+
+    def results(self, name: str, prompts: list[list[int]], connector: dict[str, Any] | None,
+                budget: int | None = None, batches: list[list[int]] | None = None) -> list[dict[str, Any]]:
+        """What drive.py reports per prompt, from one fresh vLLM process (`batches`: prompts sent together)."""
+        spec: dict[str, Any] = {"model": str(self.model_dir), "prompts": prompts, "max_tokens": 1,
+                                "block_size": BLOCK, "max_model_len": 16384, "connector": connector,
+                                "out": str(self.root / f"{name}.json")}
         if budget is not None:
             spec["max_num_batched_tokens"] = budget
+        if batches is not None:
+            spec["batches"] = batches
         (self.root / f"{name}.spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -103,9 +112,9 @@ class Bench:
             subprocess.run([str(VLLM_PYTHON), "-m", "cacheflow_services.vllm_connector.drive",
                             str(self.root / f"{name}.spec.json")], stdout=log, stderr=subprocess.STDOUT,
                            env=env, cwd=self.root, check=True)
-        results = json.loads((self.root / f"{name}.json").read_text())["results"]
+        results: list[dict[str, Any]] = json.loads((self.root / f"{name}.json").read_text())["results"]
         self.first_tokens[name] = [r["tokens"][0] for r in results]
-        return [r["wall_s"] for r in results]
+        return results
 
     def next_tokens_match(self, name: str, n: int) -> bool:
         """Whether every measured prompt of drive `name` gave the greedy next token vLLM's own recompute gives."""
@@ -151,10 +160,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row[f"{policy}_next_token_matches"] = bench.next_tokens_match(f"{policy}-{n}-{ratio}", n)
             print(json.dumps(row), flush=True)
             rows.append(row)
+    batch = None
+    if args.batch_prefixes:
+        prompts = vllm_batch.prompts_for(args.batch_prefixes, SUFFIX, VOCAB)
+        batch = vllm_batch.run_batch(bench, prompts, repeats=REPEATS, budgets=BUDGETS,
+                                     kv_bytes=sum(kv_bytes(n) for n in args.batch_prefixes))
+        print(json.dumps(batch["summary"]), flush=True)
+    trace = None
+    if args.trace_requests:
+        trace = vllm_trace.run_trace(bench, vllm_trace.trace_requests(args.trace_requests), tcomp, kv_bytes)
+        print(json.dumps(trace["summary"]), flush=True)
     assert bench.pod is not None
     bench.pod.stop()
-    return {"rows": rows, "restores": [json.loads(x) for x in bench.stats.read_text().splitlines()
-                                       if '"restore"' in x]}
+    restores = [json.loads(x) for x in bench.stats.read_text().splitlines() if '"restore"' in x]
+    return {"rows": rows, "batch": batch, "trace": trace, "restores": restores}
 
 
 def per_length(lengths: Sequence[int], times: list[float]) -> dict[int, float]:
@@ -180,12 +199,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="1024,2048,4096,8192", help="cached prefix lengths (tokens)")
     parser.add_argument("--ratios", default="0.5,1,2", help="Tio/Tcomp ratios")
-    parser.add_argument("--quick", action="store_true", help="lengths 1024,2048 only")
+    parser.add_argument("--batch-prefixes", default=",".join(map(str, vllm_batch.BATCH_PREFIXES)),
+                        help="batch mode: cached prefix lengths of the requests sent together ('' for none)")
+    parser.add_argument("--trace-requests", type=int, default=24,
+                        help="trace mode: Mooncake requests replayed through vLLM's OpenAI server (0 for none)")
+    parser.add_argument("--quick", action="store_true",
+                        help="lengths 1024,2048 only; a batch of 2 short prefixes; 4 trace requests")
     parser.add_argument("--workdir", default=str(SCRATCH_DIR / "vllm"), help="working folder")
     add_out_option(parser)
     args = parser.parse_args(argv)
     args.lengths = [1024, 2048] if args.quick else [int(x) for x in args.lengths.split(",")]
     args.ratios = [float(x) for x in args.ratios.split(",")]
+    if args.quick and args.batch_prefixes == parser.get_default("batch_prefixes"):
+        args.batch_prefixes = "512,1024"
+    if args.quick and args.trace_requests == parser.get_default("trace_requests"):
+        args.trace_requests = 4
+    args.batch_prefixes = tuple(int(x) for x in args.batch_prefixes.split(",") if x)
     if not VLLM_PYTHON.exists():
         parser.error(f"{VLLM_PYTHON} is missing: create vLLM's virtual environment as .ci/run does")
     return args
@@ -194,8 +223,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
-    body = {**provenance(args.quick), "model": MODEL, "chunk_size": CHUNK, "summary": summarize(result["rows"]),
-            **result}
+    summary = summarize(result["rows"])
+    for mode in ("batch", "trace"):
+        if result[mode] is not None:
+            summary |= {k: v for k, v in result[mode]["summary"].items() if not isinstance(v, dict)}
+    body = {**provenance(args.quick), "model": MODEL, "chunk_size": CHUNK, "summary": summary, **result}
     out = results_dir(args)
     write_json(out / "vllm.json", body)
     (out / "vllm.md").write_text(report(body))
@@ -231,7 +263,9 @@ def report(body: dict[str, Any]) -> str:
             f"**{s['min_speedup_vs_best_other']:.2f}x**.\n\n"
             "The last column is the connector recomputing the whole prefix with CacheFlow's own runtime (no "
             "loads): part of the speedup over vLLM's CPU recompute is that runtime's. Against the better of "
-            f"that and load-only, CacheFlow's worst speedup is **{s['min_speedup_vs_own_recompute_or_load']:.2f}x**.\n")
+            f"that and load-only, CacheFlow's worst speedup is **{s['min_speedup_vs_own_recompute_or_load']:.2f}x**.\n"
+            + ("\n" + "\n".join(vllm_batch.report_lines(body["batch"])) if body.get("batch") else "")
+            + ("\n" + "\n".join(vllm_trace.report_lines(body["trace"])) if body.get("trace") else ""))
 
 
 def _budget_note(rows: list[dict[str, Any]]) -> str:

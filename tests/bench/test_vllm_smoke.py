@@ -8,13 +8,14 @@ import json
 
 import pytest
 
-from cacheflow_bench import vllm
+from cacheflow_bench import vllm, vllm_batch, vllm_trace
 
 pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
 
 
 def test_vllm_bench_invariants(tmp_path):
-    assert vllm.main(["--lengths", "512", "--ratios", "1", "--out", str(tmp_path),
+    assert vllm.main(["--lengths", "512", "--ratios", "1", "--batch-prefixes", "256,512", "--trace-requests", "2",
+                      "--out", str(tmp_path),
                       "--workdir", str(tmp_path / "work")]) == 0
     body = json.loads((tmp_path / "vllm.json").read_text())
     [row] = body["rows"]
@@ -23,8 +24,19 @@ def test_vllm_bench_invariants(tmp_path):
     assert set(row["recompute_by_budget_s"]) == {"default", "16384"} and row["link_emulated"] is True
     assert body["summary"]["next_token_matches_vllm"] is True
     assert {"cacheflow_vs_cake_median", "cacheflow_vs_cake_min"} <= set(body["summary"])
+    batch = body["batch"]
+    assert set(batch["columns"]) == {"recompute", *vllm_batch.COLUMNS}
+    for name, column in batch["columns"].items():
+        assert len(column["ttft_s"]) == batch["repeats"] and all(len(r) == 2 for r in column["ttft_s"]), name
+    assert body["summary"]["vllm_batch_next_token_matches"] is True
+    trace = body["trace"]
+    assert set(trace["columns"]) == set(vllm_trace.COLUMNS) and len(trace["requests"]) == 2
+    assert all(len(c["ttft_s"]) == 2 and min(c["ttft_s"]) > 0 for c in trace["columns"].values())
+    assert body["summary"]["vllm_trace_next_token_matches"] is True
     restores = body["restores"]
     assert {r["policy"] for r in restores} == {"compute-only", *vllm.POLICIES}
+    batched = [r for r in restores if r["batch"] > 1]  # the batch columns' restores, two at a time
+    assert batched and all(r["batch"] == 2 for r in batched)
     for r in restores:
         assert r["misses"] == {}, r
         assert r["computed"] + r["loaded"] > 0
@@ -33,4 +45,4 @@ def test_vllm_bench_invariants(tmp_path):
         if r["policy"] == "compute-only":
             assert r["loaded"] == 0 and r["bytes_loaded"] == 0, r
     md = (tmp_path / "vllm.md").read_text()
-    assert "CacheFlow / Cake" in md and "emulated" in md
+    assert "CacheFlow / Cake" in md and "emulated" in md and "## Batch" in md and "## Trace" in md
