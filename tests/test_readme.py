@@ -202,8 +202,19 @@ def test_the_python_example_restores_what_it_saved(home, tmp_path):
     assert result.kv.data.shape[3] == len(ns["token_ids"])
     assert set(result.sources()) <= {"computed", "loaded"}
     prefill = compute_prefix_kv(model, job)  # "equal to a full prefill's KV"
-    torch.testing.assert_close(result.kv.data[:, :, :, : len(job.token_ids)],
-                               prefill.data[:, :, :, : len(job.token_ids)], atol=1e-4, rtol=1e-4)
+    # Exact where loaded (the saved bytes). Where computed, within the dtype's rounding: the adaptive policy
+    # may go layer-wise (its L_delta comes from the profile measured here), and a layer over the whole
+    # prefix at once rounds differently from the chunked prefill (bfloat16 where the CPU has AMX/AVX512-BF16).
+    tol = 1e-4 if model.dtype == torch.float32 else 3e-2
+    n = len(job.token_ids)
+    for unit, source in enumerate(result.sources()):
+        span = (slice(unit, unit + 1), slice(None), slice(None), slice(0, n)) if result.mode == "layer" else (
+            slice(None), slice(None), slice(None), slice(job.keys[unit].token_start, job.keys[unit].token_end))
+        got, want = result.kv.data[span], prefill.data[span]
+        if source == "loaded":
+            assert torch.equal(got, want), f"loaded {result.mode} unit {unit} differs from the saved bytes"
+        else:
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 @dataclass
