@@ -37,13 +37,11 @@ from cacheflow_bench.common import (
     results_dir,
     write_json,
 )
+from cacheflow_bench.vllm import BLOCK, CHUNK, VLLM_PYTHON  # the vLLM bench's settings and environment
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_services.storage.launch import launch_pod, write_tokens
 
-REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-CHUNK, BLOCK = 256, 128  # CacheFlow chunk; vLLM's default CPU block size
 PROMPT = 1024 + 16  # 4 whole chunks and a suffix
 TARGET = 0.05  # the connector may add at most this fraction of the weights' size
 CONFIGS = {"vllm": None, "connector-shared": {}, "connector-separate": {"share_weights": False}}
