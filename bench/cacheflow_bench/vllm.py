@@ -215,9 +215,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick and args.trace_requests == parser.get_default("trace_requests"):
         args.trace_requests = 4
     args.batch_prefixes = tuple(int(x) for x in args.batch_prefixes.split(",") if x)
+    require_vllm(parser)
+    return args
+
+
+def require_vllm(parser: argparse.ArgumentParser) -> None:
+    """A vLLM benchmark's command line refused without vLLM's virtual environment."""
     if not VLLM_PYTHON.exists():
         parser.error(f"{VLLM_PYTHON} is missing: create vLLM's virtual environment as .ci/run does")
-    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

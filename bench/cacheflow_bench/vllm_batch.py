@@ -18,6 +18,7 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from cacheflow_bench.common import median
+from cacheflow_common.sim import percentile
 
 if TYPE_CHECKING:
     from cacheflow_bench.vllm import Bench
@@ -63,17 +64,8 @@ def run_batch(bench: Bench, prompts: list[list[int]], *, repeats: int, budgets: 
 def _runs(results: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """Per repeat of the batch: each request's TTFT, their mean, P99 and max."""
     repeats = [[r["first_token_s"] for r in results[1 + i : 1 + i + n]] for i in range(0, len(results) - 1, n)]
-    return {"ttft_s": repeats, "mean_s": [statistics.fmean(t) for t in repeats], "p99_s": [_p99(t) for t in repeats],
-            "max_s": [max(t) for t in repeats]}
-
-
-def _p99(xs: list[float]) -> float:
-    """The 99th percentile, linear between the order statistics (with 8 requests: near the slowest)."""
-    ordered = sorted(xs)
-    pos = 0.99 * (len(ordered) - 1)
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    return {"ttft_s": repeats, "mean_s": [statistics.fmean(t) for t in repeats],
+            "p99_s": [percentile(sorted(t), 99) for t in repeats], "max_s": [max(t) for t in repeats]}
 
 
 def _stat(runs: dict[str, Any], key: str) -> float:

@@ -37,7 +37,7 @@ from cacheflow_bench.common import (
     results_dir,
     write_json,
 )
-from cacheflow_bench.vllm import BLOCK, CHUNK, VLLM_PYTHON  # the vLLM bench's settings and environment
+from cacheflow_bench.vllm import BLOCK, CHUNK, VLLM_PYTHON, require_vllm  # the vLLM bench's settings and environment
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_services.storage.launch import launch_pod, write_tokens
@@ -158,8 +158,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.layers, args.hidden, args.repeats = 2, 512, 1
     if args.hidden % 256:
         parser.error("--hidden must be a multiple of 256")
-    if not VLLM_PYTHON.exists():
-        parser.error(f"{VLLM_PYTHON} is missing: create vLLM's virtual environment as .ci/run does")
+    require_vllm(parser)
     return args
 
 

@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 
 from cacheflow_bench.common import TRACE
+from cacheflow_common.sim import percentile
 from cacheflow_common.sim.replay import ReplayRequest, read_records, select_requests
 
 if TYPE_CHECKING:
@@ -134,17 +135,13 @@ def run_trace(bench: Bench, requests: list[ReplayRequest], tcomp: dict[int, floa
             server.complete(bench.warm)
             outcomes = replay(server, requests)
         ttfts = [t for t, _ in outcomes]
-        columns[name] = {"ttft_s": ttfts, "mean_s": statistics.fmean(ttfts), "p99_s": _p99(ttfts),
+        columns[name] = {"ttft_s": ttfts, "mean_s": statistics.fmean(ttfts), "p99_s": percentile(sorted(ttfts), 99),
                          "next_tokens": [tok for _, tok in outcomes]}
     reference = columns["recompute"]["next_tokens"]
     return {"requests": [{"id": r.trace.request_id, "arrival_s": r.trace.arrival_s, "tokens": r.trace.input_length,
                           "cached": r.trace.cached_tokens} for r in requests],
             "rate_gbps": rate, "link_emulated": True, "columns": columns,
             "summary": summarize(columns, reference)}
-
-
-def _p99(xs: list[float]) -> float:
-    return float(np.percentile(xs, 99))
 
 
 def summarize(columns: dict[str, Any], reference: list[int]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -196,15 +197,21 @@ def find_vllm_model(vllm_config: VllmConfig) -> Any:
     if not attn_layers:
         return None
     name, attn = min(attn_layers.items())  # e.g. "model.layers.0.self_attn.attn" -> its Attention module
+    for owner in _vllm_owners():
+        model = _model_of(owner)
+        if model is not None and _holds(model, name, attn):
+            return model
+    return None
+
+
+def _vllm_owners() -> Iterator[Any]:
+    """The `self` of every vLLM method on the call stack, innermost first."""
     frame = inspect.currentframe()
     while frame is not None:
         owner = frame.f_locals.get("self")
         if owner is not None and type(owner).__module__.startswith("vllm."):
-            model = _model_of(owner)
-            if model is not None and _holds(model, name, attn):
-                return model
+            yield owner
         frame = frame.f_back
-    return None
 
 
 def _rank_layers(cfg: ConnectorConfig, vllm_config: VllmConfig) -> range | None:
@@ -226,13 +233,10 @@ def _rank_layers(cfg: ConnectorConfig, vllm_config: VllmConfig) -> range | None:
 def _batch_order() -> list[str]:
     """The request ids of this step's batch, in the order of its rows: the model runner's `input_batch`
     (taken from the call stack; vLLM calls `start_load_kv` after preparing the step's inputs)."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        batch = getattr(owner, "input_batch", None) if owner is not None else None
-        if batch is not None and type(owner).__module__.startswith("vllm."):
+    for owner in _vllm_owners():
+        batch = getattr(owner, "input_batch", None)
+        if batch is not None:
             return [r for r in batch.req_ids if r is not None]
-        frame = frame.f_back
     return []
 
 
