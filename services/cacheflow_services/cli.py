@@ -67,6 +67,7 @@ def _storage(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         capacity_bytes=parse_bytes(args.capacity),
         rate_bytes_per_s=gbps(args.rate_gbps),
+        link_capacity_bytes_per_s=gbps(args.link_capacity_gbps),
         transport=args.transport,
         host=args.host,
         data_port=args.data_port,
@@ -92,6 +93,8 @@ def _add_storage_parser(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--redis-url", default="", help="redis backend: redis://host:port/db")
     st.add_argument("--capacity", default="0", help="evict LRU above this size, e.g. 100GiB (0: no limit)")
     st.add_argument("--rate-gbps", type=float, default=0.0, help="shape outgoing bytes to this link rate (0: unshaped)")
+    st.add_argument("--link-capacity-gbps", type=float, default=0.0,
+                    help="the outgoing link's capacity, for I/O utilisation metrics (0: the --rate-gbps shaping rate)")
     st.add_argument("--transport", default="auto", choices=["auto", "tcp", "nixl"], help="auto: NIXL when available")
     st.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     st.add_argument("--data-port", type=int, default=0, help="data-plane port (0: any free one)")

@@ -46,6 +46,7 @@ class ClusterSpec:
     redis_url: str = ""
     directory: str = ""  # chunks, tokens and logs (default: <cache>/cluster)
     rate_gbps: float = 0.0  # shape each pod's link (0: unshaped)
+    link_capacity_gbps: float = 0.0  # each pod's link capacity, for I/O utilisation (0: rate_gbps)
     transport: str = "auto"  # data plane: auto (NIXL when available) | tcp | nixl
     port: int = 8000  # the coordinator's (0: any free one)
     max_batch: int = 8
@@ -186,6 +187,7 @@ def start_cluster(spec: ClusterSpec, workdir: Path) -> LocalCluster:
     try:
         for i in range(spec.pods):
             extra = ["--rate-gbps", str(spec.rate_gbps)] + (["--redis-url", spec.redis_url] if spec.redis_url else [])
+            extra += ["--link-capacity-gbps", str(spec.link_capacity_gbps)] if spec.link_capacity_gbps else []
             pods.append(launch_pod(workdir / f"pod-{i}", *extra, backend=spec.backend, transport=spec.transport,
                                    tokens=pod_tokens))
         addresses = [f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(pods)]

@@ -20,6 +20,7 @@ class StorageConfig:
     redis_url: str = ""  # redis only, e.g. redis://127.0.0.1:6379/0
     capacity_bytes: int = 0  # memory/filesystem: LRU eviction above this; 0 = unlimited (redis: use maxmemory)
     rate_bytes_per_s: float = 0.0  # outgoing link shaping; 0 = unshaped
+    link_capacity_bytes_per_s: float = 0.0  # the outgoing link's capacity (metrics); 0 = the shaped rate
     transport: str = "auto"  # tcp | nixl | auto (NIXL when it imports, else TCP)
     host: str = "127.0.0.1"
     data_port: int = 0  # 0: any free port (printed when ready)
@@ -47,7 +48,8 @@ class StorageConfig:
             raise ConfigError("set the capacity of a Redis backend in Redis (maxmemory, allkeys-lru)")
         if self.transport not in ("tcp", "nixl", "auto"):
             raise ConfigError(f"unknown transport {self.transport!r}: use tcp, nixl or auto")
-        if self.capacity_bytes < 0 or self.rate_bytes_per_s < 0 or self.max_object_bytes <= 0:
+        if min(self.capacity_bytes, self.rate_bytes_per_s, self.link_capacity_bytes_per_s) < 0 or \
+                self.max_object_bytes <= 0:
             raise ConfigError("capacity, rate and object size limits must not be negative")
         self._check_limits()
         if not self.tokens:

@@ -1,13 +1,28 @@
-"""Prometheus metrics of one storage pod (its own registry, so several pods can live in one test process)."""
+"""Prometheus metrics of one storage pod (its own registry, so several pods can live in one test process).
+
+Every series exists from start-up (reads and writes by result at 0), and the pod's state gauges read the
+backend when scraped (`watch`): objects and bytes stored count what the backend holds, also objects
+written before this process started. No label is named like a scrape's target label (see the
+coordinator's metrics).
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter as Tally
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from cacheflow_services.storage.config import StorageConfig
+
 TENANT_COUNTS = ("hits", "misses", "corrupt", "read_bytes", "writes")  # what /v1/stats counts per tenant
+# every reason a request is refused (admission.py, dataplane.py, http_guard.py)
+REFUSALS = ("pending", "unauthorized", "hello_timeout", "body_too_large", "connections", "tenant_connections")
+
+
+class Listable(Protocol):
+    def entries(self) -> list[tuple[str, int]]: ...
 
 
 class StorageMetrics:
@@ -23,6 +38,10 @@ class StorageMetrics:
         self.used_bytes = Gauge("cacheflow_storage_used_bytes", "Bytes stored (memory/filesystem)", registry=r)
         self.capacity_bytes = Gauge("cacheflow_storage_capacity_bytes", "Capacity (0: unlimited)", registry=r)
         self.rate = Gauge("cacheflow_storage_link_bytes_per_second", "Shaped outgoing rate (0: unshaped)", registry=r)
+        self.link_capacity = Gauge("cacheflow_storage_link_capacity_bytes_per_second", "The outgoing link's "
+                                   "capacity: --link-capacity-gbps, else the shaped rate (0: unknown)", registry=r)
+        self.backend = Gauge("cacheflow_storage_backend_info", "1, labelled with the pod's storage backend",
+                             ["backend"], registry=r)
         self.connections = Gauge("cacheflow_storage_connections", "Open authenticated data-plane connections",
                                  registry=r)
         self.pending = Gauge("cacheflow_storage_pending_connections", "Data-plane connections still in their hello",
@@ -33,6 +52,36 @@ class StorageMetrics:
             self.reads.labels(result)  # export zeros from the start: dashboards see the series before traffic
         for result in ("ok", "rejected", "failed"):
             self.writes.labels(result)
+        for reason in REFUSALS:
+            self.refused.labels(reason)
+
+    def watch(self, config: StorageConfig, backend: object) -> None:
+        """The pod's configuration, and gauges that read the backend when scraped."""
+        self.capacity_bytes.set(config.capacity_bytes)
+        self.rate.set(config.rate_bytes_per_s)
+        self.link_capacity.set(config.link_capacity_bytes_per_s or config.rate_bytes_per_s)
+        self.backend.labels(config.backend).set(1)
+        usage = BackendUsage(backend)
+        self.objects.set_function(lambda: usage.read()[0])
+        self.used_bytes.set_function(lambda: usage.read()[1])
+
+
+class BackendUsage:
+    """(objects, bytes) a backend holds: an LRU index's running totals, else a listing of the store (memory,
+    filesystem: one directory walk per scrape); zeros for a backend that cannot list (Redis)."""
+
+    def __init__(self, backend: object) -> None:
+        self.backend = backend
+
+    def read(self) -> tuple[int, int]:
+        count, used = getattr(self.backend, "object_count", None), getattr(self.backend, "used_bytes", None)
+        if isinstance(count, int) and isinstance(used, int):
+            return count, used
+        entries = getattr(self.backend, "entries", None)
+        if entries is None:
+            return 0, 0
+        listed: list[tuple[str, int]] = entries()
+        return len(listed), sum(size for _, size in listed)
 
 
 class TenantCounts:

@@ -59,6 +59,7 @@ class StoragePod:
         self.config = config
         self.backend = open_backend(config)
         self.metrics = StorageMetrics()
+        self.metrics.watch(config, self.backend)  # configuration, and what the backend holds
         self.metrics.capacity_bytes.set(config.capacity_bytes)
         self.metrics.rate.set(config.rate_bytes_per_s)
         self.tenant_counts = TenantCounts()
