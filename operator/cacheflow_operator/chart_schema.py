@@ -1,5 +1,5 @@
-"""The chart's values.schema.json: its `cluster.spec` part is the CRD's spec schema (less `image` and `auth`,
-which the chart fills from its own values), made strict so that a misspelt value fails `helm install`.
+"""The chart's values.schema.json: its `cluster.spec` part is the CRD's spec schema (less `image`, `auth` and
+`networkPolicy`, which the chart fills from its own values), made strict so that a misspelt value fails `helm install`.
 
 `python -m cacheflow_operator.chart_schema charts/cacheflow/values.schema.json` rewrites that part in
 place after a change to operator/spec.py (a test checks the file is in sync).
@@ -16,7 +16,7 @@ from typing import Any
 from cacheflow_operator.crd import object_schema
 from cacheflow_operator.spec import CacheFlowClusterSpec
 
-CHART_FILLED = ("image", "auth")  # spec sections the chart's templates set from its own values
+CHART_FILLED = ("image", "auth", "networkPolicy")  # spec sections the chart's templates set from its own values
 
 
 def strict(schema: dict[str, Any]) -> dict[str, Any]:
@@ -33,7 +33,7 @@ def strict(schema: dict[str, Any]) -> dict[str, Any]:
 def cluster_spec_schema() -> dict[str, Any]:
     schema = object_schema(CacheFlowClusterSpec)
     schema["properties"] = {k: v for k, v in schema["properties"].items() if k not in CHART_FILLED}
-    return {"description": "the CacheFlowCluster's spec (image and auth come from the chart's values)",
+    return {"description": "the CacheFlowCluster's spec (image, auth and networkPolicy come from the chart's values)",
             **strict(schema)}
 
 

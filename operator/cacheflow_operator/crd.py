@@ -52,6 +52,8 @@ def _field_schema(hint: Any, f: dataclasses.Field[Any]) -> dict[str, Any]:
         schema = {"type": "array", "items": {"type": SCALARS[typing.get_args(hint)[0]]}}
     elif typing.get_origin(hint) is dict:
         schema = {"type": "object", "additionalProperties": {"type": SCALARS[typing.get_args(hint)[1]]}}
+        if f.default_factory is not dataclasses.MISSING and (default := f.default_factory()):
+            schema["default"] = default
     else:
         schema = {"type": SCALARS[hint]}
         if f.default is not dataclasses.MISSING:

@@ -102,6 +102,9 @@ class StorageSpec:
         "filesystem backend, unlimited with memory)", pattern=r"^$|^[0-9]+(\.[0-9]+)?([KMGT]i?B)?$"))
     link_rate_gbps: float = field(default=0.0, metadata=doc("shape each pod's outgoing link to this rate "
                                                             "(0: unshaped)", minimum=0))
+    link_capacity_gbps: float = field(default=0.0, metadata=doc(
+        "each pod's link capacity, for the dashboard's I/O utilisation (0: the shaping rate, linkRateGbps)",
+        minimum=0))
     transport: str = field(default="auto", metadata=doc("data plane (auto: NIXL when the image has it, else TCP)",
                                                         enum=["auto", "tcp", "nixl"]))
     redis_url: str = field(default="", metadata=doc("redis backend: redis://host:port/db"))
@@ -134,6 +137,24 @@ class AuthSpec:
         minLength=1))
 
 
+PROMETHEUS_NAMESPACE = {"kubernetes.io/metadata.name": "monitoring"}  # kube-prometheus-stack's usual namespace
+PROMETHEUS_POD = {"app.kubernetes.io/name": "prometheus"}  # the label the Prometheus Operator gives its pods
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkPolicySpec:
+    enabled: bool = field(default=True, metadata=doc(
+        "create NetworkPolicies that deny the cluster's pods every path but their own (turn off where the "
+        "cluster has no NetworkPolicy controller)"))
+    metrics_namespace_labels: dict[str, str] = field(default_factory=lambda: dict(PROMETHEUS_NAMESPACE), metadata=doc(
+        "labels of the namespace Prometheus scrapes from ({}: any namespace)"))
+    metrics_pod_labels: dict[str, str] = field(default_factory=lambda: dict(PROMETHEUS_POD), metadata=doc(
+        "labels of the Prometheus pods that scrape /metrics ({}: any pod of those namespaces)"))
+    data_plane_client_labels: dict[str, str] = field(default_factory=dict, metadata=doc(
+        "labels of further pods in the cluster's namespace that may reach the storage pods' data plane, e.g. "
+        "vLLM with the CacheFlow connector ({}: none, only the stage workers and the coordinator)"))
+
+
 @dataclass(frozen=True, kw_only=True)
 class CacheFlowClusterSpec:
     image: ImageSpec = field(default_factory=ImageSpec, metadata=doc("the cacheflow image every pod runs"))
@@ -142,6 +163,8 @@ class CacheFlowClusterSpec:
     storage: StorageSpec = field(default_factory=StorageSpec, metadata=doc("storage pods"))
     coordinator: CoordinatorSpec = field(default_factory=CoordinatorSpec, metadata=doc("the API and batching"))
     auth: AuthSpec = field(default_factory=AuthSpec, metadata=doc("bearer tokens"))
+    network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec, metadata=doc(
+        "who may reach which of the cluster's pods"))
 
     def split(self) -> list[range]:
         """The layer range of every stage: the explicit split, or balanced by layer count."""

@@ -103,6 +103,16 @@ def mounted_secret_file(obj: Manifest, path: str) -> None:
     assert key in [item["path"] for item in volume["secret"]["items"]], f"{path} is not mounted"
 
 
+def pod_ip_host(obj: Manifest) -> str:
+    """A worker listens on its pod's IP: `--host $(POD_IP)`, the variable from the downward API's status.podIP."""
+    (env,) = [e for e in container(obj)["env"] if e["name"] == "POD_IP"]
+    assert env["valueFrom"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}
+    return "$(POD_IP)"
+
+
+SECRET_FILES = ("token_file", "pod_token_file", "internal_token_file", "grant_key_file", "grant_signing_key_file")
+
+
 def check_pods(objs: list[Manifest], addresses: str, namespace: str) -> None:
     """`--pods` names every storage pod once, by its stable StatefulSet DNS name, on its data port."""
     sts = by_kind(objs, "StatefulSet")
@@ -125,11 +135,12 @@ def check_wiring(objs: list[Manifest], n_layers: int) -> dict[str, argparse.Name
     for name, obj in workloads.items():
         args = parsed[name] = parse_args(container(obj)["args"])
         http = {p["name"]: p["containerPort"] for p in container(obj)["ports"]}["http"]
-        assert args.http_port == http and args.host == "0.0.0.0"
+        assert args.http_port == http
+        assert args.host == (pod_ip_host(obj) if args.command == "worker" else "0.0.0.0"), name
         assert any(selects(s, obj) for s in by_kind(objs, "Service").values()), f"no Service selects {name}"
-        for token_file in ("token_file", "pod_token_file"):
-            if getattr(args, token_file, None):
-                mounted_secret_file(obj, getattr(args, token_file))
+        for secret_file in SECRET_FILES:
+            if getattr(args, secret_file, None):
+                mounted_secret_file(obj, getattr(args, secret_file))
     workers = sorted(((n, a) for n, a in parsed.items() if a.command == "worker"), key=lambda na: na[1].stage)
     assert [a.stage for _, a in workers] == list(range(len(workers)))
     bounds = [tuple(map(int, a.layers.split(":"))) for _, a in workers]

@@ -82,13 +82,60 @@ def test_non_default_resources_reach_the_pods():
     assert by_kind(objs, "Service")["demo-coordinator"]["spec"]["type"] == "LoadBalancer"
 
 
-def test_storage_pods_only_see_the_pod_tokens():
-    objs = children(Cluster.from_resource(resource(DEFAULT)))
-    volumes = {name: next(v for v in obj["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth")
-               for name, obj in {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}.items()}
-    keys = {name: sorted(i["key"] for i in v["secret"]["items"]) for name, v in volumes.items()}
-    assert keys["demo-storage"] == keys["demo-stage-0"] == ["pod-tokens"]
-    assert keys["demo-coordinator"] == ["api-tokens", "pod-tokens"]
+def secret_items(obj: dict[str, Any]) -> dict[str, list[str]]:
+    """The Secret keys each of the pod's volumes projects, by Secret name; the mounts are read-only."""
+    pod = obj["spec"]["template"]["spec"]
+    mounts = {m["name"]: m for m in container(obj)["volumeMounts"]}
+    items = {}
+    for v in pod["volumes"]:
+        if "secret" in v:
+            assert mounts[v["name"]]["readOnly"] is True
+            items[v["secret"]["secretName"]] = sorted(i["key"] for i in v["secret"]["items"])
+    return items
+
+
+@pytest.mark.parametrize("spec", [DEFAULT, BIG], ids=["default", "4-stages-3-pods-gpus"])
+def test_each_pod_mounts_only_its_secrets(spec):
+    """The coordinator alone holds the grant signing key and the clients' tokens; workers hold the internal token
+    and the verifying key but no storage token; storage pods hold their tokens and nothing internal."""
+    objs = children(Cluster.from_resource(resource(spec)))
+    workloads = {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}
+    mounted = {name: secret_items(obj) for name, obj in workloads.items()}
+    assert mounted.pop("demo-coordinator") == {"cacheflow-auth": ["api-tokens", "pod-tokens"],
+                                               "demo-internal": ["grant-signing-key.pem", "internal-token"]}
+    assert mounted.pop("demo-storage") == {"cacheflow-auth": ["pod-tokens"]}
+    assert len(mounted) == cluster_stages(spec)
+    for name, secrets in mounted.items():
+        assert secrets == {"demo-internal": ["grant-verify-key.pem", "internal-token"]}, name
+        args = container(workloads[name])["args"]
+        assert "--pod-token-file" not in args and "--token-file" not in args
+
+
+def cluster_stages(spec: dict[str, Any]) -> int:
+    return int(Cluster.from_resource(resource(spec)).spec.stages.count)
+
+
+def test_workers_bind_their_pod_ip():
+    objs = children(Cluster.from_resource(resource(BIG)))
+    for name, obj in by_kind(objs, "Deployment").items():
+        args = check_wiring(objs, 36)[name]
+        if args.command == "worker":
+            assert args.host == "$(POD_IP)"
+            assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}} \
+                in container(obj)["env"]
+        else:
+            assert args.host == "0.0.0.0"  # the coordinator's API is reached through its Service by clients
+
+
+def test_the_link_capacity_reaches_the_storage_pods_only_when_set():
+    default = check_wiring(children(Cluster.from_resource(resource(DEFAULT))), 30)["demo-storage"]
+    assert default.link_capacity_gbps == 0.0
+    args = container(by_kind(children(Cluster.from_resource(resource(DEFAULT))), "StatefulSet")["demo-storage"])["args"]
+    assert "--link-capacity-gbps" not in args
+    spec = {"storage": {"linkRateGbps": 10, "linkCapacityGbps": 100}}
+    validate_cr(resource(spec))
+    storage = check_wiring(children(Cluster.from_resource(resource(spec))), 30)["demo-storage"]
+    assert (storage.rate_gbps, storage.link_capacity_gbps) == (10.0, 100.0)
 
 
 def test_the_config_map_is_a_spec_cacheflow_up_runs(tmp_path):

@@ -13,6 +13,7 @@ WORKER_PORT = 7500  # a stage worker's control API
 STORAGE_DATA_PORT = 7400  # a storage pod's data plane
 STORAGE_HTTP_PORT = 7401  # a storage pod's control API (probes, metrics)
 AUTH_DIR = "/etc/cacheflow/auth"  # the auth Secret's files
+INTERNAL_DIR = "/etc/cacheflow/internal"  # the internal Secret's files (internal token, grant keys)
 PROFILE_DIR = "/etc/cacheflow/profile"
 MODELS_DIR = "/models"
 MANAGER = "cacheflow-operator"
@@ -36,6 +37,11 @@ def storage_name(c: Cluster) -> str:
 
 def config_name(c: Cluster) -> str:
     return f"{c.name}-spec"
+
+
+def internal_secret_name(c: Cluster) -> str:
+    """The Secret with the cluster's internal token and grant keys (created once by the operator, never replaced)."""
+    return f"{c.name}-internal"
 
 
 def pod_addresses(c: Cluster) -> list[str]:
@@ -90,15 +96,16 @@ def probes(port: int, *, startup_s: int) -> dict[str, Any]:
 
 
 def container(c: Cluster, name: str, args: list[str], ports: dict[str, int], *, resources: dict[str, Any],
-              mounts: list[dict[str, Any]], startup_s: int) -> dict[str, Any]:
-    """A `cacheflow <args>` container (the image's entry point is the `cacheflow` command)."""
+              mounts: list[dict[str, Any]], startup_s: int, env: list[dict[str, Any]] | None = None
+              ) -> dict[str, Any]:
+    """A `cacheflow <args>` container (the image's entry point is the `cacheflow` command); `env`: more variables."""
     return {
         "name": name,
         "image": c.spec.image.ref,
         "imagePullPolicy": c.spec.image.pull_policy,
         "args": args,
         "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"} for port_name, port in ports.items()],
-        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/huggingface"}],
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/huggingface"}, *(env or [])],
         "resources": resources,
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -133,6 +140,15 @@ def auth_volume(c: Cluster, *keys: str) -> dict[str, Any]:
 
 
 AUTH_MOUNT = {"name": "auth", "mountPath": AUTH_DIR, "readOnly": True}
+
+
+def internal_volume(c: Cluster, *keys: str) -> dict[str, Any]:
+    """The internal Secret, only the `keys` this pod needs (the coordinator's signing key is on no other pod)."""
+    return {"name": "internal", "secret": {"secretName": internal_secret_name(c), "defaultMode": 0o440,
+                                           "items": [{"key": k, "path": k} for k in keys]}}
+
+
+INTERNAL_MOUNT = {"name": "internal", "mountPath": INTERNAL_DIR, "readOnly": True}
 
 
 def service(c: Cluster, name: str, component: str, ports: dict[str, int], *, service_type: str = "ClusterIP",

@@ -22,6 +22,7 @@ def local_spec(c: Cluster) -> dict[str, Any]:
     return {"model": s.model.source, "dtype": s.model.dtype, "stages": s.stages.count, "pods": s.storage.pods,
             "chunk_size": s.stages.chunk_size, "policy": s.stages.policy, "backend": s.storage.backend,
             "redis_url": s.storage.redis_url, "rate_gbps": s.storage.link_rate_gbps,
+            "link_capacity_gbps": s.storage.link_capacity_gbps,
             "transport": s.storage.transport, "max_batch": s.coordinator.batching.max_batch,
             "max_queue": s.coordinator.batching.max_queue, "batch_window_ms": s.coordinator.batching.window_ms}
 

@@ -39,6 +39,8 @@ def storage_args(c: Cluster) -> list[str]:
     args = ["storage", "--backend", s.backend, "--host", "0.0.0.0", "--data-port", str(STORAGE_DATA_PORT),
             "--http-port", str(STORAGE_HTTP_PORT), "--token-file", f"{AUTH_DIR}/pod-tokens",
             "--rate-gbps", f"{s.link_rate_gbps:g}", "--transport", s.transport, "--capacity", capacity(c)]
+    if s.link_capacity_gbps:
+        args += ["--link-capacity-gbps", f"{s.link_capacity_gbps:g}"]
     if s.backend == "filesystem":
         args += ["--dir", DATA_DIR]
     if s.backend == "redis":

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from cacheflow_common.auth import INTERNAL_TOKEN_FILE, VERIFY_KEY_FILE
 from cacheflow_operator.manifests.common import (
-    AUTH_DIR,
-    AUTH_MOUNT,
+    INTERNAL_DIR,
+    INTERNAL_MOUNT,
     MODELS_DIR,
     PROFILE_DIR,
     WORKER_PORT,
-    auth_volume,
     container,
     cpu_threads,
+    internal_volume,
     metadata,
     pod_addresses,
     pod_template,
@@ -26,15 +27,18 @@ from cacheflow_operator.spec import Cluster
 COMPONENT = "stage-worker"
 GPU_RESOURCE = "nvidia.com/gpu"
 STARTUP_S = 900  # loading a large model's layers from a volume can take minutes
+POD_IP = "POD_IP"  # the downward API's status.podIP: a worker listens on its pod's address only
+POD_IP_ENV = {"name": POD_IP, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}}
 
 
 def worker_args(c: Cluster, stage: int) -> list[str]:
     st, layers = c.spec.stages, c.spec.split()[stage]
     args = ["worker", "--stage", str(stage), "--layers", f"{layers.start}:{layers.stop}",
             "--model", c.spec.model.source, "--dtype", c.spec.model.dtype, "--chunk-size", str(st.chunk_size),
-            "--pods", ",".join(pod_addresses(c)), "--pod-token-file", f"{AUTH_DIR}/pod-tokens",
+            "--pods", ",".join(pod_addresses(c)), "--internal-token-file", f"{INTERNAL_DIR}/{INTERNAL_TOKEN_FILE}",
+            "--grant-key-file", f"{INTERNAL_DIR}/{VERIFY_KEY_FILE}",
             "--replicas", str(c.spec.storage.chunk_replicas), "--policy", st.policy,
-            "--pool-tokens", str(st.pool_tokens), "--host", "0.0.0.0", "--http-port", str(WORKER_PORT)]
+            "--pool-tokens", str(st.pool_tokens), "--host", f"$({POD_IP})", "--http-port", str(WORKER_PORT)]
     if stage + 1 < st.count:
         args += ["--next-stage", stage_urls(c)[stage + 1]]
     if st.profile_config_map:
@@ -63,12 +67,14 @@ def model_volumes(c: Cluster) -> tuple[list[dict[str, Any]], list[dict[str, Any]
 def deployment(c: Cluster, stage: int) -> dict[str, Any]:
     st, extra = c.spec.stages, {"cacheflow.io/stage": str(stage)}
     volumes, mounts = model_volumes(c)
-    volumes, mounts = [auth_volume(c, "pod-tokens"), *volumes], [AUTH_MOUNT, *mounts]
+    # the internal token and the grant verifying key; no tenant's storage token (grants carry pod credentials)
+    volumes = [internal_volume(c, INTERNAL_TOKEN_FILE, VERIFY_KEY_FILE), *volumes]
+    mounts = [INTERNAL_MOUNT, *mounts]
     if st.profile_config_map:
         volumes.append({"name": "profile", "configMap": {"name": st.profile_config_map}})
         mounts.append({"name": "profile", "mountPath": PROFILE_DIR, "readOnly": True})
     pod = container(c, "worker", worker_args(c, stage), {"http": WORKER_PORT}, resources=worker_resources(c),
-                    mounts=mounts, startup_s=STARTUP_S)
+                    mounts=mounts, startup_s=STARTUP_S, env=[POD_IP_ENV])
     pod_extra: dict[str, Any] = {"terminationGracePeriodSeconds": 60}  # a worker flushes its pending saves
     if st.node_selector:
         pod_extra["nodeSelector"] = dict(st.node_selector)
