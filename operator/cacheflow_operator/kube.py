@@ -1,7 +1,8 @@
 """A small Kubernetes REST client over the official client's transport: manifests are plain dicts both ways.
 
-Only the calls the operator makes: get, list (by label), create, merge-patch (an object or its status)
-and delete, for the kinds in `PLURALS`. Credentials: in-cluster service account, else the kubeconfig.
+Only the calls the operator makes: get, list (by label), create, server-side apply, merge-patch (an
+object or its status) and delete, for the kinds in `PLURALS`. Credentials: in-cluster service account, else
+the kubeconfig.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import kubernetes
 
 from cacheflow_operator.spec import API_VERSION, KIND, PLURAL
 
-PLURALS = {("v1", "ConfigMap"): "configmaps", ("v1", "Service"): "services", ("apps/v1", "Deployment"): "deployments",
-           ("apps/v1", "StatefulSet"): "statefulsets", (API_VERSION, KIND): PLURAL}
+PLURALS = {("v1", "ConfigMap"): "configmaps", ("v1", "Service"): "services", ("v1", "Secret"): "secrets",
+           ("apps/v1", "Deployment"): "deployments", ("apps/v1", "StatefulSet"): "statefulsets",
+           ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies", (API_VERSION, KIND): PLURAL}
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"  # server-side apply (the body is JSON, which is YAML)
 
 
 class KubeError(Exception):
@@ -90,6 +93,12 @@ class Kube:
     def patch(self, ref: Ref, patch: dict[str, Any], *, subresource: str = "") -> dict[str, Any] | None:
         """An RFC 7386 JSON merge patch: dicts merge, lists and scalars replace, null removes."""
         return self._call("PATCH", ref.path(subresource), body=patch, content_type=MERGE_PATCH)
+
+    def apply(self, obj: dict[str, Any], *, field_manager: str, force: bool = False) -> dict[str, Any] | None:
+        """Server-side apply: `obj` is this manager's whole intent for the object (created if missing); fields it
+        set before and leaves out now are removed. `force` takes over fields another manager set differently."""
+        query = [("fieldManager", field_manager), *([("force", "true")] if force else [])]
+        return self._call("PATCH", Ref.of(obj).path(), body=obj, query=query, content_type=APPLY_PATCH)
 
     def delete(self, ref: Ref) -> None:
         self._call("DELETE", ref.path(), body={"propagationPolicy": "Background"}, missing_ok=True)

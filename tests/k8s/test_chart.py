@@ -32,6 +32,7 @@ NON_DEFAULT: dict[str, Any] = {
     "auth": {"create": False, "secretName": "my-tokens"},
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
     "grafana": {"dashboard": {"namespace": "monitoring"}},
+    "networkPolicy": {"enabled": False},
 }
 VALUES = {"default": {}, "non-default": NON_DEFAULT}
 # The operator's needs, verb by verb (handlers.py, apply.py, kube.py); nothing else may be granted.
@@ -42,6 +43,10 @@ OPERATOR_RULES = [
     {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"],
      "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["services", "configmaps"], "verbs": ["get", "list", "create", "patch", "delete"]},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+     "verbs": ["get", "list", "create", "patch", "delete"]},
+    # the internal Secret: read, and created when missing; never patched, listed or deleted
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
 
@@ -66,7 +71,8 @@ def test_the_chart_lints_clean(values):
 def test_every_rendered_manifest_is_valid(values):
     objs = render(values)
     kinds = sorted(o["kind"] for o in objs)
-    expected = ["CacheFlowCluster", "ConfigMap", "Deployment", "Role", "RoleBinding", "Secret", "ServiceAccount"]
+    expected = ["CacheFlowCluster", "ConfigMap", "Deployment", "NetworkPolicy", "Role", "RoleBinding", "Secret",
+                "ServiceAccount"]
     if values:
         expected = ["CacheFlowCluster", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment",
                     "ServiceAccount", "ServiceMonitor"]
