@@ -11,6 +11,7 @@ import socket
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 from transformers import AutoTokenizer
 
@@ -116,10 +117,17 @@ def test_a_seed_must_keep_the_samplers_seed_a_64_bit_integer(client):
     ({"top_p": 0.5}, "top_p = 0.5", {"top_p": 1.0}), ({"suffix": "end"}, "suffix", {"suffix": None}),
     ({"presence_penalty": 0.5}, "presence_penalty", {"presence_penalty": 0}),
     ({"logit_bias": {"1": 5}}, "logit_bias", {"logit_bias": {}}),
-    ({"stream_options": {"include_usage": True}}, "stream_options", {"stream_options": None}),
+    ({"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream: true",
+     {"stream_options": None}),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage",
+     {"stream": True, "stream_options": {"include_usage": False}}),
+    ({"stream": True, "stream_options": {"usage": True}}, "stream_options.usage", {"stream": True}),
     ({"frobnicate": 1}, "frobnicate", {"user": "someone"}),
     ({"stop_token_ids": [True]}, "stop_token_ids.0", {"stop_token_ids": [1]}),
     ({"max_tokens": True}, "max_tokens", {"max_tokens": 1}),
+    ({"save": "yes"}, "save: Input should be a valid boolean", {"save": False}),
+    ({"ignore_eos": 1}, "ignore_eos: Input should be a valid boolean", {"ignore_eos": True}),
+    ({"stream": "false"}, "stream: Input should be a valid boolean", {"stream": False}),
 ])
 def test_fields_this_server_does_not_implement_are_refused_by_name(client, refused, field, neutral):
     r = client.post("/v1/completions", json=_body(**refused))
@@ -170,6 +178,41 @@ def test_a_tenant_the_storage_pods_refuse_gets_403(texts):
     r = post(texts.url, GHOST_TOKEN, "/v1/completions", _body())
     assert r.status_code == 403 and "refuse tenant 'ghost'" in r.json()["detail"], r.text
     assert _slots_free(texts.url)
+
+
+def _sdk(url: str, token: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=token, max_retries=0, timeout=120.0)
+
+
+def test_the_openai_sdk_streams_a_completion_with_its_usage_last(local):
+    stream = _sdk(local.coordinator.url, local.token).completions.create(
+        model=MODEL, prompt=_prompt(40, seed=4), max_tokens=3, stream=True, stream_options={"include_usage": True})
+    *content, last = list(stream)
+    assert content and all(c.usage is None and len(c.choices) == 1 for c in content), content
+    assert content[-1].choices[0].finish_reason == "length"
+    assert last.choices == [] and last.usage is not None, last
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (40, 3, 43)
+
+
+def _events(client: httpx.Client, body: dict[str, object]) -> list[str]:
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        return [e[len("data: "):] for e in r.iter_lines() if e.startswith("data: ")]
+
+
+def test_a_stream_says_usage_null_on_every_chunk_but_the_last_or_the_usage_so_far_continuously(client):
+    body = _body(max_tokens=3, stream=True, stream_options={"include_usage": True})
+    *chunks, done = _events(client, body)
+    usages = [json.loads(c)["usage"] for c in chunks]
+    assert done == "[DONE]" and usages[:-1] == [None] * 4, chunks  # a chunk per token, then the finished one
+    assert usages[-1] == {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43}
+    continuous = _body(max_tokens=3, stream=True, stream_options={"include_usage": True,
+                                                                  "continuous_usage_stats": True})
+    usages = [json.loads(c)["usage"] for c in _events(client, continuous)[:-1]]
+    assert [u["completion_tokens"] for u in usages] == [1, 2, 3, 3, 3], usages
+    assert all(u["prompt_tokens"] == 40 and u["total_tokens"] == 40 + u["completion_tokens"] for u in usages)
+    plain = [json.loads(c) for c in _events(client, _body(max_tokens=3, stream=True))[:-1]]
+    assert all("usage" not in c for c in plain), plain  # not asked for: as before
 
 
 def test_a_stage_that_dies_mid_request_is_the_stage_named(client, local):

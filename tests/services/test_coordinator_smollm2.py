@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -67,6 +69,22 @@ def test_chat_streamed_equals_chat_whole(client):
         events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
     deltas = [json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1]]
     assert "".join(deltas) == text
+
+
+def test_the_openai_sdk_streams_a_chat_completion_with_its_usage_last(client):
+    sdk = openai.OpenAI(base_url=f"{client.base_url}/v1", api_key=client.headers["Authorization"].split()[1],
+                        max_retries=0, timeout=300.0)
+    messages: list[Any] = [{"role": "user", "content": "Name three colours."}]
+    whole = sdk.chat.completions.create(model="smollm2", messages=messages, max_tokens=6,
+                                        extra_body={"ignore_eos": True})
+    assert whole.usage is not None and whole.usage.completion_tokens == 6
+    stream = sdk.chat.completions.create(model="smollm2", messages=messages, max_tokens=6, stream=True,
+                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    *content, last = list(stream)
+    assert content and all(c.usage is None and len(c.choices) == 1 for c in content), content
+    assert "".join(c.choices[0].delta.content or "" for c in content) == whole.choices[0].message.content
+    assert last.choices == [] and last.usage is not None, last
+    assert last.usage.model_dump() == whole.usage.model_dump()
 
 
 def test_stop_string_cuts_the_text(client):

@@ -38,6 +38,7 @@ from cacheflow_services.coordinator.openai_api import (
     Output,
     RestoreBody,
     SamplingBody,
+    StreamHead,
     now,
     response,
     sse,
@@ -168,7 +169,8 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
         endpoint = "chat" if kind == "chat" else "completions"
         if body.stream:
             metrics.requests.labels(endpoint, "200").inc()
-            events = sse(kind, request.id, body.model, created, deltas, lambda output: _extra(request, output))
+            head = StreamHead(kind, request.id, body.model, created, prompt_tokens, body.stream_options)
+            events = sse(head, deltas, lambda output: _extra(request, output))
             return CompletionStream(events, stop=tokens.abort)
         output = deque(deltas, maxlen=1)[0][1]  # the last (finished) output
         metrics.requests.labels(endpoint, "200").inc()
