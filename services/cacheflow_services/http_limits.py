@@ -1,7 +1,8 @@
 """The request body limit of the coordinator's and the storage pods' HTTP APIs (HTTP 413 naming it), on
 the bytes actually read: a Content-Length over the limit is refused before any byte is read, and a body
 without one (chunked) as soon as what was read passes the limit, so a client cannot make a service
-buffer more than `max_bytes`."""
+buffer more than `max_bytes`. `BearerFirst` answers a request without a valid bearer token 401 before
+any of its body is read (outside `BodyLimit`, so no token is a 401 whatever the body)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from collections.abc import Callable
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+UNAUTHORIZED = "missing or wrong bearer token"
 
 
 class BodyTooLargeError(HTTPException):
@@ -53,3 +57,34 @@ class BodyLimit:
     def _refused(self) -> BodyTooLargeError:
         self.on_refused()
         return BodyTooLargeError(self.max_bytes)
+
+
+def bearer_token(authorization: str) -> str:
+    """The token of an `Authorization: Bearer <token>` header ("" for any other header)."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+class BearerFirst:
+    """ASGI middleware: a request on a path that `needs_token` is answered 401 at once, its body unread,
+    unless `authenticate` knows its bearer token; the tenant it names is left in `request.state.tenant`.
+    `on_refused` is told the path of every request refused."""
+
+    def __init__(self, app: ASGIApp, *, authenticate: Callable[[str], str | None], needs_token: Callable[[str], bool],
+                 on_refused: Callable[[str], None] = lambda path: None) -> None:
+        self.app = app
+        self.authenticate = authenticate  # token -> tenant, or None
+        self.needs_token = needs_token
+        self.on_refused = on_refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.needs_token(scope["path"]):
+            tenant = self.authenticate(bearer_token(Headers(scope=scope).get("authorization", "")))
+            if tenant is None:
+                self.on_refused(scope["path"])
+                refused = JSONResponse({"detail": UNAUTHORIZED, "error": "UnauthorizedError"}, status_code=401,
+                                       headers={"WWW-Authenticate": "Bearer"})
+                await refused(scope, receive, send)
+                return
+            scope.setdefault("state", {})["tenant"] = tenant
+        await self.app(scope, receive, send)

@@ -83,6 +83,8 @@ def test_more_refused_requests_than_slots_then_a_good_one_is_served(client, loca
         (_body(n=2), "n = 2 is not supported"),
         (_body(prompt=[1, True]), "prompt.token_ids.1"),
         (_body(max_tokens=10**6), "max_tokens"),
+        (_body(stop_token_ids=[5, 4096]), "stop_token_ids: token id 4096 is out of the model's vocabulary"),
+        (_body(stop_token_ids=[-1]), "stop_token_ids: token id -1 is out of the model's vocabulary"),
     ]
     for body, reason in refused:
         for _ in range(MAX_BATCH + 2):
@@ -153,6 +155,30 @@ def test_a_body_over_the_limit_gets_413_naming_it_with_or_without_a_length(clien
     streamed = client.post("/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
     assert streamed.status_code == 413 and str(limit) in streamed.json()["detail"], streamed.text[:300]
     assert client.post("/v1/completions", json=_body()).status_code == 200
+
+
+def _status_of_headers_only(url: str, head: str) -> bytes:
+    """The status line answered to a request's head alone: its body is declared but never sent."""
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(head.encode())
+        return s.recv(4096).split(b"\r\n", 1)[0]
+
+
+@pytest.mark.parametrize("declared", [1000, 9 << 20])  # within the body limit (8 MiB), and over it
+@pytest.mark.parametrize("authorization", ["", "Authorization: Bearer wrong\r\n"])
+def test_no_token_is_a_401_before_any_of_the_body_is_read(local, declared, authorization):
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{authorization}Content-Type: application/json\r\n"
+            f"Content-Length: {declared}\r\n\r\n")
+    assert _status_of_headers_only(local.coordinator.url, head) == b"HTTP/1.1 401 Unauthorized"
+
+
+def test_no_token_with_a_malformed_body_is_a_401_and_a_token_makes_it_a_400(local):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/restore"):
+        r = post(local.coordinator.url, "wrong", path, content=b"{not json")
+        assert r.status_code == 401 and r.json()["detail"] == "missing or wrong bearer token", r.text
+        assert r.headers["WWW-Authenticate"] == "Bearer"
+        assert post(local.coordinator.url, local.token, path, content=b"{not json").status_code == 400
 
 
 def test_a_lone_surrogate_in_text_is_a_400_with_the_reason(local, texts):

@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import anyio.to_thread
-from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi import Depends, FastAPI, HTTPException
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -48,7 +48,7 @@ from cacheflow_services.coordinator.service import Coordinator, Request, TenantR
 from cacheflow_services.coordinator.stages import ChainError
 from cacheflow_services.coordinator.streaming import CompletionStream
 from cacheflow_services.coordinator.tokenizer import TextCodec
-from cacheflow_services.http_limits import BodyLimit, BodyTooLargeError
+from cacheflow_services.http_limits import UNAUTHORIZED, BearerFirst, BodyLimit, BodyTooLargeError
 
 _STATUS: list[tuple[type[Exception], int]] = [
     (UnknownRestoreError, 404), (TenantRefusedError, 403), (BadRequestError, 400), (QueueFullError, 429),
@@ -72,6 +72,10 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
     app = FastAPI(title="CacheFlow coordinator", docs_url=None, redoc_url=None, lifespan=lifespan)
     config, metrics = coordinator.config, coordinator.metrics
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    # added last, so outermost: no token is a 401 before a byte of the body is read (not a 400 or 413)
+    app.add_middleware(BearerFirst, authenticate=lambda token: config.api_tokens.get(token) if token else None,
+                       needs_token=lambda path: path.startswith("/v1/"),
+                       on_refused=lambda path: metrics.requests.labels(_endpoint(path), "401").inc())
 
     for exc_type, status in [(UnknownModelError, 404), *_STATUS]:
         app.add_exception_handler(exc_type, _handler(status, metrics))
@@ -86,11 +90,10 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
         where = ".".join(str(p) for p in first["loc"] if p != "body")
         return _error(400, f"{where}: {first['msg']}" if where else first["msg"], "BadRequestError", request, metrics)
 
-    def tenant(authorization: Annotated[str, Header()] = "") -> str:
-        scheme, _, token = authorization.partition(" ")
-        found = config.api_tokens.get(token.strip()) if scheme.lower() == "bearer" else None
-        if found is None:
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+    def tenant(request: HttpRequest) -> str:
+        found = getattr(request.state, "tenant", None)  # set by BearerFirst on every /v1 path
+        if not isinstance(found, str):
+            raise HTTPException(401, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
         return found
 
     def check_model(name: str) -> None:
@@ -148,6 +151,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
     def generate(kind: str, prompt: list[int], who: str, body: SamplingBody,
                  max_new: int) -> Response | dict[str, Any]:
         coordinator.check_prompt(prompt, max_new)
+        coordinator.check_stop_ids(body.stop_token_ids)
         stops = stop_strings(body.stop)
         if stops and codec is None:
             raise BadRequestError("stop strings need a tokenizer; use stop_token_ids")
@@ -242,9 +246,13 @@ def _extra(request: Request, output: Output) -> dict[str, Any]:
             "stages": [s.model_dump() for s in request.stages]}
 
 
+def _endpoint(path: str) -> str:
+    """The request metrics' endpoint label of a path: its last part."""
+    return path.rstrip("/").rsplit("/", 1)[-1] or "root"
+
+
 def _error(status: int, detail: str, error: str, request: HttpRequest, metrics: Any) -> JSONResponse:
-    endpoint = request.url.path.rstrip("/").rsplit("/", 1)[-1] or "root"
-    metrics.requests.labels(endpoint, str(status)).inc()
+    metrics.requests.labels(_endpoint(request.url.path), str(status)).inc()
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     return JSONResponse({"detail": detail, "error": error}, status_code=status, headers=headers)
 

@@ -124,6 +124,12 @@ class Coordinator:
             raise BadRequestError(f"prompt of {len(token_ids)} tokens + {max_new_tokens} new exceeds the model's "
                                   f"context of {self.model.max_tokens} tokens")
 
+    def check_stop_ids(self, stop_ids: Sequence[int]) -> None:
+        """BadRequestError naming the first stop token id outside the model's vocabulary (it could never stop)."""
+        vocab = self.model.vocab_size
+        if (bad := next((t for t in stop_ids if not 0 <= t < vocab), None)) is not None:
+            raise BadRequestError(f"stop_token_ids: token id {bad} is out of the model's vocabulary [0, {vocab})")
+
     @staticmethod
     def check_policy(requested: str) -> str:
         """The restore policy for the workers ("": theirs). Adaptive `cacheflow` picks its mode on each

@@ -16,16 +16,10 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cacheflow_services.http_limits import BodyLimit
+from cacheflow_services.http_limits import UNAUTHORIZED, BodyLimit, bearer_token
 
+__all__ = ["PUBLIC_PATHS", "UNAUTHORIZED", "RequestGuard", "bearer_token", "unauthorized"]
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
-UNAUTHORIZED = "missing or wrong bearer token"
-
-
-def bearer_token(authorization: str) -> str:
-    """The token of an `Authorization: Bearer <token>` header ("" for any other header)."""
-    scheme, _, token = authorization.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 def unauthorized() -> JSONResponse:
