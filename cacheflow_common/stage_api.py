@@ -9,6 +9,10 @@ answers with the same models, so a field renamed on one side fails on the other 
     POST /v1/deliver   DeliverMeta (+ hidden states)                 -> {"ok": true}
     GET  /v1/info      -> WorkerInfo
 
+Every call carries the cluster's internal token (`Authorization: Bearer`), and every request's work a
+`grant` (`cacheflow_common.auth`): the coordinator's signed word that it admitted this request for this
+tenant. A stage relays a forward's grant to the next stage unchanged.
+
 Pydantic, the services' validation library, is needed here (the `services` extra installs it).
 """
 
@@ -21,6 +25,7 @@ from pydantic import AfterValidator, BaseModel, Field
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_PROMPT_TOKENS = 1 << 20
+MAX_GRANT_CHARS = 4096
 SEED_LIMIT = 1 << 31  # a sampler is seeded with seed * 1_000_003 + position: this keeps it within 64 bits
 InputMode = Literal["boundary", "pipelined", "sequential"]
 
@@ -45,6 +50,7 @@ class RestoreRequest(BaseModel):
     policy: str = ""  # "": the worker's configured policy
     waited_s: float = Field(default=0.0, ge=0.0)  # since the request reached the coordinator (channel rankings
     # that weigh waiting count from then)
+    grant: str = Field(default="", max_length=MAX_GRANT_CHARS)  # the coordinator's, for this request and tenant
 
 
 class RestoreSummary(BaseModel):
@@ -75,6 +81,7 @@ class ForwardMeta(BaseModel):
     save: bool = True  # store whole chunks as they fill up
     temperature: float = Field(default=0.0, ge=0.0)
     seed: int = Field(default=0, ge=0, lt=SEED_LIMIT)
+    grant: str = Field(default="", max_length=MAX_GRANT_CHARS)  # the coordinator's, for this request and tenant
 
 
 class DeliverMeta(BaseModel):

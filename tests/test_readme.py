@@ -46,7 +46,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```$", re.M | re.S)
 SEPARATORS = {";", "&", "&&", "|", "||", "\n"}
 REDIRECTS = {">", ">>", "<"}
-RUN_FOR_REAL = {"profile"}  # `cacheflow` subcommands quick enough to run here (on the tiny model)
+RUN_FOR_REAL = {"profile", "secrets"}  # `cacheflow` subcommands quick enough to run here (on the tiny model)
 PARSED_ONLY = {  # `cacheflow` subcommands that are parsed but not run, and why
     "demo": "minutes of SmolLM2 (tests/services/test_demo.py runs it on the tiny model)",
     "storage": "serves until stopped (tests/services start real pods)",
@@ -222,6 +222,7 @@ class Cluster:
     pods: list[LocalPod]
     workers: list[LocalWorker]
     token: str
+    workdir: Path
 
 
 @pytest.fixture(scope="module")
@@ -233,12 +234,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     pods = [first, launch_pod(work / "pod-1", tokens=first.tokens)]
     token_file = work / "tokens.txt"
     token_file.write_text(f"acme {first.tokens['acme']}\n")
+    (secrets_line,) = [argv for _, argv in bash_commands() if argv[:2] == ["cacheflow", "secrets"]]
+    assert main([*secrets_line[1:-1], str(work / "internal")]) == 0  # the README's command, into this cluster
     workers: list[LocalWorker] = []
     try:
         workers = launch_stages(work, split=balanced_split(model_config("tiny").num_layers, 2),
                                 pods=[f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(pods)],
-                                pod_token_file=token_file, model="tiny", policy="cacheflow")
-        yield Cluster(pods, workers, first.tokens["acme"])
+                                secrets=work / "internal", model="tiny", policy="cacheflow")
+        yield Cluster(pods, workers, first.tokens["acme"], work)
     finally:
         for w in workers:
             w.stop()
@@ -261,7 +264,9 @@ def test_the_cluster_store_example_reaches_real_pods(cluster):
 def test_the_stage_chain_example_generates_through_real_workers(cluster):
     block = python_block("StageChain(")
     code = substituted(block, {"http://127.0.0.1:7510": cluster.workers[0].url,
-                               "http://127.0.0.1:7511": cluster.workers[1].url})
+                               "http://127.0.0.1:7511": cluster.workers[1].url,
+                               'Path("tokens.txt")': f"Path({str(cluster.workdir / 'tokens.txt')!r})",
+                               'Path("internal")': f"Path({str(cluster.workdir / 'internal')!r})"})
     out = run_python(block, code)["out"]
     assert len(out.tokens) == 16 and out.ttft_s > 0
 

@@ -65,8 +65,9 @@ from cacheflow_common.sim import ModelShape
 from cacheflow_common.sim.config import balanced_link_gbps
 from cacheflow_common.sim.replay import ReplayRequest, load_slice, read_records, select_requests
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
-from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
+from cacheflow_services.local_cluster import SECRETS_DIR, ClusterSpec, LocalCluster, start_cluster
 from cacheflow_services.replay import ReplayError, replay, ttft_stats, warm_up
+from cacheflow_services.worker.launch import LocalWorker
 
 POLICIES = ("compute-only", "load-only", "cake", "cacheflow")
 # CacheFlow's other channel rankings, replayed at the largest batch
@@ -132,7 +133,8 @@ def stage_cpus() -> list[str]:
 def coordinator_for(cluster: LocalCluster, workdir: Path, batch: int) -> LocalCoordinator:
     pods = [f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(cluster.pods)]
     return launch_coordinator(workdir / f"coordinator-b{batch}", stages=[w.url for w in cluster.workers], pods=pods,
-                              pod_token_file=workdir / "pod-tokens", token_file=workdir / "api-tokens", model=MODEL,
+                              pod_token_file=workdir / "pod-tokens", token_file=workdir / "api-tokens",
+                              secrets=workdir / SECRETS_DIR, model=MODEL,
                               extra=["--max-batch", str(batch), "--max-queue", "1000"])
 
 
@@ -171,10 +173,10 @@ def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest
         try:
             first = coordinators[args.batch_sizes[0]]
             print("warm-up: storing the cached prefixes ...", flush=True)
-            warm_up(first.url, cluster.token, MODEL, requests, [w.url for w in cluster.workers])
+            warm_up(first.url, cluster.token, MODEL, requests, cluster.workers)
             calibration = calibrate(first.url, cluster.token, requests, profile, shape, link, args.chunk_size)
             print(f"calibration (measured / profiled, one request alone): {calibration}", flush=True)
-            workers = [w.url for w in cluster.workers]
+            workers = cluster.workers
             for repeat in range(args.repeats):  # policies interleaved: a slow spell of the machine hits them all
                 for batch, coordinator in coordinators.items():
                     rankings = args.ranking_names if batch == max(args.batch_sizes) else []
@@ -195,9 +197,9 @@ def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest
     return runs, calibration
 
 
-def busy_totals(workers: list[str]) -> list[dict[str, Any]]:
+def busy_totals(workers: list[LocalWorker]) -> list[dict[str, Any]]:
     """Each worker's busy seconds since it started: its compute loop's and each of its channels'."""
-    return [httpx.get(f"{url}/v1/info", timeout=30).json()["busy"] for url in workers]
+    return [httpx.get(f"{w.url}/v1/info", headers=w.internal_headers, timeout=30).json()["busy"] for w in workers]
 
 
 def busy_shares(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, float]:

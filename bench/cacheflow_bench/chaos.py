@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_phases(cluster: LocalCluster, requests: list[ReplayRequest], args: argparse.Namespace) -> dict[str, Any]:
     url, token = cluster.coordinator.url, cluster.token
-    warm_up(url, token, MODEL, requests, [w.url for w in cluster.workers])
+    warm_up(url, token, MODEL, requests, cluster.workers)
 
     def send() -> list[dict[str, Any]]:
         return replay_outcomes(url, token, MODEL, requests, "cacheflow", max_tokens=NEW_TOKENS)

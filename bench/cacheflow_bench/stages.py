@@ -42,6 +42,7 @@ from cacheflow_bench.common import (
     results_dir,
     write_json,
 )
+from cacheflow_common.auth import GrantIssuer, ensure_cluster_secrets
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import RANDOM_SHAPES, load_model
@@ -90,20 +91,20 @@ class Cluster:
         try:
             for i in range(n_stages):
                 self.pods.append(launch_pod(workdir / f"pod{i}", *shaping, backend="memory", tokens=tokens))
-            token_file = workdir / "pod-tokens"
-            token_file.write_text(f"bench {tokens['bench']}\n")
+            secrets_dir = ensure_cluster_secrets(workdir / "internal")
             self.pod_addresses = [PodAddress(f"pod-{i}", "127.0.0.1", p.data_port) for i, p in enumerate(self.pods)]
             cores = sorted(os.sched_getaffinity(0))
             self.workers = launch_stages(
                 workdir, split=balanced_split(n_layers, n_stages), pods=[f"{a.pod_id}={a.host}:{a.port}"
                                                                           for a in self.pod_addresses],
-                pod_token_file=token_file, model=args.model, chunk_size=args.chunk_size, policy=args.policy,
+                secrets=secrets_dir, model=args.model, chunk_size=args.chunk_size, policy=args.policy,
                 cpus=[str(cores[s % len(cores)]) for s in range(n_stages)], threads=1)
         except BaseException:
             self.stop()
             raise
         self.store = ClusterStore({a.pod_id: PodClient(a, tokens["bench"]) for a in self.pod_addresses})
-        self.chain = StageChain([w.url for w in self.workers], timeout_s=600)
+        self.chain = StageChain([w.url for w in self.workers], issuer=GrantIssuer.from_dir(secrets_dir, tokens),
+                                timeout_s=600)
 
     def stored_bytes(self, model: Transformer, ids: list[int]) -> dict[str, int]:
         """Bytes the pods hold for the prompt: KV chunks of every stage, and boundary activations."""
@@ -132,7 +133,7 @@ def save_prompt(chain: StageChain, ids: list[int]) -> None:
     """A fresh prefill through the stages stores the prompt's KV and boundary activations."""
     chain.generate("save", ids, start=0, tenant="bench", max_new_tokens=1)
     for url in chain.urls:
-        httpx.post(f"{url}/v1/flush", timeout=600).raise_for_status()
+        httpx.post(f"{url}/v1/flush", headers=chain.issuer.headers, timeout=600).raise_for_status()
     chain.release("save")
 
 

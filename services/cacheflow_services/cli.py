@@ -115,9 +115,9 @@ def _add_storage_parser(sub: argparse._SubParsersAction) -> None:
 
 def _worker(args: argparse.Namespace) -> int:
     from cacheflow_common.transport.pod_client import PodAddress
-    from cacheflow_services.storage.config import read_token_file
     from cacheflow_services.worker.config import WorkerConfig, parse_layers
     from cacheflow_services.worker.main import serve
+    from cacheflow_services.worker.trust import WorkerTrust
 
     torch.set_num_threads(args.threads)
     config = WorkerConfig(
@@ -128,7 +128,6 @@ def _worker(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         chunk_size=args.chunk_size,
         pods=tuple(PodAddress.parse(p) for p in args.pods.split(",") if p),
-        pod_tokens={tenant: token for token, tenant in read_token_file(Path(args.pod_token_file)).items()},
         replicas=args.replicas,
         next_stage=args.next_stage,
         policy=args.policy,
@@ -138,11 +137,13 @@ def _worker(args: argparse.Namespace) -> int:
         prefill_tokens=args.prefill_tokens,
         beside_forward_tokens=args.beside_forward_tokens,
         pool_tokens=args.pool_tokens,
+        tenant_pool_share=args.tenant_pool_share,
+        hold_ttl_s=args.hold_ttl_s,
         upstream_timeout_s=args.upstream_timeout_s,
         host=args.host,
         http_port=args.http_port,
     )
-    serve(config)
+    serve(config, WorkerTrust.from_files(args.internal_token_file, args.grant_key_file))
     return 0
 
 
@@ -154,7 +155,10 @@ def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
     wk.add_argument("--dtype", default="auto", help="compute dtype (auto: bfloat16 where fast, else float32)")
     wk.add_argument("--chunk-size", type=int, default=256, help="restore chunk size in tokens (same on all stages)")
     wk.add_argument("--pods", required=True, help="storage pods: [id=]host:port,... (their data-plane ports)")
-    wk.add_argument("--pod-token-file", required=True, help="'tenant token' lines for the storage pods")
+    wk.add_argument("--internal-token-file", required=True,
+                    help="the cluster's internal token: every call to this worker must carry it")
+    wk.add_argument("--grant-key-file", required=True,
+                    help="the coordinator's grant verifying key (Ed25519 public key, PEM): work only on its grants")
     wk.add_argument("--replicas", type=int, default=1, help="copies of each saved chunk")
     wk.add_argument("--next-stage", default="", help="control URL of the next stage (none on the last)")
     wk.add_argument("--policy", default="cacheflow", help="restore policy (the CacheFlow ones need --profile)")
@@ -168,14 +172,18 @@ def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
     wk.add_argument("--beside-forward-tokens", type=int, default=0,
                     help="restore tokens a step carries beside forward work (one unit always fits)")
     wk.add_argument("--pool-tokens", type=int, default=1 << 17, help="KV pool capacity in tokens")
+    wk.add_argument("--tenant-pool-share", type=float, default=1.0,
+                    help="the most of the pool one tenant may hold at once (set below 1 with several tenants)")
+    wk.add_argument("--hold-ttl-s", type=float, default=600.0, help="free a request's KV unused this long")
     wk.add_argument("--upstream-timeout-s", type=float, default=30.0,
                     help="pipelined restore: longest wait for the previous stage's next chunk")
     wk.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
-    wk.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    wk.add_argument("--host", default="127.0.0.1", help="address to listen on (the pod's IP in a pod)")
     wk.add_argument("--http-port", type=int, default=0, help="API port (0: any free one)")
 
 
 def _coordinator(args: argparse.Namespace) -> int:
+    from cacheflow_common.auth import read_secret
     from cacheflow_common.transport.pod_client import PodAddress
     from cacheflow_services.coordinator.config import CoordinatorConfig
     from cacheflow_services.coordinator.main import serve
@@ -188,6 +196,8 @@ def _coordinator(args: argparse.Namespace) -> int:
         pods=tuple(PodAddress.parse(p) for p in args.pods.split(",") if p),
         pod_tokens={tenant: token for token, tenant in read_token_file(Path(args.pod_token_file)).items()},
         api_tokens=read_token_file(Path(args.token_file)),
+        internal_token=read_secret(args.internal_token_file, "internal token file").decode(),
+        grant_signing_key=read_secret(args.grant_signing_key_file, "grant signing key file"),
         model_name=args.model,
         tokenizer=tokenizer_dir(args.model) if args.tokenizer == "auto" else tokenizer,
         replicas=args.replicas,
@@ -211,6 +221,9 @@ def _add_coordinator_parser(sub: argparse._SubParsersAction) -> None:
     co.add_argument("--pods", required=True, help="storage pods: [id=]host:port,... (as the workers have them)")
     co.add_argument("--pod-token-file", required=True, help="'tenant token' lines for the storage pods")
     co.add_argument("--token-file", required=True, help="'tenant token' lines: the clients' bearer tokens")
+    co.add_argument("--internal-token-file", required=True, help="the cluster's internal token (for the workers)")
+    co.add_argument("--grant-signing-key-file", required=True,
+                    help="Ed25519 private key (PEM) that signs each request's grant to the workers")
     co.add_argument("--model", default="tiny", help="the model the workers serve (clients name it)")
     co.add_argument("--tokenizer", default="auto", help="tokenizer directory; auto: the model's own; none")
     co.add_argument("--replicas", type=int, default=1, help="copies of each chunk (as the workers store them)")
@@ -256,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--quick", action="store_true", help="one timing per point and one link ratio (a demo's profile)")
     prof.add_argument("--out", default="", help="profile file (default: the cache directory)")
 
+    sec = sub.add_parser("secrets", help="create a cluster's internal token and grant keys in DIR (once; kept)")
+    sec.add_argument("dir", help="where: the coordinator reads internal-token and grant-signing-key.pem, the "
+                                 "workers internal-token and grant-verify-key.pem")
+
     _add_storage_parser(sub)
     _add_worker_parser(sub)
     _add_coordinator_parser(sub)
@@ -274,6 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _secrets(args: argparse.Namespace) -> int:
+    from cacheflow_common.auth import ensure_cluster_secrets
+
+    print(ensure_cluster_secrets(Path(args.dir).expanduser()))
+    return 0
+
+
 def _up(args: argparse.Namespace) -> int:
     return up.run(args, default_cache_dir())
 
@@ -283,7 +307,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 SERVICES = {"demo": _demo, "storage": _storage, "worker": _worker, "coordinator": _coordinator, "up": _up,
-            "operator": _operator}
+            "operator": _operator, "secrets": _secrets}
 LONG_RUNNING = ("storage", "worker", "coordinator", "operator")  # their logs are files worth reading: INFO
 
 

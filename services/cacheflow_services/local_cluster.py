@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from cacheflow_common.auth import ensure_cluster_secrets
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import model_config
@@ -31,6 +32,7 @@ from cacheflow_services.supervisor import RestartPolicy, Service, Supervisor
 from cacheflow_services.worker.launch import LocalWorker, launch_stages
 
 LOCK_FILE = "up.lock"
+SECRETS_DIR = "internal"  # the cluster's internal token and grant keys (cacheflow_common.auth), made once
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +184,7 @@ def start_cluster(spec: ClusterSpec, workdir: Path) -> LocalCluster:
     pod_token_file, api_token_file = workdir / "pod-tokens", workdir / "api-tokens"
     pod_tokens = {spec.tenant: _token_file(pod_token_file, spec.tenant)}
     token = _token_file(api_token_file, spec.tenant)
+    secrets = ensure_cluster_secrets(workdir / SECRETS_DIR)
     pods: list[LocalPod] = []
     workers: list[LocalWorker] = []
     try:
@@ -191,14 +194,15 @@ def start_cluster(spec: ClusterSpec, workdir: Path) -> LocalCluster:
             pods.append(launch_pod(workdir / f"pod-{i}", *extra, backend=spec.backend, transport=spec.transport,
                                    tokens=pod_tokens))
         addresses = [f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(pods)]
-        workers = launch_stages(workdir, split=split, pods=addresses, pod_token_file=pod_token_file, model=spec.model,
+        workers = launch_stages(workdir, split=split, pods=addresses, secrets=secrets, model=spec.model,
                                 chunk_size=spec.chunk_size, dtype=spec.dtype, policy=spec.policy, profile=spec.profile,
                                 threads=spec.threads(), cpus=spec.stage_cpus,
                                 extra=[*spec.worker_args, *_link_hint(spec)])
         extra = ["--max-batch", str(spec.max_batch), "--max-queue", str(spec.max_queue),
                  "--batch-window-ms", str(spec.batch_window_ms), "--policy", spec.policy]
         coordinator = launch_coordinator(workdir, stages=[w.url for w in workers], pods=addresses,
-                                         pod_token_file=pod_token_file, token_file=api_token_file, model=spec.model,
+                                         pod_token_file=pod_token_file, token_file=api_token_file, secrets=secrets,
+                                         model=spec.model,
                                          extra=extra, http_port=spec.port)
     except BaseException:
         for w in workers:

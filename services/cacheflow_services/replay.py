@@ -8,17 +8,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
 from cacheflow_common.sim import percentile
 from cacheflow_common.sim.replay import ReplayRequest
 
+if TYPE_CHECKING:
+    from cacheflow_services.worker.launch import LocalWorker
+
 TIMEOUT_S = 600.0
 
 
-def warm_up(url: str, token: str, model: str, requests: list[ReplayRequest], workers: list[str],
+def warm_up(url: str, token: str, model: str, requests: list[ReplayRequest], workers: Sequence[LocalWorker],
             on_done: Callable[[], None] | None = None) -> None:
     """Store every request's cached prefix (prefill it once), then wait until the workers stored it all."""
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT_S) as client:
@@ -28,7 +31,7 @@ def warm_up(url: str, token: str, model: str, requests: list[ReplayRequest], wor
             if on_done:
                 on_done()
     for worker in workers:
-        httpx.post(f"{worker}/v1/flush", timeout=TIMEOUT_S).raise_for_status()
+        httpx.post(f"{worker.url}/v1/flush", headers=worker.internal_headers, timeout=TIMEOUT_S).raise_for_status()
 
 
 def restore_alone(url: str, token: str, request: ReplayRequest, policy: str) -> float:

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
-from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
+from cacheflow_services.local_cluster import SECRETS_DIR, ClusterSpec, LocalCluster, start_cluster
 
 WAIT_S = 120.0  # generous: 2 busy cores
 
@@ -63,8 +63,8 @@ def second_coordinator(local: LocalCluster, workdir: Path, *extra: str, pod_toke
     pods = [f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(local.pods)]
     return launch_coordinator(workdir, stages=[w.url for w in local.workers], pods=pods,
                               pod_token_file=pod_token_file or local_file(local, "pod-tokens"),
-                              token_file=token_file or local_file(local, "api-tokens"), model="tiny",
-                              extra=list(extra))
+                              token_file=token_file or local_file(local, "api-tokens"),
+                              secrets=local_file(local, SECRETS_DIR), model="tiny", extra=list(extra))
 
 
 def local_file(local: LocalCluster, name: str) -> Path:

@@ -43,7 +43,7 @@ def test_a_prefix_no_stage_can_restore_is_prefilled_and_answered_the_same(local,
     first = client.post("/v1/completions", json=body)
     assert first.status_code == 200, first.text
     for worker in local.workers:
-        httpx.post(f"{worker.url}/v1/flush", timeout=60).raise_for_status()
+        httpx.post(f"{worker.url}/v1/flush", headers=worker.internal_headers, timeout=60).raise_for_status()
     for hidden in _objects(local, "hidden"):
         hidden.unlink()
     stage_1 = sorted(f for f in _objects(local, "kv") if ".kv.L0-" not in f.name)

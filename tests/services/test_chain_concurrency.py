@@ -12,9 +12,11 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
+from cacheflow_common.auth import GrantIssuer, ensure_cluster_secrets
 from cacheflow_services.coordinator.stages import StageChain
 
 STAGES, REQUESTS = 2, 6
@@ -55,8 +57,12 @@ def stage_urls() -> Iterator[list[str]]:
         server.server_close()
 
 
-def test_every_stage_call_of_every_request_is_in_flight_at_once(stage_urls):
-    chain = StageChain(stage_urls, timeout_s=30, max_requests=REQUESTS)
+def _issuer(tmp_path: Path) -> GrantIssuer:
+    return GrantIssuer.from_dir(ensure_cluster_secrets(tmp_path), {"t": "pod-token"})
+
+
+def test_every_stage_call_of_every_request_is_in_flight_at_once(stage_urls, tmp_path):
+    chain = StageChain(stage_urls, issuer=_issuer(tmp_path), timeout_s=30, max_requests=REQUESTS)
     try:
         with ThreadPoolExecutor(REQUESTS) as clients:
             results = list(clients.map(lambda i: chain.restore(f"r{i}", [1, 2, 3], tenant="t", input="boundary"),
@@ -66,9 +72,9 @@ def test_every_stage_call_of_every_request_is_in_flight_at_once(stage_urls):
     assert [[stage.request_id for stage in r] for r in results] == [[f"r{i}"] * STAGES for i in range(REQUESTS)]
 
 
-def test_the_stage_calls_share_one_thread_not_one_per_stage_per_request(stage_urls):
+def test_the_stage_calls_share_one_thread_not_one_per_stage_per_request(stage_urls, tmp_path):
     before = set(threading.enumerate())  # other tests' chains may still be alive in this process
-    chain = StageChain(stage_urls, timeout_s=30, max_requests=REQUESTS)
+    chain = StageChain(stage_urls, issuer=_issuer(tmp_path), timeout_s=30, max_requests=REQUESTS)
     try:
         with ThreadPoolExecutor(REQUESTS) as clients:
             list(clients.map(lambda i: chain.restore(f"r{i}", [1, 2, 3], tenant="t", input="boundary"),

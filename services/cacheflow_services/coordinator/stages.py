@@ -12,6 +12,9 @@ typed messages of `cacheflow_common.stage_api`:
    last stage answers with the next token (TTFT); then one token at a time.
 3. `release`: every stage frees the request's KV (also done on any failure).
 
+Every call carries the cluster's internal token, and every request's work a grant the coordinator
+signs for that request and tenant (`cacheflow_common.auth.GrantIssuer`): without them a worker refuses.
+
 A stage that dies or fails makes the call raise `ChainError` naming the stage and the reason (a
 stage that failed behind the one called, e.g. stage 1 while stage 0 forwarded to it, is named as
 itself, from the relaying stage's answer); the time that takes is bounded by the HTTP timeout (and,
@@ -30,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from cacheflow_common.auth import GrantIssuer
 from cacheflow_common.errors import CacheFlowError
 from cacheflow_common.stage_api import (
     UNREACHABLE,
@@ -63,12 +67,15 @@ class Generation:
 class StageChain:
     """The stage workers of one pipeline, shared by up to `max_requests` requests in flight at once."""
 
-    def __init__(self, urls: Sequence[str], *, timeout_s: float = 120.0, max_requests: int = 64) -> None:
+    def __init__(self, urls: Sequence[str], *, issuer: GrantIssuer, timeout_s: float = 120.0,
+                 max_requests: int = 64) -> None:
         self.urls = [u.rstrip("/") for u in urls]
+        self.issuer = issuer
         calls = max(1, len(self.urls)) * max(1, max_requests)  # every request's restore on every stage at once
         self.timeout_s = timeout_s
         self._limits = httpx.Limits(max_connections=calls, max_keepalive_connections=calls)
-        self._http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=max(1, max_requests) * 2))
+        self._http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=max(1, max_requests) * 2),
+                                  headers=issuer.headers)
         self._loop = asyncio.new_event_loop()
         self._async_http: httpx.AsyncClient | None = None
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="stage-calls", daemon=True)
@@ -76,21 +83,24 @@ class StageChain:
 
     # ------------------------------------------------------------------------------------ restore
     def restore(self, request_id: str, token_ids: Sequence[int], *, tenant: str, input: str = "auto",
-                reserve_tokens: int = 0, policy: str = "", arrived: float | None = None) -> list[RestoreSummary]:
+                reserve_tokens: int = 0, policy: str = "", arrived: float | None = None,
+                save: bool = True) -> list[RestoreSummary]:
         """Restore the prefix on every stage at once; per-stage summaries in stage order. `arrived`: when the
-        request arrived (perf_counter), so the stages know how long it has waited."""
+        request arrived (perf_counter), so the stages know how long it has waited; `save`: whether the
+        stages may store what they recompute (the request's grant says so)."""
         if input == "auto":
             try:
                 return self.restore(request_id, token_ids, tenant=tenant, input="boundary",
-                                    reserve_tokens=reserve_tokens, policy=policy, arrived=arrived)
+                                    reserve_tokens=reserve_tokens, policy=policy, arrived=arrived, save=save)
             except ChainError as exc:
                 if exc.error != "BoundaryMissingError":
                     raise
             input = "pipelined"
         waited = 0.0 if arrived is None else max(0.0, time.perf_counter() - arrived)
+        grant = self.issuer.issue(request_id, tenant, save=save, max_tokens=len(token_ids) + reserve_tokens)
         body = RestoreRequest.model_validate({"request_id": request_id, "tenant": tenant, "token_ids": list(token_ids),
                                               "input": input, "reserve_tokens": reserve_tokens, "policy": policy,
-                                              "waited_s": waited})
+                                              "waited_s": waited, "grant": grant})
         outcomes = asyncio.run_coroutine_threadsafe(self._restore_all(body), self._loop).result()
         errors = [o for o in outcomes if isinstance(o, ChainError)]
         if errors:  # every stage answered (each bounded by the timeout), so none is left holding KV
@@ -100,7 +110,8 @@ class StageChain:
 
     async def _restore_all(self, body: RestoreRequest) -> list[RestoreSummary | ChainError]:
         if self._async_http is None:  # created on the loop it serves
-            self._async_http = httpx.AsyncClient(timeout=self.timeout_s, limits=self._limits)
+            self._async_http = httpx.AsyncClient(timeout=self.timeout_s, limits=self._limits,
+                                                 headers=self.issuer.headers)
         http = self._async_http
 
         async def one(stage: int) -> RestoreSummary | ChainError:
@@ -133,19 +144,23 @@ class StageChain:
                max_new_tokens: int, temperature: float = 0.0, seed: int = 0, save: bool = True,
                reserve_tokens: int = 0, stop_ids: frozenset[int] = frozenset()) -> Iterator[int]:
         """`generate`, one token at a time as each comes back; ends early after a token in `stop_ids`."""
+        reserve = reserve_tokens or len(new_token_ids) + max_new_tokens
         meta = {"request_id": request_id, "tenant": tenant, "temperature": temperature, "seed": seed, "save": save,
-                "reserve_tokens": reserve_tokens or len(new_token_ids) + max_new_tokens}
-        token = self._forward(ForwardMeta.model_validate({**meta, "start": start, "token_ids": list(new_token_ids)}))
+                "reserve_tokens": reserve}
+        held = start + len(new_token_ids) + reserve  # the most a stage may allocate for it (granted)
+        token = self._forward(meta, start, list(new_token_ids), held)
         position = start + len(new_token_ids)
         for produced in range(1, max_new_tokens + 1):
             yield token
             if produced == max_new_tokens or token in stop_ids:
                 return
-            token = self._forward(ForwardMeta.model_validate({**meta, "start": position, "token_ids": [token]}))
+            token = self._forward(meta, position, [token], held)
             position += 1
 
-    def _forward(self, meta: ForwardMeta) -> int:
-        result = self._call(0, "POST", "/v1/forward", content=frames.pack(meta.model_dump()),
+    def _forward(self, meta: dict[str, Any], start: int, token_ids: list[int], held: int) -> int:
+        grant = self.issuer.issue(meta["request_id"], meta["tenant"], save=meta["save"], max_tokens=held)
+        forward = ForwardMeta.model_validate({**meta, "start": start, "token_ids": token_ids, "grant": grant})
+        result = self._call(0, "POST", "/v1/forward", content=frames.pack(forward.model_dump()),
                             headers={"Content-Type": frames.CONTENT_TYPE})
         return int(result["token"])
 

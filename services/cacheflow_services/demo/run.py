@@ -134,7 +134,7 @@ def balanced_cluster(spec: ClusterSpec, workdir: Path, requests: list[ReplayRequ
         with step("storing the cached prefixes", workdir), \
                 tqdm(total=len(requests), desc="storing prefixes", unit="request") as bar:
             warm_up(cluster.coordinator.url, cluster.token, spec.model, requests,
-                    [w.url for w in cluster.workers], on_done=lambda: bar.update(1))
+                    cluster.workers, on_done=lambda: bar.update(1))
         with step("measuring a lone restore's Tio/Tcomp", workdir):
             ratio = measured_io_over_compute(cluster, spec.model, requests)
     except BaseException:

@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any
 
+from cacheflow_common.auth import pod_credential_expiry
 from cacheflow_common.errors import BadRequestError, StoreError
 from cacheflow_common.transport import wire
 from cacheflow_common.transport.shaping import TokenBucket
@@ -56,6 +57,7 @@ class _Connection(socketserver.BaseRequestHandler):
         self.sock.settimeout(self.config.io_timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.tenant = ""  # set once the hello is accepted
+        self.valid_until = float("inf")  # unix time: a worker's pod credential expires, and its connection with it
         self.nixl_peer: Any = None  # the client's NIXL agent, after NIXL_HELLO
 
     def handle(self) -> None:
@@ -93,6 +95,7 @@ class _Connection(socketserver.BaseRequestHandler):
             wire.send_response(self.sock, Status.UNAVAILABLE, refused)
             return False
         self.tenant = tenant
+        self.valid_until = pod_credential_expiry(token)
         wire.send_response(self.sock, Status.OK, tenant)
         return True
 
@@ -107,7 +110,10 @@ class _Connection(socketserver.BaseRequestHandler):
             self.sock.settimeout(self.config.io_timeout_s)
 
     def _serve_one(self) -> bool:
-        """Answer one request; False when the connection should close."""
+        """Answer one request; False when the connection should close (also once its credential expired:
+        the client's pool reconnects with a fresh one)."""
+        if time.time() > self.valid_until:
+            return False
         head = bytearray(wire.REQUEST.size)
         first = self._wait_for_request(head)
         if first == 0:

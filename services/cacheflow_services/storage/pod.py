@@ -17,6 +17,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from cacheflow_common.auth import POD_CREDENTIAL_PREFIX, pod_credential_tenant
 from cacheflow_common.errors import BadRequestError, StoreError
 from cacheflow_common.kv.chunk import SECTION_HEADER_SIZE, TRAILER_TAIL
 from cacheflow_common.kv.integrity import object_problem, range_problem, section_size_of, sections_end_of
@@ -69,7 +70,10 @@ class StoragePod:
 
     # ------------------------------------------------------------------------------------ access
     def tenant_of(self, token: str) -> str | None:
-        """The tenant a bearer token belongs to, or None (every token compared in constant time)."""
+        """The tenant a bearer token, or a worker's short-lived pod credential (`cacheflow_common.auth`),
+        belongs to; None if neither (every token compared in constant time)."""
+        if token.startswith(POD_CREDENTIAL_PREFIX):
+            return pod_credential_tenant(token, self.config.tokens)
         found = None
         for known, tenant in self.config.tokens.items():
             if hmac.compare_digest(known.encode(), token.encode()):

@@ -7,8 +7,13 @@
 * `DELETE /v1/requests/{id}`: free the request's KV; `GET /v1/requests/{id}/kv`: read it back.
 * `POST /v1/flush`: wait until every queued save is stored.
 
-Errors carry their reason: 400 bad input, 404 unknown request, 409 state conflict (wrong position,
-boundary activations missing: restore pipelined instead), 502 the next stage failed, 503 pool full.
+Every `/v1` call needs the cluster's internal token (`Authorization: Bearer`), checked before any of
+the body is read; `restore` and `forward` also need the coordinator's grant for that request and
+tenant (`trust.py`). `/healthz`, `/readyz` and `/metrics` are open (probes and Prometheus).
+
+Errors carry their reason: 400 bad input, 401 no or wrong internal token, 403 no valid grant for the
+request or tenant, 404 unknown request, 409 state conflict (wrong position, boundary activations
+missing: restore pipelined instead), 502 the next stage failed, 503 pool full.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real types of the route parameters.
@@ -19,7 +24,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cacheflow_common.auth import Grant, GrantError, bearer_matches
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.restore.stages import BoundaryMissingError
 from cacheflow_common.stage_api import BusyTotals, DeliverMeta, ForwardMeta, RestoreRequest, RestoreSummary, WorkerInfo
@@ -28,16 +35,39 @@ from cacheflow_services.worker.core import RestoreCancelledError
 from cacheflow_services.worker.engine import ConflictError, StageEngine, UnknownRequestError
 from cacheflow_services.worker.next_stage import NextStageError
 from cacheflow_services.worker.pool import PoolFullError
+from cacheflow_services.worker.trust import GrantedStores, WorkerTrust
 
 _STATUS: list[tuple[type[Exception], int]] = [
     (UnknownRequestError, 404), (ConflictError, 409), (BoundaryMissingError, 409), (RestoreCancelledError, 409),
-    (PoolFullError, 503),
+    (PoolFullError, 503), (GrantError, 403),
     (NextStageError, 502), (BadRequestError, 400),
 ]
+OPEN_PATHS = ("/healthz", "/readyz", "/metrics")
 
 
-def create_app(engine: StageEngine, *, max_body_bytes: int) -> FastAPI:
+class InternalOnly:
+    """ASGI middleware: every path but the open ones needs the internal token, checked from the headers
+    alone, before the app reads any of the body (401 otherwise)."""
+
+    def __init__(self, app: ASGIApp, *, token: str) -> None:
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            headers = dict(scope["headers"])
+            if not bearer_matches(headers.get(b"authorization", b"").decode(errors="replace"), self.token):
+                response = JSONResponse({"detail": "this API is internal to the cluster: missing or wrong internal "
+                                         "token", "error": "UnauthorizedError"}, status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(engine: StageEngine, *, max_body_bytes: int, trust: WorkerTrust) -> FastAPI:
     app = FastAPI(title=f"CacheFlow stage {engine.config.stage} worker", docs_url=None, redoc_url=None)
+    app.add_middleware(InternalOnly, token=trust.internal_token)
 
     for exc_type, status in _STATUS:
         app.add_exception_handler(exc_type, _handler(status))
@@ -53,8 +83,11 @@ def create_app(engine: StageEngine, *, max_body_bytes: int) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/readyz")
-    def readyz() -> dict[str, Any]:
-        return {"ready": True, "stage": engine.config.stage}
+    def readyz() -> JSONResponse:
+        """Ready while the pool has room for a typical request."""
+        ready = engine.can_admit_typical()
+        body = {"ready": ready, "stage": engine.config.stage, "free_blocks": engine.pool.free_blocks}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/v1/info")
     def info() -> WorkerInfo:
@@ -66,12 +99,19 @@ def create_app(engine: StageEngine, *, max_body_bytes: int) -> FastAPI:
                           max_tokens=min(engine.model.config.max_position_embeddings, c.max_request_tokens),
                           policy=c.policy, step_tokens=c.step_tokens, busy=BusyTotals(**engine.busy()))
 
+    def granted(grant: str, request_id: str, tenant: str) -> Grant:
+        checked = trust.grant_for(grant, request_id=request_id, tenant=tenant)
+        if isinstance(engine.stores, GrantedStores):
+            engine.stores.authorize(checked)
+        return checked
+
     @app.post("/v1/restore")
     def restore(body: RestoreRequest) -> RestoreSummary:
         try:
+            grant = granted(body.grant, body.request_id, body.tenant)
             return engine.restore(body.request_id, body.token_ids, tenant=body.tenant, input_mode=body.input,
                                   reserve_tokens=body.reserve_tokens, policy=body.policy,
-                                  waited_s=body.waited_s)
+                                  waited_s=body.waited_s, save=grant.save, max_tokens=grant.max_tokens)
         except Exception as exc:
             engine.metrics.restore_failures.labels(type(exc).__name__).inc()
             raise
@@ -80,7 +120,10 @@ def create_app(engine: StageEngine, *, max_body_bytes: int) -> FastAPI:
     async def forward(request: Request) -> dict[str, Any]:
         meta, hidden = frames.unpack(await body_of(request))
         checked = _validated(ForwardMeta, meta).model_dump()
-        result: dict[str, Any] = await anyio.to_thread.run_sync(engine.forward, checked, hidden)
+        grant = granted(checked["grant"], checked["request_id"], checked["tenant"])
+        checked["save"] = checked["save"] and grant.save
+        result: dict[str, Any] = await anyio.to_thread.run_sync(
+            lambda: engine.forward(checked, hidden, max_tokens=grant.max_tokens))
         return result
 
     @app.post("/v1/deliver")

@@ -19,7 +19,9 @@ class WorkerConfig:
     dtype: str = "auto"
     chunk_size: int = 256  # the restore's chunk size (docs/architecture.md); the same on every stage
     pods: tuple[PodAddress, ...] = ()  # storage pods (placement by rendezvous hashing over them)
-    pod_tokens: dict[str, str] = field(default_factory=dict)  # tenant -> bearer token for the pods
+    # tenant -> bearer token for the pods, only where the engine is embedded for one tenant (the vLLM connector);
+    # a served worker holds none: grants bring short-lived credentials (trust.py)
+    pod_tokens: dict[str, str] = field(default_factory=dict)
     replicas: int = 1  # copies of each saved chunk
     next_stage: str = ""  # control URL of stage s+1 ("" on the last stage)
     policy: str = "cacheflow"  # restore policy; the CacheFlow ones need a profile
@@ -41,6 +43,11 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     http_port: int = 0
     max_request_tokens: int = 1 << 17  # longest prefix + suffix + new tokens one request may hold
+    # No tenant holds more than this share of the pool at once (1.0: no cap, as with a single tenant; set it
+    # below 1 where several tenants share the workers, so one cannot take the pool from the others).
+    tenant_pool_share: float = 1.0
+    hold_ttl_s: float = 600.0  # a session unused this long is freed (above the coordinator's hold and stage timeout)
+    typical_request_tokens: int = 4096  # /readyz is 503 while the pool has no room for a request this long
 
     def __post_init__(self) -> None:
         if self.stage < 0 or not len(self.layers) or self.layers.step != 1:
@@ -55,8 +62,10 @@ class WorkerConfig:
             raise ConfigError("the restore tokens beside forward work cannot be negative")
         if self.chunk_size <= 0 or self.block_tokens <= 0 or self.pool_tokens < self.block_tokens:
             raise ConfigError("chunk size, block size and pool size must be positive (pool >= one block)")
-        if not self.pods or not self.pod_tokens:
-            raise ConfigError("a worker needs storage pods (--pods) and their tokens (--pod-token-file)")
+        if not self.pods:
+            raise ConfigError("a worker needs storage pods (--pods)")
+        if not 0 < self.tenant_pool_share <= 1 or self.hold_ttl_s <= 0 or self.typical_request_tokens <= 0:
+            raise ConfigError("the tenant pool share must be in (0, 1]; the hold TTL and typical request positive")
         if not 1 <= self.replicas <= len(self.pods):
             raise ConfigError(f"{self.replicas} replicas over {len(self.pods)} storage pods")
 

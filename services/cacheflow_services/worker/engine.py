@@ -13,6 +13,10 @@ ids so far (chunk keys chain over token ids), and this stage's inputs for tokens
 stage's boundary activation *is* its input). Whole chunks are stored as they fill up, and a prompt's
 partial last chunk as its own object, by a saver thread, off the critical path.
 
+Trust (`trust.py`): the HTTP layer checks the coordinator's grant before it calls in here; the engine
+keeps a session to the tenant that created it, stores chunks only for sessions allowed to save, and
+frees a session nobody has used for `hold_ttl_s` (a coordinator that died or forgot it).
+
 Restores take their input from: stage 0, the token embeddings; `input="boundary"`, the boundary
 activations in storage (all stages at once, independently); `input="pipelined"`, the previous
 stage's output chunk by chunk (deliveries may arrive before this stage's restore call does, so they
@@ -24,13 +28,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from cacheflow_common.auth import GrantError
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
@@ -72,18 +77,20 @@ class Session:
     save: bool  # store whole chunks as they fill up
     saved_tokens: int  # tokens [0, saved_tokens) are in storage (whole chunks, or the restored prefix)
     unsaved_input: torch.Tensor  # [len(token_ids) - saved_tokens, hidden]: this stage's input for them
+    touched: float = 0.0  # monotonic time of its last restore or forward (idle past hold_ttl_s: freed)
 
 
 class StageEngine:
-    def __init__(self, config: WorkerConfig, model: Transformer, stores: dict[str, ChunkStore],
+    def __init__(self, config: WorkerConfig, model: Transformer, stores: Mapping[str, ChunkStore],
                  profile: Profile | None, next_stage: NextStage | None) -> None:
         self.config = config
         self.model = model
         self.layers = config.layers
-        self.stores = stores  # tenant -> placement over the storage pods
+        self.stores = stores  # tenant -> placement over the storage pods (GrantedStores on a served worker)
         self.next_stage = next_stage
         self.metrics = WorkerMetrics(n_channels=len(config.pods))
-        self.pool = KVPool(model, config.layers, capacity_tokens=config.pool_tokens, block_tokens=config.block_tokens)
+        self.pool = KVPool(model, config.layers, capacity_tokens=config.pool_tokens, block_tokens=config.block_tokens,
+                           tenant_share=config.tenant_pool_share)
         self.core = EngineCore(make_policy(config.policy), stage=config.stage)
         self.builder = RestoreBuilder(config, model, profile, on_input=self.core.wake)
         self._sessions: dict[str, Session] = {}
@@ -97,9 +104,12 @@ class StageEngine:
         self._loop_thread.start()
         self._channels = [ChannelLoader(self.core, c, on_load=self.metrics.channel_busy).start()
                           for c in range(len(config.pods))]
+        self._closed = threading.Event()
+        threading.Thread(target=self._reap_idle, name=f"stage-{config.stage}-reaper", daemon=True).start()
 
     def close(self) -> None:
         """Stop the loop and the channels (requests in flight get no answer), after queued saves."""
+        self._closed.set()
         with self.core.cond:
             self.core.stopped = True
             self.core.cond.notify_all()
@@ -110,14 +120,20 @@ class StageEngine:
 
     # ------------------------------------------------------------------------------------ restore
     def restore(self, request_id: str, token_ids: list[int], *, tenant: str, input_mode: str,
-                reserve_tokens: int, policy: str = "", waited_s: float = 0.0) -> RestoreSummary:
-        """Restore the prefix `token_ids` on this stage's layers; the KV stays for later forwards."""
+                reserve_tokens: int, policy: str = "", waited_s: float = 0.0, save: bool = True,
+                max_tokens: int | None = None) -> RestoreSummary:
+        """Restore the prefix `token_ids` on this stage's layers; the KV stays for later forwards. `save`:
+        whether the request may store chunks (recomputed misses now, its new chunks later); `max_tokens`:
+        the most tokens its grant lets it hold here."""
         store = self._store(tenant)
         self._check_tokens(token_ids, reserve_tokens)
+        _check_granted(len(token_ids) + reserve_tokens, max_tokens)
         job = make_job(self.model, token_ids, tenant=tenant, chunk_size=self.config.chunk_size, layers=self.layers)
         self._check_new(request_id)
         upstream_fed = input_mode in UPSTREAM_FED and self.config.stage > 0
-        kv = self.pool.allocate(request_id, len(token_ids) + reserve_tokens)
+        kv = self.pool.allocate(request_id, len(token_ids) + reserve_tokens, tenant=tenant)
+        log.info("restore %s admitted on stage %d: %d prefix tokens, input %s", request_id, self.config.stage,
+                 len(token_ids), input_mode)
         sender = self._sender(request_id, hold=input_mode == "sequential") if input_mode in UPSTREAM_FED else None
         try:
             inputs = self._attach_upstream(request_id, job) if upstream_fed else None
@@ -138,9 +154,13 @@ class StageEngine:
         if sender is not None:
             sender.finish()
         with self._lock:
-            self._sessions[request_id] = Session(tenant=tenant, kv=kv, token_ids=list(token_ids), save=True,
-                                                 saved_tokens=len(token_ids), unsaved_input=self._no_rows())
-        self._save_recomputed(job, restore, store)
+            self._sessions[request_id] = Session(tenant=tenant, kv=kv, token_ids=list(token_ids), save=save,
+                                                 saved_tokens=len(token_ids), unsaved_input=self._no_rows(),
+                                                 touched=time.monotonic())
+        if save:
+            self._save_recomputed(job, restore, store)
+        log.info("restore %s finished on stage %d: %d units loaded, %d computed (%s-wise), %.3f s", request_id,
+                 self.config.stage, summary.loaded, summary.computed, summary.mode, summary.elapsed_s)
         self.metrics.restores.labels(input_mode, summary.mode).inc()
         self.metrics.restore_seconds.observe(summary.elapsed_s)
         self._refresh_pool_gauges()
@@ -194,11 +214,13 @@ class StageEngine:
         return upstream
 
     # ------------------------------------------------------------------------------------ forward
-    def forward(self, meta: dict[str, Any], hidden: torch.Tensor | None) -> dict[str, Any]:
+    def forward(self, meta: dict[str, Any], hidden: torch.Tensor | None, *,
+                max_tokens: int | None = None) -> dict[str, Any]:
         """Run this stage's layers over new tokens of a request (in the engine's next steps), then the
-        next stage's (or sample the next token)."""
+        next stage's (or sample the next token). `max_tokens`: what its grant lets a new session hold."""
         request_id, start, token_ids = meta["request_id"], meta["start"], meta["token_ids"]
-        session = self._session_for(meta)
+        session = self._session_for(meta, max_tokens)
+        session.touched = time.monotonic()
         if not meta.get("save", True):  # a restored session is told only now whether to store what comes
             session.save = False
         if start != len(session.token_ids):
@@ -225,21 +247,24 @@ class StageEngine:
         assert self.next_stage is not None  # only the last stage samples
         return self.next_stage.forward(meta, out)
 
-    def _session_for(self, meta: dict[str, Any]) -> Session:
+    def _session_for(self, meta: dict[str, Any], max_tokens: int | None) -> Session:
         request_id = meta["request_id"]
         with self._lock:
             session = self._sessions.get(request_id)
         if session is not None:
+            if session.tenant != meta["tenant"]:
+                raise GrantError(f"request {request_id!r} belongs to another tenant")
             return session
         if meta["start"] != 0:
             raise UnknownRequestError(f"request {request_id!r} has no KV on stage {self.config.stage}")
         self._store(meta["tenant"])  # an unknown tenant is refused before anything is allocated
         reserve = meta.get("reserve_tokens", 0)
         self._check_tokens(meta["token_ids"], reserve)
+        _check_granted(len(meta["token_ids"]) + reserve, max_tokens)
         self._check_new(request_id)
-        kv = self.pool.allocate(request_id, len(meta["token_ids"]) + reserve)
+        kv = self.pool.allocate(request_id, len(meta["token_ids"]) + reserve, tenant=meta["tenant"])
         session = Session(tenant=meta["tenant"], kv=kv, token_ids=[], save=bool(meta.get("save", True)),
-                          saved_tokens=0, unsaved_input=self._no_rows())
+                          saved_tokens=0, unsaved_input=self._no_rows(), touched=time.monotonic())
         with self._lock:
             self._sessions[request_id] = session
         self._refresh_pool_gauges()
@@ -313,7 +338,25 @@ class StageEngine:
             self._mailbox.pop(request_id, None)
         released = self.pool.release(request_id)
         self._refresh_pool_gauges()
+        if released:
+            log.info("request %s released on stage %d", request_id, self.config.stage)
         return released
+
+    def can_admit_typical(self) -> bool:
+        """Whether the pool has room for a typical request now (`/readyz`)."""
+        return self.pool.free_blocks >= self.pool.blocks_for(self.config.typical_request_tokens)
+
+    def _reap_idle(self) -> None:
+        """Free every session idle longer than `hold_ttl_s`: no hold outlives the coordinator's use of it."""
+        ttl = self.config.hold_ttl_s
+        while not self._closed.wait(min(ttl / 4, 30.0)):
+            now = time.monotonic()
+            with self._lock:
+                idle = [r for r, s in self._sessions.items() if now - s.touched > ttl]
+            for request_id in idle:
+                log.warning("request %s held KV on stage %d unused for over %.0f s: freed", request_id,
+                            self.config.stage, ttl)
+                self.release(request_id)
 
     def kv_of(self, request_id: str) -> torch.Tensor:
         """[L_s, 2, Hkv, tokens, D]: the KV this stage holds for the request's tokens so far."""
@@ -366,6 +409,11 @@ class StageEngine:
     def _refresh_pool_gauges(self) -> None:
         self.metrics.pool_used_blocks.set(self.pool.used_blocks)
         self.metrics.requests.set(self.pool.requests())
+
+
+def _check_granted(tokens: int, max_tokens: int | None) -> None:
+    if max_tokens is not None and tokens > max_tokens:
+        raise GrantError(f"{tokens} tokens asked; the coordinator granted at most {max_tokens}")
 
 
 def sample(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cacheflow_common.auth import INTERNAL_TOKEN_FILE, VERIFY_KEY_FILE, read_secret
 from cacheflow_services.local_process import start_service, stop_process
 
 
@@ -36,6 +37,12 @@ class LocalWorker:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
+    @property
+    def internal_headers(self) -> dict[str, str]:
+        """What a call to this worker's `/v1` API must carry: the internal token it was started with."""
+        path = self.args[self.args.index("--internal-token-file") + 1]
+        return {"Authorization": f"Bearer {read_secret(path, 'internal token file').decode()}"}
+
     def kill(self) -> None:
         stop_process(self.proc, kill=True)
 
@@ -43,11 +50,13 @@ class LocalWorker:
         stop_process(self.proc)
 
 
-def launch_stages(workdir: Path, *, split: Sequence[range], pods: Sequence[str], pod_token_file: Path,
+def launch_stages(workdir: Path, *, split: Sequence[range], pods: Sequence[str], secrets: Path,
                   model: str = "tiny", chunk_size: int = 256, dtype: str = "float32", policy: str = "cake",
                   profile: str = "", cpus: Sequence[str] = (), threads: int = 1,
                   extra: Sequence[str] = ()) -> list[LocalWorker]:
-    """One worker per stage of `split`, chained; returns them in stage order."""
+    """One worker per stage of `split`, chained; returns them in stage order. `secrets`: the cluster's internal
+    secrets (`cacheflow_common.auth.ensure_cluster_secrets`): workers get the internal token and the grant
+    verifying key, never a tenant's storage token."""
     workdir.mkdir(parents=True, exist_ok=True)
     workers: list[LocalWorker] = []
     next_url = ""
@@ -56,7 +65,9 @@ def launch_stages(workdir: Path, *, split: Sequence[range], pods: Sequence[str],
             layers = split[stage]
             args = ["--stage", str(stage), "--layers", f"{layers.start}:{layers.stop}", "--model", model,
                     "--dtype", dtype, "--chunk-size", str(chunk_size), "--pods", ",".join(pods),
-                    "--pod-token-file", str(pod_token_file), "--policy", policy, "--threads", str(threads), *extra]
+                    "--internal-token-file", str(secrets / INTERNAL_TOKEN_FILE),
+                    "--grant-key-file", str(secrets / VERIFY_KEY_FILE), "--policy", policy, "--threads", str(threads),
+                    *extra]
             args += ["--next-stage", next_url] if next_url else []
             args += ["--profile", profile] if profile else []
             worker = LocalWorker(stage, args, workdir / f"worker-{stage}.log", cpus=cpus[stage] if cpus else "")

@@ -13,29 +13,31 @@ import uvicorn
 
 from cacheflow_common.model.sources import load_model, parse_dtype
 from cacheflow_common.restore.profile import Profile
-from cacheflow_common.store.base import ChunkStore
-from cacheflow_common.store.placement import tenant_stores
 from cacheflow_services.worker.app import create_app
 from cacheflow_services.worker.config import WorkerConfig
 from cacheflow_services.worker.engine import StageEngine
 from cacheflow_services.worker.next_stage import NextStage
+from cacheflow_services.worker.trust import GrantedStores, WorkerTrust
 
 log = logging.getLogger(__name__)
 FRAME_SLACK_BYTES = 8 << 20  # metadata (token ids) beside the hidden states
 
 
-def serve(config: WorkerConfig) -> None:
+def serve(config: WorkerConfig, trust: WorkerTrust) -> None:
+    """Serve the stage's API: only to holders of the internal token, and work only on the coordinator's
+    grants; storage credentials come with the grants (the worker holds no tenant's token)."""
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack to the log
     model = load_model(config.model, dtype=parse_dtype(config.dtype), layers=config.layers)
     profile = Profile.load(config.profile, model=model) if config.profile else None  # refused if not ours
-    next_stage = NextStage(config.next_stage, timeout_s=config.next_stage_timeout_s) if config.next_stage else None
-    stores: dict[str, ChunkStore] = dict(tenant_stores(config.pods, config.pod_tokens, replicas=config.replicas))
+    next_stage = NextStage(config.next_stage, timeout_s=config.next_stage_timeout_s,
+                           internal_token=trust.internal_token) if config.next_stage else None
+    stores = GrantedStores(config.pods, replicas=config.replicas)
     engine = StageEngine(config, model, stores, profile, next_stage)
     engine.metrics.pool_capacity_blocks.set(engine.pool.capacity_blocks)
     max_body = config.max_request_tokens * model.config.hidden_size * 4 + FRAME_SLACK_BYTES
     http = socket.create_server((config.host, config.http_port))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, max_body_bytes=max_body), log_level="warning",
-                                           access_log=False))
+    app = create_app(engine, max_body_bytes=max_body, trust=trust)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     ready = {"event": "ready", "stage": config.stage, "http_port": http.getsockname()[1],
              "layers": [config.layers.start, config.layers.stop], "threads": torch.get_num_threads()}
     print(json.dumps(ready), flush=True)  # one line that launchers and tests wait for

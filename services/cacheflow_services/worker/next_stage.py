@@ -37,11 +37,12 @@ class NextStageError(CacheFlowError):
 
 
 class NextStage:
-    def __init__(self, url: str, *, timeout_s: float) -> None:
+    def __init__(self, url: str, *, timeout_s: float, internal_token: str) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(timeout=timeout_s)
+        self._http = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {internal_token}"})
 
     def forward(self, meta: dict[str, Any], hidden: torch.Tensor) -> dict[str, Any]:
+        """`meta` carries the coordinator's grant for the request: the next stage checks it too."""
         return self._post("/v1/forward", frames.pack(meta, hidden))
 
     def deliver(self, request_id: str, index: int, hidden: torch.Tensor) -> None:

@@ -1,0 +1,74 @@
+"""What a stage worker trusts (`cacheflow_common.auth`): the internal token on every `/v1` call, a grant
+from the coordinator on every request's work, and only the storage credentials that grants bring.
+
+A worker holds no tenant's storage token: `GrantedStores` builds each tenant's placement over the pods
+the first time a grant for that tenant arrives, and authenticates it with the newest pod credential a
+grant brought (short-lived; the pods close a connection once its credential expires, and the client
+reconnects with the newer one).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cacheflow_common.auth import Grant, GrantVerifier, read_secret
+from cacheflow_common.store.base import ChunkStore
+from cacheflow_common.store.placement import ClusterStore
+from cacheflow_common.transport.pod_client import PodAddress, PodClient
+
+
+@dataclass(frozen=True)
+class WorkerTrust:
+    internal_token: str  # every /v1 call carries it (the coordinator's and the previous stage's)
+    verifier: GrantVerifier  # checks the coordinator's grants (the public key only: cannot make one)
+
+    @classmethod
+    def from_files(cls, internal_token_file: Path | str, grant_key_file: Path | str) -> WorkerTrust:
+        token = read_secret(internal_token_file, "internal token file").decode()
+        return cls(token, GrantVerifier(read_secret(grant_key_file, "grant verifying key file")))
+
+    def grant_for(self, text: str, *, request_id: str, tenant: str) -> Grant:
+        """The verified grant `text`, for this request of this tenant (GrantError otherwise)."""
+        grant = self.verifier.verify(text)
+        grant.check(request_id=request_id, tenant=tenant)
+        return grant
+
+
+class GrantedStores(Mapping[str, ChunkStore]):
+    """tenant -> its placement over the storage pods, for the tenants a grant has been seen for."""
+
+    def __init__(self, pods: Sequence[PodAddress], *, replicas: int) -> None:
+        self.pods = tuple(pods)
+        self.replicas = replicas
+        self._stores: dict[str, ClusterStore] = {}
+        self._clients: dict[str, list[PodClient]] = {}
+        self._lock = threading.Lock()
+
+    def authorize(self, grant: Grant) -> None:
+        """From now on the tenant's pod connections authenticate with this grant's pod credential."""
+        if not grant.pod_credential:
+            return
+        with self._lock:
+            clients = self._clients.get(grant.tenant)
+            if clients is None:
+                clients = [PodClient(a, grant.pod_credential) for a in self.pods]
+                self._clients[grant.tenant] = clients
+                self._stores[grant.tenant] = ClusterStore({c.address.pod_id: c for c in clients},
+                                                          replicas=self.replicas)
+            for client in clients:
+                client.token = grant.pod_credential  # new connections use it; old ones end with theirs
+
+    def __getitem__(self, tenant: str) -> ChunkStore:
+        with self._lock:
+            return self._stores[tenant]
+
+    def __iter__(self) -> Iterator[str]:
+        with self._lock:
+            return iter(list(self._stores))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._stores)
