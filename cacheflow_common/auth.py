@@ -36,17 +36,13 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from cacheflow_common.errors import ConfigError, UnauthorizedError
+from cacheflow_common.errors import ConfigError, GrantError
 
 INTERNAL_TOKEN_FILE = "internal-token"
 SIGNING_KEY_FILE = "grant-signing-key.pem"  # the coordinator's only
 VERIFY_KEY_FILE = "grant-verify-key.pem"  # the workers'
 POD_CREDENTIAL_PREFIX = "cfpod1."
 CLOCK_SKEW_S = 30.0  # an expiry this far in the past is still accepted (clocks of two pods differ)
-
-
-class GrantError(UnauthorizedError):
-    """A call to a worker without a valid grant for what it asks (HTTP 403)."""
 
 
 def bearer_matches(authorization: str, expected: str) -> bool:

@@ -26,3 +26,7 @@ class StoreError(CacheFlowError):
 
 class UnauthorizedError(ConfigError):
     """A service refused our credentials (a wrong or missing bearer token is a deployment mistake)."""
+
+
+class GrantError(UnauthorizedError):
+    """A call to a worker without a valid grant from the coordinator for what it asks (HTTP 403)."""

@@ -26,8 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cacheflow_common.auth import Grant, GrantError, bearer_matches
-from cacheflow_common.errors import BadRequestError
+from cacheflow_common.auth import Grant, bearer_matches
+from cacheflow_common.errors import BadRequestError, GrantError
 from cacheflow_common.restore.stages import BoundaryMissingError
 from cacheflow_common.stage_api import BusyTotals, DeliverMeta, ForwardMeta, RestoreRequest, RestoreSummary, WorkerInfo
 from cacheflow_common.transport import frames

@@ -35,8 +35,7 @@ from typing import Any
 
 import torch
 
-from cacheflow_common.auth import GrantError
-from cacheflow_common.errors import BadRequestError
+from cacheflow_common.errors import BadRequestError, GrantError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.executor import RestoreJob
