@@ -1,26 +1,36 @@
-"""Applying the desired children: create what is missing, patch only what differs, delete what is no longer wanted.
+"""Applying the desired children with Kubernetes server-side apply; deleting the ones no longer wanted.
 
-A child is patched with a JSON merge patch computed three ways, as `kubectl apply` does: fields the
-desired object sets and the live one lacks or holds differently are set; fields the last applied
-object (kept in an annotation) set and the desired one no longer does are removed. Fields the API
-server added (defaults, status) are left alone, so reconciling an unchanged resource sends nothing.
+Each child is sent whole as an apply patch (`PATCH`, `application/apply-patch+yaml`) under the field
+manager `cacheflow-operator`, with `force`: the operator owns every field it sets on its children, and a
+conflicting change by another manager (`kubectl edit`, say) is taken back. The API server does the merge:
+it records in managedFields which fields this manager owns, removes the ones it owned and no longer sends,
+leaves other managers' fields and its own defaults alone, and writes nothing (no new resourceVersion, no
+watch event) when the object already holds what is sent. A missing child is created by the same request.
+
+A StatefulSet accepts changes only to some spec fields: for the others the live values are sent back, so
+an apply never fails on them (they take effect when the StatefulSet is deleted and recreated).
+
+The internal Secret is not applied: it is created once when missing and never replaced (its token and
+keys must not change under running pods).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
-from cacheflow_operator.kube import Kube, Ref
+from cacheflow_common.auth import new_cluster_secrets
+from cacheflow_operator.kube import Kube, KubeError, Ref
 from cacheflow_operator.manifests.build import children
-from cacheflow_operator.manifests.common import MANAGER, quantity
+from cacheflow_operator.manifests.common import MANAGER, internal_secret_name, quantity
+from cacheflow_operator.manifests.secret import KEYS, internal_secret
 from cacheflow_operator.spec import Cluster
 
 log = logging.getLogger(__name__)
 
-LAST_APPLIED = "cacheflow.io/last-applied"
-CHILD_KINDS = (("v1", "ConfigMap"), ("v1", "Service"), ("apps/v1", "StatefulSet"), ("apps/v1", "Deployment"))
+FIELD_MANAGER = MANAGER  # "cacheflow-operator": the owner of the children's fields in managedFields
+CHILD_KINDS = (("v1", "ConfigMap"), ("v1", "Service"), ("apps/v1", "StatefulSet"), ("apps/v1", "Deployment"),
+               ("networking.k8s.io/v1", "NetworkPolicy"))
 # A StatefulSet's spec accepts changes only to these fields; the others take effect when it is recreated.
 STATEFULSET_MUTABLE = {"replicas", "template", "updateStrategy", "persistentVolumeClaimRetentionPolicy",
                        "minReadySeconds", "ordinals"}
@@ -49,53 +59,48 @@ def contains(have: Any, want: Any) -> bool:
     return same_scalar(want, have)
 
 
-def merge_patch(last: Any, want: dict[str, Any], have: dict[str, Any]) -> dict[str, Any]:
-    """The merge patch that makes `have` contain `want` and drops what `last` set but `want` no longer does."""
-    last = last if isinstance(last, dict) else {}
-    patch: dict[str, Any] = {}
-    for key, value in want.items():
-        if key not in have:
-            patch[key] = value
-        elif isinstance(value, dict) and isinstance(have[key], dict):
-            if sub := merge_patch(last.get(key), value, have[key]):
-                patch[key] = sub
-        elif not contains(have[key], value):
-            patch[key] = value
-    patch.update({key: None for key in last if key not in want and key in have})
-    return patch
-
-
-def with_last_applied(obj: dict[str, Any]) -> dict[str, Any]:
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
-    meta = obj["metadata"]
-    return {**obj, "metadata": {**meta, "annotations": {**meta.get("annotations", {}), LAST_APPLIED: text}}}
-
-
-def child_patch(want: dict[str, Any], have: dict[str, Any]) -> dict[str, Any]:
-    """The patch for one child (empty: nothing to do); a StatefulSet's immutable fields are left out."""
-    annotations = have.get("metadata", {}).get("annotations") or {}
-    last = json.loads(annotations[LAST_APPLIED]) if LAST_APPLIED in annotations else None
-    patch = merge_patch(last, with_last_applied(want), have)
-    if want["kind"] == "StatefulSet" and "spec" in patch:
-        if frozen := sorted(set(patch["spec"]) - STATEFULSET_MUTABLE):
-            log.warning("%s: %s cannot change in place (delete the StatefulSet to apply them)", Ref.of(want), frozen)
-        patch["spec"] = {k: v for k, v in patch["spec"].items() if k in STATEFULSET_MUTABLE}
-        if not patch["spec"]:
-            del patch["spec"]
-    return patch
+def keep_immutable(want: dict[str, Any], have: dict[str, Any] | None) -> dict[str, Any]:
+    """`want` with a live StatefulSet's immutable spec fields as they are where `want` would change them."""
+    if want["kind"] != "StatefulSet" or have is None:
+        return want
+    live = have.get("spec") or {}
+    spec = dict(want["spec"])
+    frozen = sorted(k for k, v in spec.items()
+                    if k not in STATEFULSET_MUTABLE and k in live and not contains(live[k], v))
+    if not frozen:
+        return want
+    log.warning("%s: %s cannot change in place (delete the StatefulSet to apply them)", Ref.of(want), frozen)
+    spec.update({k: live[k] for k in frozen})
+    return {**want, "spec": spec}
 
 
 def apply(kube: Kube, want: dict[str, Any]) -> str:
-    """Create or patch one child; returns what it did ("" for nothing)."""
+    """Server-side apply one child; returns what happened ("" when the API server changed nothing)."""
     ref = Ref.of(want)
     have = kube.get(ref)
+    applied = kube.apply(keep_immutable(want, have), field_manager=FIELD_MANAGER, force=True) or {}
     if have is None:
-        kube.create(with_last_applied(want))
         return f"created {ref}"
-    if patch := child_patch(want, have):
-        kube.patch(ref, patch)
-        return f"patched {ref}"
-    return ""
+    before, after = have["metadata"].get("resourceVersion"), applied.get("metadata", {}).get("resourceVersion")
+    return f"updated {ref}" if before != after else ""
+
+
+def ensure_internal_secret(kube: Kube, c: Cluster) -> str:
+    """Create the cluster's internal Secret (internal token, grant key pair) if it does not exist; never replace it."""
+    ref = Ref("v1", "Secret", c.namespace, internal_secret_name(c))
+    have = kube.get(ref)
+    if have is not None:
+        if missing := sorted(set(KEYS) - set(have.get("data") or {})):
+            log.warning("%s lacks %s: the pods that mount them cannot start (delete it to have it recreated)",
+                        ref, missing)
+        return ""
+    try:
+        kube.create(internal_secret(c, new_cluster_secrets()))
+    except KubeError as exc:
+        if exc.status == 409:  # created meanwhile: that one stands
+            return ""
+        raise
+    return f"created {ref}"
 
 
 def owned_by(obj: dict[str, Any], c: Cluster) -> bool:
@@ -103,7 +108,7 @@ def owned_by(obj: dict[str, Any], c: Cluster) -> bool:
 
 
 def stale_children(kube: Kube, c: Cluster, wanted: list[dict[str, Any]]) -> list[Ref]:
-    """Children this resource controls that are no longer wanted (a removed stage, say)."""
+    """Children this resource controls that are no longer wanted (a removed stage, NetworkPolicies turned off)."""
     keep = {Ref.of(obj) for obj in wanted}
     selector = {"cacheflow.io/cluster": c.name, "app.kubernetes.io/managed-by": MANAGER}
     found = [Ref.of({**obj, "apiVersion": v, "kind": k}) for v, k in CHILD_KINDS
@@ -114,7 +119,7 @@ def stale_children(kube: Kube, c: Cluster, wanted: list[dict[str, Any]]) -> list
 def reconcile(kube: Kube, c: Cluster) -> list[str]:
     """Bring every child in line with the resource; returns the changes made (none when already in line)."""
     wanted = children(c)
-    actions = [done for obj in wanted if (done := apply(kube, obj))]
+    actions = [done for done in (ensure_internal_secret(kube, c), *(apply(kube, obj) for obj in wanted)) if done]
     for ref in stale_children(kube, c, wanted):
         kube.delete(ref)
         actions.append(f"deleted {ref}")

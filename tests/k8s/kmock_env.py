@@ -5,6 +5,13 @@ docs/architecture.md, "The operator and the Helm chart"), so kmock stands in for
 objects, serves discovery, lists, watches and merge patches. It does no validation, defaulting,
 generation bumps or garbage collection; the tests say where they do by hand what a real API server
 or controller would (metadata.uid and generation, a workload's readiness).
+
+Server-side apply: kmock (0.8) serves every PATCH as a merge patch of an object that exists, whatever
+its content type, and answers 404 for one that does not (test_kmock_does_not_create_on_apply checks
+this). A real API server creates the object on an apply; the tests' emulator does only that part:
+an apply to a missing object stores the body first, and kmock's merge follows (`ApplyingEmulator`). Field ownership
+(managedFields), the removal of fields an applier no longer sends, conflicts and `force` are not
+emulated: the tests check the requests the operator sends, not the API server's merge.
 """
 
 from __future__ import annotations
@@ -27,13 +34,16 @@ from cacheflow_operator.spec import API_VERSION, KIND, PLURAL
 
 NAMESPACE = "ml"
 CR_PATH = f"/apis/{API_VERSION}/namespaces/{NAMESPACE}/{PLURAL}"
-CHILD_PLURALS = {"configmaps", "services", "deployments", "statefulsets"}
+CHILD_PLURALS = {"configmaps", "services", "deployments", "statefulsets", "networkpolicies", "secrets"}
+APPLY_PATCH = "application/apply-patch+yaml"
 RESOURCES = {  # what a real API server's discovery would list for these kinds
     f"{API_VERSION}/{PLURAL}": ("CacheFlowCluster", True, {"status"}),
     "apps/v1/deployments": ("Deployment", True, {"status"}),
     "apps/v1/statefulsets": ("StatefulSet", True, {"status"}),
     "v1/services": ("Service", True, set()),
     "v1/configmaps": ("ConfigMap", True, set()),
+    "v1/secrets": ("Secret", True, set()),
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, set()),
     "v1/events": ("Event", True, set()),
     "v1/namespaces": ("Namespace", False, set()),
 }
@@ -118,6 +128,25 @@ class Api:
         await self.call("PATCH", child_path(api_version, plural, name) + "/status", {"status": status})
 
 
+def is_apply(request: Any) -> bool:
+    """A server-side apply request (PATCH with the apply-patch content type) on a named object."""
+    content_type = next((v for k, v in request.headers.items() if k.lower() == "content-type"), "")
+    return bool(request.method == "PATCH" and content_type.split(";")[0].strip() == APPLY_PATCH
+                and request.resource is not None and request.name and not request.subresource)
+
+
+class ApplyingEmulator(kmock.KubernetesEmulator):
+    """kmock's emulator, plus: an apply to a missing object creates it, as the API server does (kmock would
+    answer 404). Tests select it with `pytest.mark.kmock(cls=ApplyingEmulator)`."""
+
+    async def _handle(self, request: Any) -> Any:
+        if is_apply(request):
+            key = (request.resource, request.namespace, request.name)
+            if key not in self.objects or self.objects[key].deleted:
+                self.objects[key] = request.data
+        return await super()._handle(request)
+
+
 @contextlib.asynccontextmanager
 async def running_operator(server: kmock.KubernetesEmulator, tmp_path: Path,
                            monkeypatch: Any) -> AsyncIterator[Api]:
@@ -126,6 +155,7 @@ async def running_operator(server: kmock.KubernetesEmulator, tmp_path: Path,
     for key, (kind, namespaced, subresources) in RESOURCES.items():
         server.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=VERBS,
                                                    subresources=subresources)
+    assert isinstance(server, ApplyingEmulator), "the operator applies its children: mark the test kmock(cls=...)"
     monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(server.url).rstrip("/"))))
     stop, ready = threading.Event(), threading.Event()
     run = functools.partial(operator, namespaces=[NAMESPACE], clusterwide=False, stop_flag=stop, ready_flag=ready)

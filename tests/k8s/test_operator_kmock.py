@@ -4,21 +4,42 @@ can run here): create, spec updates, status from the workloads' readiness, idemp
 
 from __future__ import annotations
 
+import base64
 import logging
+import time
 from typing import Any
 
+import aiohttp
 import pytest
+from kmock import KubernetesEmulator, ResourceInfo
 
-from cacheflow_operator.spec import API_VERSION, KIND, PLURAL
-from tests.k8s.kmock_env import CR_PATH, NAMESPACE, Api, child_path, cluster_body, running_operator
+from cacheflow_common.auth import Grant, GrantSigner, GrantVerifier, new_cluster_secrets
+from cacheflow_operator.kube import Ref
+from cacheflow_operator.manifests.build import children
+from cacheflow_operator.spec import API_VERSION, KIND, PLURAL, Cluster
+from tests.k8s.kmock_env import (
+    CR_PATH,
+    NAMESPACE,
+    Api,
+    ApplyingEmulator,
+    child_path,
+    cluster_body,
+    running_operator,
+)
 
-pytestmark = pytest.mark.asyncio
+# the operator applies its children (server-side apply): kmock's emulator plus creation on apply (kmock_env.py)
+pytestmark = [pytest.mark.asyncio, pytest.mark.kmock(cls=ApplyingEmulator)]
 
 TINY = {"model": {"source": "tiny", "layers": 8}, "stages": {"count": 2}, "storage": {"pods": 2}}
 WORKLOADS = [("apps/v1", "deployments", "demo-coordinator"), ("apps/v1", "deployments", "demo-stage-0"),
              ("apps/v1", "deployments", "demo-stage-1"), ("apps/v1", "statefulsets", "demo-storage")]
+POLICIES = [("networking.k8s.io/v1", "networkpolicies", f"demo-{n}")
+            for n in ("default-deny", "coordinator", "stage-0", "stage-1", "storage")]
 CHILDREN = [("v1", "configmaps", "demo-spec"), ("v1", "services", "demo-storage"), ("v1", "services", "demo-stage-0"),
-            ("v1", "services", "demo-stage-1"), ("v1", "services", "demo-coordinator"), *WORKLOADS]
+            ("v1", "services", "demo-stage-1"), ("v1", "services", "demo-coordinator"), *WORKLOADS, *POLICIES]
+SECRET = child_path("v1", "secrets", "demo-internal")
+SECRET_KEY = ("v1", "secrets", "demo-internal")
+CHILD_KINDS = {plural for _, plural, _ in CHILDREN}
 
 
 def stored_cluster(server: Any) -> dict[str, Any]:
@@ -119,14 +140,17 @@ async def test_spec_updates_scale_stages_and_storage(kmock, tmp_path, monkeypatc
 
 
 async def test_reconciling_again_changes_nothing(kmock, tmp_path, monkeypatch, caplog):
+    """On a real API server an apply of what an object already holds writes nothing (no new resourceVersion, no
+    event); kmock cannot show that (it merges every PATCH), so this checks what the operator sends: one apply per
+    child and nothing else (no create, no delete, the Secret left alone), and that the objects stay as they were."""
     async with running_operator(kmock, tmp_path, monkeypatch) as api:
         await create_and_wait(api)
         for workload in WORKLOADS:
             await api.mark_ready(*workload)
         await wait_condition(api, "Ready", "True")
-        writes = api.child_writes()
-        assert len([w for w in writes if w.startswith("POST")]) == len(CHILDREN)
+        assert [w for w in api.child_writes() if not w.startswith("PATCH")] == [f"POST {child_path('v1', 'secrets')}"]
     cr_before = stored_cluster(kmock)
+    children_before = {c: kmock.objects[f"{c[0]}/{c[1]}", NAMESPACE, c[2]].raw for c in [*CHILDREN, SECRET_KEY]}
     requests_before = len(kmock)
     caplog.clear()
     caplog.set_level(logging.INFO, logger="kopf.objects")
@@ -139,8 +163,98 @@ async def test_reconciling_again_changes_nothing(kmock, tmp_path, monkeypatch, c
         await api.settled()
         writes_now = [f"{r.method.value} {r.url.path}" for r in list(kmock)[requests_before:]
                       if r.method.value != "GET"]
-        assert writes_now == [], "reconciling an unchanged resource wrote to the API"
+        assert sorted(writes_now) == sorted(f"PATCH {child_path(*c)}" for c in CHILDREN), \
+            "reconciling an unchanged resource should send one apply per child and nothing else"
         assert stored_cluster(kmock) == cr_before
+        assert {c: kmock.objects[f"{c[0]}/{c[1]}", NAMESPACE, c[2]].raw for c in [*CHILDREN, SECRET_KEY]} == \
+            children_before
+
+
+async def test_children_are_applied_server_side(kmock, tmp_path, monkeypatch):
+    """Every child is sent as a server-side apply: PATCH with the apply-patch content type, the operator's own field
+    manager, force, and the whole desired object as the body. kmock does not implement apply (no managedFields, no
+    removal of dropped fields, no conflicts), so the request is what can be checked here, not the API's merge."""
+    async with running_operator(kmock, tmp_path, monkeypatch) as api:
+        await create_and_wait(api)
+        await api.settled()
+    wanted = {Ref.of(o).path(): o for o in children(Cluster.from_resource(cluster_body(TINY)))}
+    patches = [r for r in kmock if r.method.value == "PATCH" and r.resource is not None
+               and r.resource.plural in CHILD_KINDS and not r.subresource]
+    assert {r.url.path for r in patches} == set(wanted) and len(wanted) == len(CHILDREN)
+    for r in patches:
+        assert r.headers["Content-Type"] == "application/apply-patch+yaml", r.url.path
+        assert r.params == {"fieldManager": "cacheflow-operator", "force": "true"}, r.url.path
+        assert r.data == wanted[r.url.path], r.url.path
+    assert not [r for r in kmock if r.method.value in ("POST", "PUT") and r.resource is not None
+                and r.resource.plural in CHILD_KINDS], "children are created by apply, not POST"
+
+
+def internal_material(secret: dict[str, Any]) -> dict[str, bytes]:
+    return {k: base64.b64decode(v) for k, v in secret["data"].items()}
+
+
+async def test_the_internal_secret_is_created_once_and_never_replaced(kmock, tmp_path, monkeypatch):
+    async with running_operator(kmock, tmp_path, monkeypatch) as api:
+        await create_and_wait(api)
+        secret = await api.get(SECRET)
+        assert secret is not None and secret["type"] == "Opaque"
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"  # deleted with the cluster
+        material = internal_material(secret)
+        assert sorted(material) == ["grant-signing-key.pem", "grant-verify-key.pem", "internal-token"]
+        assert len(material["internal-token"]) >= 32
+        # the two keys are one pair: what the coordinator's key signs, the workers' key verifies
+        grant = Grant(request_id="r1", tenant="t", save=True, max_tokens=8, expires_at=time.time() + 60,
+                      pod_credential="")
+        signed = GrantSigner(material["grant-signing-key.pem"]).sign(grant)
+        assert GrantVerifier(material["grant-verify-key.pem"]).verify(signed) == grant
+        # a spec change reconciles again: the Secret stays as it is
+        await api.call("PATCH", f"{CR_PATH}/demo", {"metadata": {"generation": 2}, "spec": {"stages": {"count": 3}}})
+        await wait_condition(api, "Progressing", "True", generation=2)
+        await api.settled()
+    async with running_operator(kmock, tmp_path, monkeypatch) as api:  # and so does an operator restart
+        await api.settled(2.0)
+        assert internal_material(await api.get(SECRET) or {}) == material
+    secret_writes = [f"{r.method.value} {r.url.path}" for r in kmock if r.method.value != "GET"
+                     and r.resource is not None and r.resource.plural == "secrets"]
+    assert secret_writes == [f"POST {child_path('v1', 'secrets')}"]
+
+
+async def test_an_existing_internal_secret_is_kept(kmock, tmp_path, monkeypatch):
+    """One that is already there (an earlier operator's, or restored from a backup) is used as it is."""
+    async with running_operator(kmock, tmp_path, monkeypatch) as api:
+        mine = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "demo-internal", "namespace": NAMESPACE},
+                "data": {k: base64.b64encode(v).decode() for k, v in new_cluster_secrets().items()}}
+        await api.call("POST", child_path("v1", "secrets"), mine)
+        await create_and_wait(api)
+        await api.settled()
+        assert (await api.get(SECRET) or {}).get("data") == mine["data"]
+        assert [r.method.value for r in kmock if r.resource is not None and r.resource.plural == "secrets"
+                and r.method.value != "GET"] == ["POST"]  # the test's own
+
+
+async def test_workers_get_the_internal_secret_not_the_pod_tokens(kmock, tmp_path, monkeypatch):
+    async with running_operator(kmock, tmp_path, monkeypatch) as api:
+        await create_and_wait(api)
+        worker = await api.get(child_path("apps/v1", "deployments", "demo-stage-0"))
+        assert worker is not None
+        pod = worker["spec"]["template"]["spec"]
+        assert [v["secret"] for v in pod["volumes"] if "secret" in v] == [
+            {"secretName": "demo-internal", "defaultMode": 0o440,
+             "items": [{"key": "internal-token", "path": "internal-token"},
+                       {"key": "grant-verify-key.pem", "path": "grant-verify-key.pem"}]}]
+        args = pod["containers"][0]["args"]
+        assert args[args.index("--host") + 1] == "$(POD_IP)" and "--pod-token-file" not in args
+
+
+async def test_turning_network_policies_off_deletes_them(kmock, tmp_path, monkeypatch):
+    async with running_operator(kmock, tmp_path, monkeypatch) as api:
+        await create_and_wait(api)
+        assert all([await api.get(child_path(*p)) for p in POLICIES])
+        patch = {"metadata": {"generation": 2}, "spec": {"networkPolicy": {"enabled": False}}}
+        await api.call("PATCH", f"{CR_PATH}/demo", patch)
+        await wait_condition(api, "Progressing", "True", generation=2)
+        for p in POLICIES:
+            assert await api.get(child_path(*p)) is None, p
 
 
 async def test_deletion_leaves_the_children_to_the_garbage_collector(kmock, tmp_path, monkeypatch):
@@ -185,7 +299,7 @@ async def test_an_invalid_spec_is_reported_and_builds_nothing(kmock, tmp_path, m
 async def test_a_child_the_api_refuses_is_reported(kmock, tmp_path, monkeypatch):
     refusal = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 403, "reason": "Forbidden",
                "message": 'statefulsets.apps is forbidden: exceeded quota "storage"'}
-    kmock[f"post {child_path('apps/v1', 'statefulsets')}"] << 403 << refusal
+    kmock[f"patch {child_path('apps/v1', 'statefulsets', 'demo-storage')}"] << 403 << refusal
     async with running_operator(kmock, tmp_path, monkeypatch) as api:
         await api.call("POST", CR_PATH, cluster_body(TINY))
         cr = await wait_condition(api, "Degraded", "True")
@@ -193,3 +307,17 @@ async def test_a_child_the_api_refuses_is_reported(kmock, tmp_path, monkeypatch)
         assert degraded["reason"] == "ApplyFailed"
         assert "403" in degraded["message"] and "exceeded quota" in degraded["message"]
         assert condition(cr, "Ready")["status"] == "False"
+
+
+@pytest.mark.kmock(cls=KubernetesEmulator)  # the plain emulator (the closest marker wins)
+async def test_kmock_does_not_create_on_apply(kmock):
+    """Why kmock_env's ApplyingEmulator exists: plain kmock answers an apply to a missing object with 404 (a real
+    API server creates it). Should a kmock release implement apply, this fails and the emulation can go."""
+    assert type(kmock) is KubernetesEmulator
+    kmock.resources["v1/configmaps"] = ResourceInfo(kind="ConfigMap", namespaced=True, verbs={"get", "patch"})
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "namespace": NAMESPACE}}
+    async with aiohttp.ClientSession(base_url=str(kmock.url)) as session, \
+            session.patch(child_path("v1", "configmaps", "x"), json=body,
+                          params={"fieldManager": "cacheflow-operator", "force": "true"},
+                          headers={"Content-Type": "application/apply-patch+yaml"}) as response:
+        assert response.status == 404
