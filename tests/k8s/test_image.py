@@ -31,6 +31,16 @@ def test_the_entry_point_is_the_cacheflow_command():
     assert yaml.safe_load((CHART / "values.yaml").read_text())["image"]["repository"] == DEFAULT_IMAGE
 
 
+def test_the_image_can_make_and_check_grants():
+    """The operator makes the internal Secret's Ed25519 keys, the coordinator signs grants and workers verify them:
+    every extra the Dockerfile installs for them must bring `cryptography`."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (installed,) = re.findall(r'pip install "\.\[([a-z,]+)\]"', DOCKERFILE)
+    for extra in ("operator", "services"):
+        assert extra in installed.split(",")
+        assert any(re.match(r"cryptography\b", dep) for dep in extras[extra]), extra
+
+
 def test_the_dockerfile_installs_every_package(tmp_path: Path):
     """Build the wheel from exactly what the Dockerfile copies: a package left out of pyproject's list (or
     a folder the Dockerfile forgets) would be missing from the image."""
