@@ -17,7 +17,10 @@ each a full replay of the slice (bounded; everything on loopback):
    ask for 256 MiB absent reads and announce 256 MiB PUTs that never come, and the coordinator gets
    2 x max_batch requests with an unknown policy and max_batch streams dropped before their first token;
    a legitimate tenant probes pod 0 on fresh connections every 0.2 s (the lockout), and the pods'
-   resident memory is sampled (its growth).
+   resident memory is sampled (its growth);
+5. worker attacks (`worker_attacks.py`): KV poisoning, a pool grab and cross-tenant reads sent straight to
+   every stage worker, without credentials and with a stolen internal token but no grant; then a replay,
+   whose answers must equal the healthy cluster's (a changed one is a poisoned answer).
 
 Writes bench/results/chaos.{json,md}; the JSON's `summary` holds the issue's keys.
 """
@@ -39,6 +42,8 @@ import httpx
 
 from cacheflow_bench.abuse import LegitProbe, every, hoard_memory, idle_sockets, rss_mb, wasted_slots
 from cacheflow_bench.common import add_out_option, command_line, machine_facts, markdown_table, results_dir, write_json
+from cacheflow_bench.worker_attacks import attack_workers
+from cacheflow_common.model.sources import model_config
 from cacheflow_common.sim.replay import ReplayRequest, load_slice, select_requests
 from cacheflow_services.demo.run import SLICE
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
@@ -105,9 +110,14 @@ def run_phases(cluster: LocalCluster, requests: list[ReplayRequest], args: argpa
                                                                    worker_kill["killed_at_mono"])
     print("abuse ...", flush=True)
     abuse = abused_replay(cluster, send)
+    print("worker attacks ...", flush=True)
+    attacks = attack_workers(cluster, requests, model_config(MODEL).hidden_size)
+    for worker in cluster.workers:  # whatever an attack could have queued is stored before the replay reads it
+        httpx.post(f"{worker.url}/v1/flush", headers=worker.internal_headers, timeout=120).raise_for_status()
+    attacks["outcomes"] = send()
     time.sleep(2.0)  # every answer is out; slots must all be free again
     return {"reference": reference, "pod_kill": pod_kill, "worker_kill": worker_kill | {"recovery_s": recovery_s},
-            "abuse": abuse, "leaked_slots": slots_held(url)}
+            "abuse": abuse, "worker_attacks": attacks, "leaked_slots": slots_held(url)}
 
 
 def replay_with(send: Callable[[], list[dict[str, Any]]], kill: Callable[[], None], after_s: float) -> dict[str, Any]:
@@ -184,7 +194,7 @@ def in_flight_at(outcomes: list[dict[str, Any]], killed_at: float) -> int:
 
 def summary_of(phases: dict[str, Any]) -> dict[str, Any]:
     ref = phases["reference"]
-    runs = {name: phases[name]["outcomes"] for name in ("pod_kill", "worker_kill", "abuse")}
+    runs = {name: phases[name]["outcomes"] for name in ("pod_kill", "worker_kill", "abuse", "worker_attacks")}
     failed = {name: sum("error" in r for r in outcomes) for name, outcomes in runs.items()}
     worker = phases["worker_kill"]
     return {"requests": sum(len(o) for o in runs.values()), "failed_requests": sum(failed.values()),
@@ -194,12 +204,17 @@ def summary_of(phases: dict[str, Any]) -> dict[str, Any]:
             "leaked_slots": phases["leaked_slots"], "pod_kill_failed_requests": failed["pod_kill"],
             "worker_kill_recovery_s": worker["recovery_s"], "lockout_s": phases["abuse"]["lockout_s"],
             "max_rss_growth_mb": phases["abuse"]["rss_growth_mb"],
-            "bad_requests_not_refused": phases["abuse"]["bad_requests_not_refused"]}
+            "bad_requests_not_refused": phases["abuse"]["bad_requests_not_refused"],
+            "worker_api_attacks_sent": phases["worker_attacks"]["sent"],
+            "worker_api_unauthenticated_accepted": phases["worker_attacks"]["unauthenticated_accepted"],
+            "worker_api_ungranted_accepted": phases["worker_attacks"]["ungranted_accepted"],
+            "poisoned_answers": wrong_answers(ref, phases["worker_attacks"]["outcomes"])}
 
 
 TARGETS = {"failed_requests": "only requests in flight on the killed worker", "wrong_answers": "0",
            "leaked_slots": "0", "pod_kill_failed_requests": "0", "worker_kill_recovery_s": "<= 15",
-           "lockout_s": "0", "max_rss_growth_mb": "<= 256", "bad_requests_not_refused": "0"}
+           "lockout_s": "0", "max_rss_growth_mb": "<= 256", "bad_requests_not_refused": "0",
+           "worker_api_unauthenticated_accepted": "0", "worker_api_ungranted_accepted": "0", "poisoned_answers": "0"}
 
 
 def report(args: argparse.Namespace, requests: list[ReplayRequest], phases: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ def test_chaos_quick_run_keeps_every_promise_but_speed(tmp_path):
     assert chaos.main(["--quick", "--out", str(tmp_path)]) == 0
     body = json.loads((tmp_path / "chaos.json").read_text())
     s = body["summary"]
-    assert s["requests"] == 3 * 6
+    assert s["requests"] == 4 * 6
     assert s["wrong_answers"] == 0  # every answer equals the healthy cluster's
     assert s["pod_kill_failed_requests"] == 0  # a dead pod's chunks are recomputed
     assert s["failed_requests"] == s["failed_by_phase"]["worker_kill"]  # only the worker kill may fail requests ...
@@ -21,4 +21,7 @@ def test_chaos_quick_run_keeps_every_promise_but_speed(tmp_path):
     assert s["lockout_s"] == 0  # the legitimate tenant was never refused during the abuse
     assert s["worker_kill_recovery_s"] < chaos.RECOVERY_DEADLINE_S  # served again (how fast is the bench's)
     assert 0 <= s["max_rss_growth_mb"] < 256
+    assert s["worker_api_attacks_sent"] > 0  # the workers were attacked directly ...
+    assert s["worker_api_unauthenticated_accepted"] == 0 and s["worker_api_ungranted_accepted"] == 0  # ... in vain
+    assert s["poisoned_answers"] == 0
     assert (tmp_path / "chaos.md").read_text().startswith("# Chaos")
