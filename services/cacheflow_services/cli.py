@@ -207,6 +207,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         slot_stuck_s=args.slot_stuck_s,
+        max_held_restores=args.max_held_restores,
         stage_wait_s=args.stage_wait_s,
         host=args.host,
         http_port=args.http_port,
@@ -237,6 +238,8 @@ def _add_coordinator_parser(sub: argparse._SubParsersAction) -> None:
                     help="not ready (/readyz 503) while every batch slot has been held longer than this")
     co.add_argument("--stage-wait-s", type=float, default=30.0,
                     help="a request waits this long for a stage that is down (restarting) before a 503")
+    co.add_argument("--max-held-restores", type=int, default=16,
+                    help="restores (POST /v1/restore) one tenant may have queued, running or held at once")
     co.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     co.add_argument("--http-port", type=int, default=0, help="API port (0: any free one)")
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from cacheflow_common.errors import CacheFlowError
+from cacheflow_services import scrape_config
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, hold_workdir, preflight, start_cluster
 from cacheflow_services.local_process import Stopped, exit_on_signals, print_ready, raise_if_stopped, reporting_ready
 from cacheflow_services.profiling import ensure_quick_profile
@@ -42,7 +43,9 @@ def describe(cluster: LocalCluster, workdir: Path, model: str) -> str:
     lines += [f"stage {w.stage}      {w.url}" for w in cluster.workers]
     lines += [f"pod {i}        data 127.0.0.1:{p.data_port}  control http://127.0.0.1:{p.http_port}  ({p.transport})"
               for i, p in enumerate(cluster.pods)]
-    lines += [f"logs         {workdir}", "",
+    lines += [f"logs         {workdir}",
+              f"prometheus   prometheus --config.file={workdir / scrape_config.FILE_NAME}  (scrapes every process "
+              "with the labels the chart's dashboard reads)", "",
               f"curl -s {cluster.coordinator.url}/v1/completions -H 'Authorization: Bearer {cluster.token}' "
               f"-H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", "
               "\"max_tokens\": 16}'"]
@@ -101,6 +104,7 @@ def _start_and_serve(args: argparse.Namespace, spec: ClusterSpec, workdir: Path,
     with reporting_ready(print_ready):
         cluster = start_cluster(spec, workdir)
     try:
+        scrape_config.write(cluster, workdir)
         print(describe(cluster, workdir, spec.model), flush=True)
         supervisor = cluster.supervise()
         if args.demo:

@@ -1,6 +1,7 @@
 """Every metric the Grafana dashboard queries exists in the real services' /metrics: a storage pod, a stage
 worker and the coordinator run as local processes (tiny model), serve one prompt twice (prefilled and
-stored, then restored), and are scraped; the dashboard's PromQL is checked against what they export."""
+stored, then restored), and are scraped; the dashboard's PromQL is checked against what they export.
+Names only: what each query returns, through a real Prometheus, is test_prometheus.py's."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", 
 # What the issue asks the dashboard to show, by the series that carry it.
 REQUIRED = {"cacheflow_ttft_seconds_bucket", "cacheflow_restore_seconds_bucket",
             "cacheflow_worker_compute_busy_seconds_total", "cacheflow_worker_channel_busy_seconds_total",
-            "cacheflow_storage_read_bytes_total", "cacheflow_storage_link_bytes_per_second",
-            "cacheflow_restored_token_layers_total", "cacheflow_queue_depth", "cacheflow_misses_total"}
+            "cacheflow_storage_read_bytes_total", "cacheflow_storage_link_capacity_bytes_per_second",
+            "cacheflow_restored_token_layers_total", "cacheflow_queue_depth", "cacheflow_misses_total",
+            "cacheflow_stage_loaded_bytes_total", "cacheflow_restore_loaded_share_bucket",
+            "cacheflow_restore_meeting_point_bucket", "cacheflow_stage_restore_units_total",
+            "cacheflow_storage_backend_info"}
 
 
 def dashboard_queries() -> list[str]:

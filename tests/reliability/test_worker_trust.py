@@ -18,7 +18,7 @@ from cacheflow_common.auth import GrantIssuer, GrantSigner, generate_signing_pai
 from cacheflow_common.model.sources import model_config
 from cacheflow_common.transport import frames
 from cacheflow_services.local_cluster import SECRETS_DIR, LocalCluster
-from tests.reliability.coordinator_checks import WAIT_S, api_client, local_file, small_cluster
+from tests.reliability.coordinator_checks import WAIT_S, api_client, local_file, second_coordinator, small_cluster
 
 CHUNK = 32
 TENANT = "default"
@@ -194,3 +194,21 @@ def test_workers_get_no_tenant_storage_token(local):
     for worker in local.workers:
         assert "--pod-token-file" not in worker.args
         assert not any(pod_token in arg for arg in worker.args)
+
+
+def test_a_tenant_holds_at_most_its_share_of_restores(local, client, tmp_path):
+    prompt = _prompt(seed=5)
+    _complete(client, prompt)
+    _flush(local)
+    narrow = second_coordinator(local, tmp_path, "--max-held-restores", "2")
+    try:
+        with httpx.Client(base_url=narrow.url, headers={"Authorization": f"Bearer {local.token}"},
+                          timeout=WAIT_S) as c:
+            held = [c.post("/v1/restore", json={"token_ids": prompt[:-1]}) for _ in range(2)]
+            assert all(r.status_code == 200 for r in held), [r.text for r in held]
+            third = c.post("/v1/restore", json={"token_ids": prompt[:-1]})
+            assert third.status_code == 429 and "the limit per tenant" in third.json()["detail"]
+            assert c.delete(f"/v1/restore/{held[0].json()['id']}").status_code == 200
+            assert c.post("/v1/restore", json={"token_ids": prompt[:-1]}).status_code == 200
+    finally:
+        narrow.stop()

@@ -30,6 +30,7 @@ class CoordinatorConfig:
     health_interval_s: float = 2.0  # how often workers and pods are probed
     stage_wait_s: float = 30.0  # a request waits this long for a stage that is down (restarting) before a 503
     held_restore_s: float = 60.0  # a restore's KV held on the workers for a later completion, then freed
+    max_held_restores: int = 16  # per tenant: restores queued, running or held at once (more: 429)
     max_body_bytes: int = 8 << 20  # the largest request body accepted (larger: 413)
     slot_stuck_s: float = 900.0  # every batch slot held longer than this: not ready (a slot's restore and first
     #                              token take a few stage calls of at most stage_timeout_s each)
@@ -46,8 +47,10 @@ class CoordinatorConfig:
                               "signing key (--grant-signing-key-file): workers serve nothing without them")
         if not self.api_tokens:
             raise ConfigError("the coordinator needs client tokens (--token-file): it serves no request without one")
-        if min(self.max_batch, self.max_new_tokens) <= 0 or self.max_queue < 0 or self.batch_window_s < 0:
-            raise ConfigError("max batch and max new tokens must be positive, queue and window not negative")
+        positive = min(self.max_batch, self.max_new_tokens, self.max_held_restores) > 0
+        if not positive or self.max_queue < 0 or self.batch_window_s < 0:
+            raise ConfigError("max batch, max new tokens and max held restores must be positive, queue and window "
+                              "not negative")
         if self.max_body_bytes <= 0 or self.slot_stuck_s <= 0 or self.stage_wait_s < 0:
             raise ConfigError("the body limit and the stuck-slot bound must be positive, the stage wait not negative")
         if not 1 <= self.replicas <= len(self.pods):

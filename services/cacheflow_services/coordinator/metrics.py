@@ -2,7 +2,12 @@
 
 Compute and I/O utilisation per stage are the rates of the busy-time and loaded-bytes counters
 (`rate(cacheflow_stage_restore_busy_seconds_total[1m])`); per storage pod, the pods' own
-`cacheflow_storage_read_bytes_total` against their configured link rate.
+`cacheflow_storage_read_bytes_total` against their link capacity.
+
+No label is named like a label Prometheus or the Prometheus Operator attaches to a target (`pod`,
+`service`, `namespace`, `instance`, `job`, `container`, `endpoint`): a scrape would rename it to
+`exported_<name>` and aggregations by it would fold series together. Counters of known causes, routes
+and stages exist at 0 from start-up (`declare`), so a healthy cluster's panels read 0, not "no data".
 """
 
 from __future__ import annotations
@@ -14,14 +19,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from cacheflow_common.stage_api import RestoreSummary
 
 LATENCY_BUCKETS = (0.01, 0.03, 0.1, 0.3, 0.5, 1, 2, 5, 10, 30, 60, 120)
+SHARE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+ROUTES = ("chat", "completions", "restore")  # the routes a 200 is counted for
+# Why a stage's load missed (the unit was recomputed): the store did not serve it ("absent": also a copy the
+# pod found corrupt), a section failed its check when it landed, or the loader itself failed.
+MISS_CAUSES = ("absent", "crc", "truncated", "magic", "key", "layer", "tokens", "loader-error")
+STAGE_FAILURES = ("restore-recomputed", "unreachable")  # per stage: `stage<s>:<what>`
 
 
 class CoordinatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("cacheflow_requests", "Requests answered, by endpoint and HTTP status",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter("cacheflow_requests", "Requests answered, by route (chat, completions, restore, "
+                                "...) and HTTP status", ["route", "status"], registry=r)
         self.ttft = Histogram("cacheflow_ttft_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.restore_seconds = Histogram("cacheflow_restore_seconds", "Restore time of a prefix on all stages",
                                          buckets=LATENCY_BUCKETS, registry=r)
@@ -49,7 +60,48 @@ class CoordinatorMetrics:
         self.failures = Counter("cacheflow_failures", "Requests that failed after admission, by cause", ["cause"],
                                 registry=r)
         self.stage_up = Gauge("cacheflow_stage_up", "Whether a stage worker answers its probe", ["stage"], registry=r)
-        self.pod_up = Gauge("cacheflow_pod_up", "Whether a storage pod answers its probe", ["pod"], registry=r)
+        self.pod_up = Gauge("cacheflow_pod_up", "Whether a storage pod answers its probe", ["storage_pod"],
+                            registry=r)
+        self._restore_shape_metrics(r)
+        for route in ROUTES:
+            self.requests.labels(route, "200")
+        for cause in MISS_CAUSES:
+            self.misses.labels(cause)
+        for how in ("computed", "loaded"):
+            self.restored_token_layers.labels(how)
+        for source in ("restored", "prefilled"):
+            self.prefix_tokens.labels(source)
+
+    def _restore_shape_metrics(self, r: CollectorRegistry) -> None:
+        """How each restore split its units between the two sides, per stage (two pointers: compute from the
+        front, loads from the back)."""
+        self.loaded_share = Histogram("cacheflow_restore_loaded_share", "Per restore and stage, the share of "
+                                      "units loaded from storage (the rest recomputed)", ["stage"],
+                                      buckets=SHARE_BUCKETS, registry=r)
+        self.meeting_point = Histogram("cacheflow_restore_meeting_point", "Per restore and stage, where the "
+                                       "pointers met: the share of units the compute side claimed from the front "
+                                       "(loads that missed and were recomputed not counted)", ["stage"],
+                                       buckets=SHARE_BUCKETS, registry=r)
+        self.stage_units = Counter("cacheflow_stage_restore_units", "Restore units per stage, by the side that "
+                                   "did them (computed, loaded, missed: claimed by a load, then recomputed)",
+                                   ["stage", "how"], registry=r)
+
+    def declare(self, stages: int, pods: list[str]) -> None:
+        """Export every stage's and pod's series from start-up (0 until something happens)."""
+        for s in range(stages):
+            stage = str(s)
+            for what in STAGE_FAILURES:
+                self.failures.labels(f"stage{s}:{what}")
+            for series in (self.stage_busy, self.stage_loaded_bytes):
+                series.labels(stage)
+            for mode in ("token", "layer"):
+                self.stage_restores.labels(stage, mode)
+            for how in ("computed", "loaded", "missed"):
+                self.stage_units.labels(stage, how)
+            self.loaded_share.labels(stage)
+            self.meeting_point.labels(stage)
+        for pod in pods:
+            self.pod_up.labels(pod)
 
     def watch_admission(self, waiting: Callable[[], float], held: Callable[[], float],
                         oldest_age_s: Callable[[], float]) -> None:
@@ -70,8 +122,16 @@ class CoordinatorMetrics:
             if units:
                 for how, count in (("computed", summary.computed), ("loaded", summary.loaded)):
                     self.restored_token_layers.labels(how).inc(n_tokens * layers * count / units)
+                self._record_shape(stage, summary, units)
             for cause, count in summary.misses.items():
                 self.misses.labels(cause).inc(count)
+
+    def _record_shape(self, stage: str, summary: RestoreSummary, units: int) -> None:
+        missed = min(sum(summary.misses.values()), summary.computed)
+        self.loaded_share.labels(stage).observe(summary.loaded / units)
+        self.meeting_point.labels(stage).observe((summary.computed - missed) / units)
+        for how, count in (("computed", summary.computed - missed), ("loaded", summary.loaded), ("missed", missed)):
+            self.stage_units.labels(stage, how).inc(count)
 
     def restore_modes(self, stage: int) -> dict[str, int]:
         """How many restores `stage` ran in each mode so far."""

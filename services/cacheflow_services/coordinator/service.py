@@ -26,7 +26,7 @@ from typing import Any
 from cacheflow_common.errors import BadRequestError, UnauthorizedError
 from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.stage_api import RestoreSummary
-from cacheflow_services.coordinator.admission import Admission, Ticket
+from cacheflow_services.coordinator.admission import Admission, QueueFullError, Ticket
 from cacheflow_services.coordinator.cluster import Cluster, ModelInfo
 from cacheflow_services.coordinator.completion import Completion
 from cacheflow_services.coordinator.config import CoordinatorConfig
@@ -294,8 +294,16 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------------ restores
     def start_restore(self, request: Request) -> RestoreRecord:
+        """Restore `request`'s prefix and hold it; QueueFullError (429) when its tenant already has
+        `max_held_restores` queued, restoring or held (its queue place is given back)."""
         record = RestoreRecord(request)
         with self._lock:
+            held = sum(1 for r in self._restores.values() if r.request.tenant == request.tenant
+                       and r.state in ("queued", "restoring", "ready"))
+            if held >= self.config.max_held_restores:
+                self.admission.done(request.ticket)
+                raise QueueFullError(f"tenant {request.tenant!r} holds {held} restores (the limit per tenant): "
+                                     "release one (DELETE /v1/restore/{id}) or retry later")
             self._restores[request.id] = record
         threading.Thread(target=self._run_restore, args=(record,), name=f"restore-{request.id}", daemon=True).start()
         return record

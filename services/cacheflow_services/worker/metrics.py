@@ -10,11 +10,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from cacheflow_common.stage_api import InputMode
+
 BUSY_WINDOW_S = 10.0
+INPUT_MODES = get_args(InputMode)
 
 
 class BusyShare:
@@ -79,6 +82,10 @@ class WorkerMetrics:
         self.compute_busy_share.set_function(self._compute.share)
         for c, meter in enumerate(self._channels):
             self.channel_busy_share.labels(str(c)).set_function(meter.share)
+            self.channel_busy_seconds.labels(str(c))  # zeros from start-up, not "no data"
+        for input_mode in INPUT_MODES:
+            for mode in ("token", "layer"):
+                self.restores.labels(input_mode, mode)
 
     def step(self, seconds: float, *, tokens: int, requests: int) -> None:
         self.steps.inc()
