@@ -91,9 +91,10 @@ def scrape_config(targets: Sequence[Target], *, interval_s: float = INTERVAL_S, 
                                 "static_configs": static} for job, static in jobs.items()]}
 
 
-def write(cluster: LocalCluster, directory: Path, name: str = "local") -> Path:
+def write(cluster: LocalCluster, directory: Path, name: str = "local", *, interval_s: float = INTERVAL_S) -> Path:
     """`directory/prometheus.yml` for `cluster`; returns its path."""
     path = directory / FILE_NAME
-    path.write_text("# Written by `cacheflow up`: prometheus --config.file=" + str(path) + "\n"
-                    + yaml.safe_dump(scrape_config(local_targets(cluster, name)), sort_keys=False))
+    config = scrape_config(local_targets(cluster, name), interval_s=interval_s)
+    path.write_text(f"# Written by `cacheflow up`: prometheus --config.file={path}\n"
+                    + yaml.safe_dump(config, sort_keys=False))
     return path

@@ -22,11 +22,11 @@ from cacheflow_operator.manifests.build import children
 from cacheflow_operator.spec import KIND, Cluster
 from cacheflow_services.local_cluster import LocalCluster
 from cacheflow_services.local_process import free_port
-from cacheflow_services.scrape_config import Target, scrape_config
+from cacheflow_services.scrape_config import NAMESPACE, Target
 from tests.k8s.checks import CHART
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-NAMESPACE, CLUSTER_NAME = "inference", "flow"
+CLUSTER_NAME = "flow"  # the namespace is the one `cacheflow up` gives its processes
 SCRAPE_S = 2.0
 START_S = 60.0
 Manifest = dict[str, Any]
@@ -39,10 +39,6 @@ class Monitoring:
     port_name: str
     target_labels: tuple[str, ...]
     targets: list[Target]
-
-    def config(self) -> dict[str, Any]:
-        return scrape_config(self.targets, interval_s=SCRAPE_S, namespace=NAMESPACE, port_name=self.port_name,
-                             target_labels=self.target_labels)
 
 
 def render_chart(stages: int, pods: int) -> list[Manifest]:
@@ -129,10 +125,9 @@ class Prometheus:
 
 
 @contextlib.contextmanager
-def running_prometheus(config: dict[str, Any], directory: Path) -> Iterator[Prometheus]:
-    """Prometheus on a free loopback port with `config`, ready; killed (and waited for) afterwards."""
-    config_path = directory / "prometheus.yml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+def running_prometheus(config_path: Path, directory: Path) -> Iterator[Prometheus]:
+    """Prometheus on a free loopback port with the configuration in `config_path`, ready; killed (and waited
+    for) afterwards."""
     url = f"http://127.0.0.1:{free_port()}"
     log = open(directory / "prometheus.log", "wb")  # noqa: SIM115 (closed below, after the process)
     proc = subprocess.Popen([PROMETHEUS, f"--config.file={config_path}", f"--storage.tsdb.path={directory / 'tsdb'}",

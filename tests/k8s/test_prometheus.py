@@ -23,12 +23,22 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
+from cacheflow_services import scrape_config
 from cacheflow_services.coordinator.metrics import MISS_CAUSES, STAGE_FAILURES
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, start_cluster
-from cacheflow_services.scrape_config import local_targets, operator_labels
+from cacheflow_services.scrape_config import operator_labels
 from tests.k8s.checks import CHART
-from tests.k8s.prometheus_env import CLUSTER_NAME, NAMESPACE, PROMETHEUS, Prometheus, monitoring, running_prometheus
+from tests.k8s.prometheus_env import (
+    CLUSTER_NAME,
+    NAMESPACE,
+    PROMETHEUS,
+    SCRAPE_S,
+    Prometheus,
+    monitoring,
+    running_prometheus,
+)
 
 pytestmark = pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK),
                                 reason="no `prometheus` binary: install Debian's `prometheus` package (.ci/run does)")
@@ -224,11 +234,14 @@ def prompt(seed: int) -> list[int]:
 # ------------------------------------------------------------------------------------------ the test
 def test_every_dashboard_query_returns_its_series_from_a_real_prometheus(local, client, tmp_path):
     setup = monitoring(local)
-    written = [operator_labels(t, namespace=NAMESPACE) for t in local_targets(local, CLUSTER_NAME)]
-    derived = [operator_labels(t, namespace=NAMESPACE, port_name=setup.port_name, target_labels=setup.target_labels)
-               for t in sorted(setup.targets, key=_local_order(local))]
+    config = scrape_config.write(local, tmp_path, CLUSTER_NAME, interval_s=SCRAPE_S)  # what `cacheflow up` writes
+    jobs = yaml.safe_load(config.read_text())["scrape_configs"]
+    written = {static["targets"][0]: static["labels"] for job in jobs for static in job["static_configs"]}
+    derived = {t.address: operator_labels(t, namespace=NAMESPACE, port_name=setup.port_name,
+                                          target_labels=setup.target_labels) for t in setup.targets}
     assert written == derived, "`cacheflow up`'s scrape configuration no longer matches the chart and operator"
-    with running_prometheus(setup.config(), tmp_path) as prom:
+    assert all(job["honor_labels"] is False for job in jobs)
+    with running_prometheus(config, tmp_path) as prom:
         prom.wait_for(f'count(up{{namespace="{NAMESPACE}"}} == 1) == {len(setup.targets)}', "every target scraped")
         store_and_restore(client, prompt(1))
         prom.wait_for('sum(cacheflow_stage_restore_units_total{how="loaded"}) > 0', "a restore scraped")
@@ -245,12 +258,6 @@ def test_every_dashboard_query_returns_its_series_from_a_real_prometheus(local, 
         local.pods[1].kill()
         prom.wait_for('cacheflow_pod_up{storage_pod="pod-1"} == 0', "the killed pod seen down")
         check(prom, POD_KILLED, time.time())
-
-
-def _local_order(local: LocalCluster) -> Callable[[Any], int]:
-    """The order `local_targets` lists processes in: coordinator, stages, pods."""
-    addresses = [t.address for t in local_targets(local, CLUSTER_NAME)]
-    return lambda target: addresses.index(target.address)
 
 
 def check_variables(prom: Prometheus) -> None:
