@@ -1,8 +1,9 @@
 """The kopf handlers: thin glue between kopf's events and the pure builders, `apply` and `status`.
 
 * create / update (of the spec) / resume (operator restart): reconcile the children, then the status.
-* an event on a Deployment or StatefulSet the operator manages: recompute its owner's status from the
-  workloads' readiness (patched only when it changed); a deleted child is recreated.
+* an event on a Deployment, StatefulSet or NetworkPolicy the operator manages: recompute its owner's
+  status from the workloads' readiness (patched only when it changed); a deleted child is recreated (a
+  deleted NetworkPolicy would leave its pods open to more than they need).
 * status writes and reconciles of one resource never overlap (`exclusive`), so the last status written
   is computed from the latest view.
 * deletion needs no handler: every child carries an ownerReference to the resource (controller: true),
@@ -127,6 +128,7 @@ def _owner(body: kopf.Body) -> Ref | None:
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
 @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED)
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=MANAGED)
 def child_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     kube: Kube = memo.kube
     if (ref := _owner(body)) is None:

@@ -44,7 +44,7 @@ OPERATOR_RULES = [
      "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["services", "configmaps"], "verbs": ["get", "list", "create", "patch", "delete"]},
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
-     "verbs": ["get", "list", "create", "patch", "delete"]},
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     # the internal Secret: read, and created when missing; never patched, listed or deleted
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},

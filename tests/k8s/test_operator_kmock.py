@@ -257,6 +257,16 @@ async def test_turning_network_policies_off_deletes_them(kmock, tmp_path, monkey
             assert await api.get(child_path(*p)) is None, p
 
 
+async def test_a_deleted_network_policy_is_recreated(kmock, tmp_path, monkeypatch):
+    async with running_operator(kmock, tmp_path, monkeypatch) as api:
+        await create_and_wait(api)
+        path = child_path(*POLICIES[0])  # the default-deny
+        before = await api.get(path)
+        await api.call("DELETE", path)
+        recreated = await api.eventually(lambda: api.get(path))
+        assert before is not None and recreated["spec"] == before["spec"]
+
+
 async def test_deletion_leaves_the_children_to_the_garbage_collector(kmock, tmp_path, monkeypatch):
     """kmock has no garbage collector: the children stay in it after the resource is gone. What this
     shows is the operator's side: no finalizer holds the deletion up, the children all name the
