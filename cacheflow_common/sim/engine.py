@@ -168,10 +168,7 @@ class _Simulation:
         return all(scheduler.is_finished(rid) for scheduler in self.schedulers)
 
     def _placement(self, request_id: str, order: int) -> Placement:
-        m = self.config.n_channels
-        if self.config.placement == "hash":
-            return lambda s, u: _stable_hash(f"{request_id}/{s}/{u}") % m
-        return lambda s, u: (order + s + u) % m
+        return placement(self.config, request_id, order)
 
     def _check_restored(self, rid: str) -> None:
         if rid not in self._restored_s and self._is_restored(rid):
@@ -324,6 +321,14 @@ class _Simulation:
             tokens_computed=self._computed[rid],
             tokens_loaded=self._loaded[rid],
         )
+
+
+def placement(config: SimConfig, request_id: str, order: int) -> Placement:
+    """Which channel holds each (stage, unit) of the `order`-th request admitted."""
+    m = config.n_channels
+    if config.placement == "hash":
+        return lambda s, u: _stable_hash(f"{request_id}/{s}/{u}") % m
+    return lambda s, u: (order + s + u) % m
 
 
 def _stable_hash(text: str) -> int:
