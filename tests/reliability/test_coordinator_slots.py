@@ -4,7 +4,9 @@ says when no slot can free up: real storage pods (their links shaped slow, so th
 
 from __future__ import annotations
 
+import json
 import random
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from tests.reliability.coordinator_checks import (
     api_client,
     metric,
     post,
+    samples,
     second_coordinator,
     small_cluster,
     wait_for,
@@ -26,11 +29,12 @@ CHUNK = 32
 PREFIX_CHUNKS = 16  # tiny, fp32: 128 KiB of KV per chunk and stage, 4 MiB to load in all ...
 RATE_GBPS = 0.004  # ... at 0.5 MB/s per pod: seconds
 MODEL = "tiny"
+MAX_BATCH = 4
 
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from small_cluster(tmp_path_factory, max_batch=4, rate_gbps=RATE_GBPS)
+    yield from small_cluster(tmp_path_factory, max_batch=MAX_BATCH, rate_gbps=RATE_GBPS)
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +101,47 @@ def test_a_streaming_client_that_leaves_before_its_first_token_stops_its_work_ev
              "the restore cancelled on every stage")
     wait_for(lambda: metric(local.coordinator.url, "cacheflow_coordinator_slots_held") == 0, "the slot free")
     wait_for(lambda: _holding_nothing(local), "no KV held on any stage")
+    later = client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+    assert later.status_code == 200, later.text
+
+
+def _abandoned_requests(local: LocalCluster, body: dict[str, object], count: int) -> list[socket.socket]:
+    """`count` requests sent on connections of their own, left open (close them to leave)."""
+    raw = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {local.token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n").encode()
+    port = int(local.coordinator.url.rsplit(":", 1)[1])
+    sockets = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(count)]
+    for s in sockets:
+        s.sendall(head + raw)
+    return sockets
+
+
+def _answered(url: str, status: str) -> float:
+    return sum(value for labels, value in samples(url, "cacheflow_requests_total") if labels["status"] == status)
+
+
+def test_clients_that_leave_before_a_whole_answer_free_their_slots_and_stop_their_work(client, local):
+    prefix = _stored_prefix(client, local, seed=4)
+    cancelled = [_cancelled_restores(w.url) for w in local.workers]
+    busy = [_channel_busy(w.url) for w in local.workers]
+    url = local.coordinator.url
+    body = {"model": MODEL, "prompt": [*prefix, 7, 8], "max_tokens": 4, "policy": "load-only"}  # not streamed
+    sockets = _abandoned_requests(local, body, MAX_BATCH + 2)
+    try:
+        wait_for(lambda: metric(url, "cacheflow_coordinator_slots_held") == MAX_BATCH
+                 and metric(url, "cacheflow_queue_depth") == 2, "every slot held and two requests queued")
+        wait_for(lambda: _loading(local, busy), "every stage loading the prefix")
+    finally:
+        for s in sockets:
+            s.close()  # gone, seconds before the restores could end
+    wait_for(lambda: metric(url, "cacheflow_queue_depth") == 0, "the queued requests out of the queue")
+    wait_for(lambda: all(_cancelled_restores(w.url) >= c + MAX_BATCH for w, c in zip(local.workers, cancelled,
+                                                                                       strict=True)),
+             "the restores cancelled on every stage")
+    wait_for(lambda: metric(url, "cacheflow_coordinator_slots_held") == 0, "every slot free")
+    wait_for(lambda: _holding_nothing(local), "no KV held on any stage")
+    wait_for(lambda: _answered(url, "499") == MAX_BATCH + 2, "every request counted as left by its client (499)")
     later = client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
     assert later.status_code == 200, later.text
 

@@ -9,8 +9,8 @@ Every `/v1` call needs `Authorization: Bearer <token>`; the token names the tena
 their reason: 400 bad input (or a field this server does not implement), 401 no or wrong token, 403
 the storage pods refuse the tenant, 404 unknown model or restore, 413 a body over `max_body_bytes`,
 429 queue full, 502 a stage worker failed (naming it), 503 a stage is down. Everything is checked
-before a request takes its place in the queue; a streamed completion whose client goes away is
-stopped at once (`streaming.py`). `/readyz` answers 503 while a stage is down or no batch slot can
+before a request takes its place in the queue; a completion whose client goes away, streamed or not,
+is stopped at once (`streaming.py`) and counted with status 499. `/readyz` answers 503 while a stage is down or no batch slot can
 be expected to free up.
 """
 
@@ -46,7 +46,7 @@ from cacheflow_services.coordinator.openai_api import (
 )
 from cacheflow_services.coordinator.service import Coordinator, Request, TenantRefusedError, UnknownRestoreError
 from cacheflow_services.coordinator.stages import ChainError
-from cacheflow_services.coordinator.streaming import CompletionStream
+from cacheflow_services.coordinator.streaming import CompletionStream, Departure, while_connected
 from cacheflow_services.coordinator.tokenizer import TextCodec
 from cacheflow_services.http_limits import UNAUTHORIZED, BearerFirst, BodyLimit, BodyTooLargeError
 
@@ -54,6 +54,9 @@ _STATUS: list[tuple[type[Exception], int]] = [
     (UnknownRestoreError, 404), (TenantRefusedError, 403), (BadRequestError, 400), (QueueFullError, 429),
     (StageDownError, 503), (AdmissionTimeoutError, 503), (ChainError, 502),
 ]
+
+
+CLIENT_LEFT = "499"  # the status counted for a request whose client went away before its answer (as nginx does)
 
 
 class UnknownModelError(BadRequestError):
@@ -136,20 +139,29 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
                 "running": coordinator.admission.running}
 
     @app.post("/v1/completions", response_model=None)
-    def completions(body: CompletionBody, who: Annotated[str, Depends(tenant)]) -> Response | dict[str, Any]:
+    async def completions(body: CompletionBody, who: Annotated[str, Depends(tenant)],
+                          http: HttpRequest) -> Response | dict[str, Any]:
+        return await while_connected(http.receive, lambda departure: text_completion(body, who, departure))
+
+    def text_completion(body: CompletionBody, who: str, departure: Departure) -> Response | dict[str, Any]:
         check_model(body.model)
-        return generate("text", encode(body.prompt), who, body, body.max_tokens)
+        return generate("text", encode(body.prompt), who, body, body.max_tokens, departure)
 
     @app.post("/v1/chat/completions", response_model=None)
-    def chat(body: ChatBody, who: Annotated[str, Depends(tenant)]) -> Response | dict[str, Any]:
+    async def chat(body: ChatBody, who: Annotated[str, Depends(tenant)],
+                   http: HttpRequest) -> Response | dict[str, Any]:
+        return await while_connected(http.receive, lambda departure: chat_completion(body, who, departure))
+
+    def chat_completion(body: ChatBody, who: str, departure: Departure) -> Response | dict[str, Any]:
         check_model(body.model)
         if codec is None:
             raise BadRequestError("this model has no tokenizer or chat template: use /v1/completions with token ids")
         prompt = codec.chat([m.model_dump() for m in body.messages], coordinator.model.max_tokens)
-        return generate("chat", prompt, who, body, body.new_tokens())
+        return generate("chat", prompt, who, body, body.new_tokens(), departure)
 
-    def generate(kind: str, prompt: list[int], who: str, body: SamplingBody,
-                 max_new: int) -> Response | dict[str, Any]:
+    def generate(kind: str, prompt: list[int], who: str, body: SamplingBody, max_new: int,
+                 departure: Departure) -> Response | dict[str, Any]:
+        """Admit, then answer (streamed or whole); a client that goes away meanwhile stops the completion."""
         coordinator.check_prompt(prompt, max_new)
         coordinator.check_stop_ids(body.stop_token_ids)
         stops = stop_strings(body.stop)
@@ -160,14 +172,18 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
                                     kind="cmpl")
         tokens = coordinator.complete(request, max_new_tokens=max_new, temperature=body.temperature,
                                       seed=body.seed, stop_ids=stop_ids, save=body.save)
+        departure.on_leave(tokens.abort)  # gone already: stopped now, the queue place freed
         try:
-            return answer(kind, request, tokens, body, stops, stop_ids, len(prompt))
-        except BaseException:
+            return answer(kind, request, tokens, body, stops, stop_ids, len(prompt), departure)
+        except BaseException as exc:
             tokens.abort()  # whatever went wrong, the request holds no slot and no KV
+            if departure.gone and isinstance(exc, Exception):  # what failed was the stopping: nobody to tell
+                metrics.requests.labels("chat" if kind == "chat" else "completions", CLIENT_LEFT).inc()
+                return Response(status_code=int(CLIENT_LEFT))
             raise
 
     def answer(kind: str, request: Request, tokens: Completion, body: SamplingBody, stops: list[str],
-               stop_ids: frozenset[int], prompt_tokens: int) -> Response | dict[str, Any]:
+               stop_ids: frozenset[int], prompt_tokens: int, departure: Departure) -> Response | dict[str, Any]:
         deltas = _decoded(tokens, codec, stops, stop_ids, request.arrived)
         created = now()
         endpoint = "chat" if kind == "chat" else "completions"
@@ -177,7 +193,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
             events = sse(head, deltas, lambda output: _extra(request, output))
             return CompletionStream(events, stop=tokens.abort)
         output = deque(deltas, maxlen=1)[0][1]  # the last (finished) output
-        metrics.requests.labels(endpoint, "200").inc()
+        metrics.requests.labels(endpoint, CLIENT_LEFT if departure.gone else "200").inc()
         return response(kind, request.id, body.model, created, output, prompt_tokens, _extra(request, output))
 
     @app.post("/v1/restore")

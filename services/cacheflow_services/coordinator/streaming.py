@@ -6,12 +6,18 @@ not started; a completion abandoned that way would hold its batch slot until its
 forever. Here a watcher stops the completion as soon as the client goes away (its slot freed, every
 stage told to drop it, the thread in a stage call released at once), and it is stopped too on every
 other way out (finished, failed), which costs nothing once it is over.
+
+A completion answered whole is watched the same way while it runs (`while_connected`): its client
+going away stops it (its place in the queue or its slot freed, every stage told to drop it) instead of
+letting it run to its end for nobody.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import anyio
 import anyio.to_thread
@@ -19,6 +25,71 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+STOPPER_THREADS = 8
+
+
+class Departure:
+    """Whether a request's client went away, and what to stop when it does (at once if it already has)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._gone = False
+        self._stops: list[Callable[[], None]] = []
+
+    @property
+    def gone(self) -> bool:
+        return self._gone
+
+    def on_leave(self, stop: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._gone:
+                self._stops.append(stop)
+                return
+        stop()
+
+    def leave(self) -> None:
+        with self._lock:
+            self._gone, stops, self._stops = True, self._stops, []
+        for stop in stops:
+            stop()
+
+
+async def while_connected(receive: Receive, work: Callable[[Departure], T]) -> T:
+    """`work(departure)` on a worker thread, its client watched meanwhile: if it goes away, what `work`
+    registered with `departure.on_leave` is stopped (and whatever it registers later, at once)."""
+    departure = Departure()
+    result: list[T] = []
+    failed: list[Exception] = []
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(_watch_departure, receive, departure)
+        try:
+            result.append(await anyio.to_thread.run_sync(work, departure))
+        except Exception as exc:  # raised as it is, not in the task group's ExceptionGroup
+            failed.append(exc)
+        tasks.cancel_scope.cancel()
+    if failed:
+        raise failed[0]
+    return result[0]
+
+
+async def _watch_departure(receive: Receive, departure: Departure) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    log.info("a client went away before its answer: its completion is stopped")
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(departure.leave, limiter=_stoppers())
+
+
+_STOPPERS: list[anyio.CapacityLimiter] = []
+
+
+def _stoppers() -> anyio.CapacityLimiter:
+    """Threads of their own for stopping completions: the handlers' pool may be full of the very requests
+    whose clients left, waiting to be stopped."""
+    if not _STOPPERS:
+        _STOPPERS.append(anyio.CapacityLimiter(STOPPER_THREADS))
+    return _STOPPERS[0]
 
 
 class CompletionStream(StreamingResponse):
@@ -35,7 +106,7 @@ class CompletionStream(StreamingResponse):
                 tasks.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._stop_completion)
+                await anyio.to_thread.run_sync(self._stop_completion, limiter=_stoppers())
 
     async def _watch(self, receive: Receive, scope: anyio.CancelScope) -> None:
         while (await receive())["type"] != "http.disconnect":
