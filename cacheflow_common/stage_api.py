@@ -68,6 +68,8 @@ class RestoreSummary(BaseModel):
     misses: dict[str, int] = Field(default_factory=dict)  # loads that missed, by reason (recomputed)
     bytes_loaded: int = 0
     boundary_bytes_read: int = 0
+    bytes_unused: int = 0  # of bytes_loaded, those no unit kept (a load that missed after reading part of its unit)
+    predicted_recompute_s: float = 0.0  # the profile's seconds to compute every unit here (0: no profile)
 
 
 class ForwardMeta(BaseModel):

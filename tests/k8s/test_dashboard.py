@@ -27,7 +27,8 @@ REQUIRED = {"cacheflow_ttft_seconds_bucket", "cacheflow_restore_seconds_bucket",
             "cacheflow_restored_token_layers_total", "cacheflow_queue_depth", "cacheflow_misses_total",
             "cacheflow_stage_loaded_bytes_total", "cacheflow_restore_loaded_share_bucket",
             "cacheflow_restore_meeting_point_bucket", "cacheflow_stage_restore_units_total",
-            "cacheflow_storage_backend_info"}
+            "cacheflow_storage_backend_info", "cacheflow_restore_time_share_bucket",
+            "cacheflow_restore_recompute_predicted_seconds_total", "cacheflow_stage_unused_bytes_total"}
 
 
 def dashboard_queries() -> list[str]:

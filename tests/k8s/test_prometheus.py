@@ -39,12 +39,13 @@ from tests.k8s.prometheus_env import (
     monitoring,
     running_prometheus,
 )
+from tests.reliability.up_cluster import CHUNK, tiny_profile
 
 pytestmark = pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK),
                                 reason="no `prometheus` binary: install Debian's `prometheus` package (.ci/run does)")
 
 DASHBOARD = CHART / "dashboards" / "cacheflow.json"
-CHUNK, STAGES, PODS = 32, 2, 2
+STAGES, PODS = 2, 2
 RATE_WINDOW = "5m"  # what $__rate_interval stands for: longer than the whole test
 WAIT_S = 60.0
 Values = dict[tuple[str, ...], float]
@@ -124,6 +125,9 @@ EXPECT: dict[tuple[str, str], Expect] = {
     ("Meeting point (p50)", "A"): Expect(STAGE_IDS, ("stage",), values=shares),
     ("Restore units by side", "A"): Expect({(s, h) for (s,) in STAGE_IDS for h in ("computed", "loaded", "missed")},
                                            ("stage", "how"), values=some_positive),
+    ("Time saved vs whole recompute", "A"): Expect(ONE, values=lambda v: math.isfinite(v[()])),
+    ("Time saved vs whole recompute", "B"): Expect(ONE, values=positive),
+    ("Loaded bytes unused per stage", "A"): Expect(STAGE_IDS, ("stage",)),
 }
 # Before anything went wrong: every known cause is there, at 0 (not "no data").
 HEALTHY = {
@@ -160,9 +164,10 @@ def check(prom: Prometheus, expected: dict[tuple[str, str], Expect], at: float) 
 # ------------------------------------------------------------------------------------------ the cluster
 @pytest.fixture(scope="module")
 def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    profile = tiny_profile(tmp_path_factory.mktemp("profile"))  # what "time saved" is predicted from
     spec = ClusterSpec(model="tiny", stages=STAGES, pods=PODS, chunk_size=CHUNK, dtype="float32", policy="cake",
-                       port=0, transport="tcp", threads_per_stage=1, max_batch=4, batch_window_ms=10,
-                       link_capacity_gbps=10.0)
+                       profile=str(profile), port=0, transport="tcp", threads_per_stage=1, max_batch=4,
+                       batch_window_ms=10, link_capacity_gbps=10.0)
     started = start_cluster(spec, tmp_path_factory.mktemp("cluster"))
     yield started
     started.stop()

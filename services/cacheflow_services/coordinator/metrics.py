@@ -20,6 +20,7 @@ from cacheflow_common.stage_api import RestoreSummary
 
 LATENCY_BUCKETS = (0.01, 0.03, 0.1, 0.3, 0.5, 1, 2, 5, 10, 30, 60, 120)
 SHARE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+TIME_SHARE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5, 2.0, 5.0)  # over 1: slower than recompute
 ROUTES = ("chat", "completions", "restore")  # the routes a 200 is counted for
 # Why a stage's load missed (the unit was recomputed): the store did not serve it ("absent": also a copy the
 # pod found corrupt), a section failed its check when it landed, or the loader itself failed.
@@ -85,6 +86,20 @@ class CoordinatorMetrics:
         self.stage_units = Counter("cacheflow_stage_restore_units", "Restore units per stage, by the side that "
                                    "did them (computed, loaded, missed: claimed by a load, then recomputed)",
                                    ["stage", "how"], registry=r)
+        self.unused_bytes = Counter("cacheflow_stage_unused_bytes", "Bytes a stage loaded that no unit kept (a "
+                                    "load that missed after reading part of its unit)", ["stage"], registry=r)
+        self._time_saved_metrics(r)
+
+    def _time_saved_metrics(self, r: CollectorRegistry) -> None:
+        """Restores against the profile's prediction of recomputing the whole prefix (every stage in turn); the
+        time saved is the difference of the two counters' rates. Restores on unprofiled stages are not counted."""
+        self.recompute_predicted = Counter("cacheflow_restore_recompute_predicted_seconds", "Predicted seconds to "
+                                           "recompute the prefixes restored instead (profiled stages)", registry=r)
+        self.restore_profiled = Counter("cacheflow_restore_profiled_seconds", "Seconds those restores took (the "
+                                        "slowest stage's)", registry=r)
+        self.time_share = Histogram("cacheflow_restore_time_share", "Per restore, its time over the predicted time "
+                                    "to recompute its prefix (below 1: time saved)", buckets=TIME_SHARE_BUCKETS,
+                                    registry=r)
 
     def declare(self, stages: int, pods: list[str]) -> None:
         """Export every stage's and pod's series from start-up (0 until something happens)."""
@@ -92,7 +107,7 @@ class CoordinatorMetrics:
             stage = str(s)
             for what in STAGE_FAILURES:
                 self.failures.labels(f"stage{s}:{what}")
-            for series in (self.stage_busy, self.stage_loaded_bytes):
+            for series in (self.stage_busy, self.stage_loaded_bytes, self.unused_bytes):
                 series.labels(stage)
             for mode in ("token", "layer"):
                 self.stage_restores.labels(stage, mode)
@@ -125,6 +140,12 @@ class CoordinatorMetrics:
                 self._record_shape(stage, summary, units)
             for cause, count in summary.misses.items():
                 self.misses.labels(cause).inc(count)
+            self.unused_bytes.labels(stage).inc(summary.bytes_unused)
+        if stages and all(s.predicted_recompute_s > 0 for s in stages):
+            predicted, took = sum(s.predicted_recompute_s for s in stages), max(s.elapsed_s for s in stages)
+            self.recompute_predicted.inc(predicted)
+            self.restore_profiled.inc(took)
+            self.time_share.observe(took / predicted)
 
     def _record_shape(self, stage: str, summary: RestoreSummary, units: int) -> None:
         missed = min(sum(summary.misses.values()), summary.computed)

@@ -57,7 +57,7 @@ class RestoreBuilder:
         spec = self.spec(request_id, job, policy_name, input_mode=input_mode, upstream=upstream is not None,
                          delivers=on_computed is not None)
         loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
-        spec = _token_wise_over_holes(spec, loader)
+        spec = replace(_token_wise_over_holes(spec, loader), profiled=self.profile is not None)
         unit_size = self._unit_size(spec, delivers=on_computed is not None)
         units = _units(spec.mode, len(job.token_ids), unit_size, len(job.layers))
         plan = build_plan(request_id=request_id, arrival_s=arrival_s, n_tokens=len(job.token_ids),

@@ -61,6 +61,7 @@ class RestoreSpec:
     mode: str  # "token" | "layer"
     input_mode: str  # "boundary" | "pipelined" | "sequential" (stage 0: its embeddings in every case)
     fallback: str = ""  # why the policy differs from the one asked for ("" when it does not)
+    profiled: bool = False  # the plan's times come from a profile (else they only order units)
 
 
 class StageRestore:
@@ -144,7 +145,16 @@ class StageRestore:
             "policy": self.spec.policy.name, "fallback": self.spec.fallback, "mode": self.spec.mode,
             "elapsed_s": time.perf_counter() - self.started,
             "computed": sources.count("computed"), "loaded": sources.count("loaded"), "misses": dict(misses),
-            "bytes_loaded": self.loader.bytes_read, "boundary_bytes_read": int(getattr(self.inputs, "bytes_read", 0))})
+            "bytes_loaded": self.loader.bytes_read, "boundary_bytes_read": int(getattr(self.inputs, "bytes_read", 0)),
+            "bytes_unused": max(0, self.loader.bytes_read - self._bytes_used(sources)),
+            "predicted_recompute_s": sum(self.plan.stages[0].compute_s) if self.spec.profiled else 0.0})
+
+    def _bytes_used(self, sources: list[str]) -> int:
+        """Bytes of the units loaded: a chunk's sections (token mode), or one layer's of every chunk."""
+        layouts = self.loader.layouts
+        if self.spec.mode == "token":
+            return sum(layouts[u].sections_size for u, source in enumerate(sources) if source == "loaded")
+        return sources.count("loaded") * sum(layout.section_size for layout in layouts)
 
     def missed_units(self) -> list[int]:
         return [u for u, r in enumerate(self.records) if r.miss_reason]
