@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from cacheflow_common.errors import ConfigError
-from cacheflow_common.kv.chunk import ChunkLayout, land_kv_sections
+from cacheflow_common.kv.chunk import TRAILER_TAIL, ChunkLayout, land_kv_sections
 from cacheflow_common.kv.keys import ChunkKey, object_name
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.restore.device_landing import DeviceLanding
@@ -67,10 +67,15 @@ class KVLoader:
         self.bytes_read = 0
 
     def absent_chunks(self) -> list[int]:
-        """Chunks the store does not hold. A layer-wise restore reads every chunk for each layer, so one
-        absent chunk would fail every layer load (after reading the others for nothing) and recompute
-        everything: over a prefix with holes, restore token-wise, which recomputes only the holes."""
-        return [i for i in range(len(self.keys)) if not self.store.exists(self.names(i))]
+        """Chunks the store does not hold whole: absent, or too short for their sections and a trailer
+        (truncated). A layer-wise restore reads every chunk for each layer, so one such chunk would fail
+        every layer load (after reading the others for nothing) and recompute everything: over a prefix
+        with holes, restore token-wise, which recomputes only the holes."""
+        return [i for i in range(len(self.keys)) if not self._whole(i)]
+
+    def _whole(self, index: int) -> bool:
+        size = self.store.size(self.names(index))
+        return size is not None and size >= self.layouts[index].sections_size + TRAILER_TAIL.size
 
     def names(self, index: int) -> str:
         return object_name(self.keys[index], "kv", self.layers.start, self.layers.stop)

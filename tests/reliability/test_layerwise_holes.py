@@ -1,7 +1,7 @@
 """One absent chunk must not make a layer-wise restore recompute everything: each layer load reads that
 layer from every chunk, so a hole would fail every layer load (after reading the other chunks for
 nothing). The worker's engine and the library's `restore` check which chunks exist first and restore a
-prefix with holes token-wise, loading the chunks that are there.
+prefix with holes token-wise, loading the chunks that are there. A truncated chunk is a hole too.
 """
 
 from __future__ import annotations
@@ -32,6 +32,19 @@ SLOW_COMPUTE = CostModel(chunk_compute=LinearCost(fixed_s=0.5, per_token_s=0.05,
                          load=LoadCost(bytes_per_s=1e9, latency_s=1e-5))
 
 
+def _damage(store: MemoryStore, name: str, how: str) -> None:
+    """Make one chunk object a hole: deleted, or cut short (in its sections, or to a few bytes)."""
+    data = store.read(name)
+    assert data is not None
+    if how == "deleted":
+        store.delete(name)
+    else:
+        store.put(name, data[: len(data) // 2 if how == "truncated" else 10])
+
+
+DAMAGES = ["deleted", "truncated", "stub"]
+
+
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     return tiny_model(seed=5, num_layers=4)
@@ -50,7 +63,8 @@ def engine(model: Transformer) -> Iterator[tuple[StageEngine, MemoryStore]]:
     made.close()
 
 
-def test_a_layer_wise_restore_with_one_chunk_missing_goes_token_wise_and_loads_the_rest(model, engine):
+@pytest.mark.parametrize("how", DAMAGES)
+def test_a_layer_wise_restore_with_one_chunk_missing_goes_token_wise_and_loads_the_rest(model, engine, how):
     engine_, store = engine
     rng = random.Random(11)
     ids = [rng.randrange(384) for _ in range(5 * CHUNK + 7)]  # 6 chunks, the last one short
@@ -62,7 +76,7 @@ def test_a_layer_wise_restore_with_one_chunk_missing_goes_token_wise_and_loads_t
     assert whole.mode == "layer" and whole.loaded >= 1 and not whole.misses  # a short prefix: layer-wise
 
     hole = 2
-    store.delete(object_name(job.keys[hole], "kv", 0, model.config.num_layers))
+    _damage(store, object_name(job.keys[hole], "kv", 0, model.config.num_layers), how)
     summary = engine_.restore("holed", ids, tenant=TENANT, input_mode="boundary", reserve_tokens=0)
     torch.testing.assert_close(engine_.kv_of("holed"), expected, atol=1e-4, rtol=1e-4)
     assert summary.mode == "token" and summary.policy == "cacheflow"
@@ -74,13 +88,14 @@ def test_a_layer_wise_restore_with_one_chunk_missing_goes_token_wise_and_loads_t
     assert summary.bytes_loaded <= loaded_bytes  # nothing read for a load that then missed
 
 
-def test_the_library_restore_goes_token_wise_over_a_hole_too(model):
+@pytest.mark.parametrize("how", DAMAGES)
+def test_the_library_restore_goes_token_wise_over_a_hole_too(model, how):
     store = MemoryStore()
     rng = random.Random(12)
     ids = [rng.randrange(384) for _ in range(5 * CHUNK + 7)]
     job = make_job(model, ids, tenant=TENANT, chunk_size=CHUNK)
     save_prefix(model, job, store)
-    store.delete(object_name(job.keys[2], "kv", 0, model.config.num_layers))
+    _damage(store, object_name(job.keys[2], "kv", 0, model.config.num_layers), how)
     result = restore(job, model=model, store=store, policy="cacheflow-layer", costs=SLOW_COMPUTE)
     assert result.mode == "token"  # layer-wise would have failed every layer load and recomputed it all
     expected = compute_prefix_kv(model, job).data[:, :, :, : len(ids)]
