@@ -4,6 +4,10 @@ The index (name -> size, oldest first) lives in memory and is rebuilt from the b
 store opens, so a pod restarted on the same directory knows every object it acknowledged before
 (read recency is not persisted: after a restart the order is the backend's, e.g. write time).
 A put makes room first (evicting the oldest objects), then writes; a read hit refreshes recency.
+Evictions and deletes remove the object from the backend under the index's lock, in one step with
+taking it out of the index: a put of the same name (a replacement) comes wholly before or after, so
+it is never deleted by an eviction or delete that began before it (it was: an evicted chunk rewritten
+at once could be deleted afterwards, by the eviction still under way, and stay missing).
 
 Owners and shares (a storage pod's tenants): with `owner_of` (name -> owner) and `shares` (owner ->
 bytes it is guaranteed), each owner keeps its own LRU order. Capacity that an owner does not use may
@@ -119,8 +123,8 @@ class LruStore:
         """Evict until the store fits its capacity; False, evicting nothing, when it cannot (see `_victim`)."""
         with self._lock:
             victims = self._take_victims(writer, keep)
-        for name in victims or ():
-            self.inner.delete(name)
+            for name in victims or ():
+                self.inner.delete(name)  # under the lock: see the module's docstring
         return victims is not None
 
     def _take_victims(self, writer: str | None, keep: str) -> list[str] | None:
@@ -192,8 +196,9 @@ class LruStore:
         return self.inner.exists(name)
 
     def delete(self, name: str) -> None:
-        self.inner.delete(name)
-        self._forget(name)
+        with self._lock:
+            self.inner.delete(name)
+            self._release(self.owner_of(name), name)
 
     def entries(self) -> list[tuple[str, int]]:
         with self._lock:

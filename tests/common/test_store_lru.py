@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from cacheflow_common.errors import ConfigError, StoreError
@@ -57,3 +59,38 @@ def test_delete_frees_room():
     store.delete("a1")
     store.put("b1", b"x" * 200)
     assert store.evictions == 0 and store.used_bytes == 200
+
+
+class _PausingStore(MemoryStore):
+    """A memory store whose first delete of `name` waits until `release` is set (after setting `entered`)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.pause_on = name
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def delete(self, name: str) -> None:
+        if name == self.pause_on and not self.entered.is_set():
+            self.entered.set()
+            self.release.wait(60)
+        super().delete(name)
+
+
+def test_an_object_rewritten_while_its_eviction_is_under_way_stays():
+    x, z, y = _names(3)
+    inner = _PausingStore(x)
+    store = LruStore(inner, 200)
+    store.put(x, b"a" * 100)
+    store.put(z, b"b" * 100)
+    evicting = threading.Thread(target=store.put, args=(y, b"c" * 100))  # evicts x, the oldest
+    evicting.start()
+    assert inner.entered.wait(60)  # x is out of the index, its delete under way
+    rewrite = threading.Thread(target=store.put, args=(x, b"d" * 100))  # x written again (found missing, say)
+    rewrite.start()
+    rewrite.join(timeout=2)  # unfixed, the rewrite ends here, and the eviction then deletes the new x
+    inner.release.set()
+    evicting.join(60)
+    rewrite.join(60)
+    assert store.read(x) == b"d" * 100
+    assert sorted(name for name, _ in store.entries()) == inner.names()  # the index and the backend agree

@@ -6,7 +6,14 @@ guessing their names. With a capacity, each tenant is guaranteed a share of it (
 it may borrow what others leave unused, and loses objects to another tenant's writes only while over
 its share. Counts in `stats` are the tenant's own. Integrity: a PUT must be one whole, consistent
 chunk object; every read is checked section by section before it is served, and a copy that fails
-is counted, dropped and answered as CORRUPT (a miss to the reader, which recomputes).
+is counted, dropped and answered as CORRUPT (a miss to the reader, which recomputes). An object too
+short to be a chunk object (truncated) is such a copy too: dropped, and absent to a STAT or an exists.
+
+Replacement: a write, a delete, the drop of a bad copy and the caching of an object's layout each hold
+the object's lock (one of `_STRIPES`), and a bad copy is dropped only if no write of that lock's
+objects came since its read was planned, so neither a layout read from the old copy nor the drop of
+the old copy can outlive the new one (it did: a chunk rewritten after it was found corrupt could be
+deleted by a slower reader of the old copy, or served from its stale layout as a miss).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -33,6 +41,7 @@ from cacheflow_services.storage.reads import ReadPlan
 log = logging.getLogger(__name__)
 _TENANT_MARK = ".t-"  # stored name = name + mark + tenant
 _INFO_CACHE = 100_000  # object layouts remembered (a few MB), so a read costs no extra header reads
+_STRIPES = 64  # locks that writes, deletes, drops and layout reads of one object take
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,11 @@ class ObjectInfo:
     size: int
     section_size: int
     sections_end: int
+
+    @property
+    def chunk_like(self) -> bool:
+        """Whole sections, then a trailer: anything else (a truncated object) can never be served."""
+        return self.section_size > 0 and self.sections_end > 0 and self.sections_end % self.section_size == 0
 
 
 def open_backend(config: StorageConfig) -> ChunkStore:
@@ -67,6 +81,8 @@ class StoragePod:
         self.buffers = BufferBudget(config.max_buffered_bytes)
         self._info: OrderedDict[str, ObjectInfo] = OrderedDict()
         self._lock = threading.Lock()
+        self._stripes = [threading.Lock() for _ in range(_STRIPES)]
+        self._writes = [0] * _STRIPES  # writes and deletes under each stripe so far
 
     # ------------------------------------------------------------------------------------ access
     def tenant_of(self, token: str) -> str | None:
@@ -104,13 +120,17 @@ class StoragePod:
         self.check_length(length, "a read")
         if offset < 0:
             raise BadRequestError(f"negative offset {offset}")
+        writes = self._writes[self._stripe(stored)]  # before the layout: a write after it makes the plan old
         info = self._object_info(stored)
         if info is None:
             return self._miss(tenant, "absent")
+        if not info.chunk_like:
+            return self._corrupt(tenant, stored, f"not a whole chunk object ({info.size} bytes): truncated?", writes)
         if offset + length > info.size:
+            self._forget(stored)  # looked up again next time, in case the layout remembered is an old copy's
             return self._miss(tenant, f"range [{offset}, {offset + length}) is outside the object ({info.size} bytes)")
         return ReadPlan(tenant=tenant, stored=stored, offset=offset, length=length, section_size=info.section_size,
-                        sections_end=info.sections_end)
+                        sections_end=info.sections_end, writes=writes)
 
     def read_piece(self, plan: ReadPlan, start: int, out: memoryview) -> tuple[Status, str]:
         """Fill `out` with the plan's bytes from `start` on (relative to its offset), checked."""
@@ -119,7 +139,7 @@ class StoragePod:
             return self._miss(plan.tenant, "absent")
         problem = range_problem(out, plan.offset + start, plan.section_size, plan.sections_end)
         if problem:
-            return self._corrupt(plan.tenant, plan.stored, problem)
+            return self._corrupt(plan.tenant, plan.stored, problem, plan.writes)
         return Status.OK, ""
 
     def count_hit(self, plan: ReadPlan) -> None:
@@ -134,34 +154,47 @@ class StoragePod:
         self.tenant_counts.add(tenant, "misses")
         return Status.MISS, reason
 
-    def _corrupt(self, tenant: str, stored: str, problem: str) -> tuple[Status, str]:
-        log.warning("dropping corrupt object %s: %s", stored, problem)
+    def _corrupt(self, tenant: str, stored: str, problem: str, writes: int) -> tuple[Status, str]:
+        """Count and drop a bad copy, read while the object's stripe had seen `writes` writes: a copy
+        written since then is a replacement, and stays."""
         self.metrics.reads.labels("corrupt").inc()
         self.tenant_counts.add(tenant, "corrupt")
-        self._forget(stored)
-        try:
-            self.backend.delete(stored)  # never served again; the next save stores a good copy
-        except StoreError as exc:
-            log.warning("could not drop %s: %s", stored, exc)
+        stripe = self._stripe(stored)
+        with self._stripes[stripe]:
+            self._forget(stored)
+            if self._writes[stripe] != writes:
+                log.warning("corrupt copy of %s (%s) not dropped: written again since it was read", stored, problem)
+                return Status.CORRUPT, problem
+            log.warning("dropping corrupt object %s: %s", stored, problem)
+            try:
+                self.backend.delete(stored)  # never served again; the next save stores a good copy
+            except StoreError as exc:
+                log.warning("could not drop %s: %s", stored, exc)
         self.refresh_gauges()
         return Status.CORRUPT, problem
+
+    @staticmethod
+    def _stripe(stored: str) -> int:
+        return zlib.crc32(stored.encode()) % _STRIPES
 
     def _object_info(self, stored: str) -> ObjectInfo | None:
         with self._lock:
             info = self._info.get(stored)
         if info is not None:
             return info
-        size = self.backend.size(stored)
-        if size is None:
-            return None
-        head, tail = bytearray(SECTION_HEADER_SIZE), bytearray(TRAILER_TAIL.size)
-        if size < len(head) + len(tail) or not (
-            self.backend.read_into(stored, memoryview(head), 0)
-            and self.backend.read_into(stored, memoryview(tail), size - len(tail))
-        ):
-            return None  # vanished or truncated while we looked: a miss
-        info = ObjectInfo(size, section_size_of(bytes(head)), sections_end_of(bytes(tail), size))
-        self._remember(stored, info)
+        with self._stripes[self._stripe(stored)]:  # no write between reading the layout and remembering it
+            size = self.backend.size(stored)
+            if size is None:
+                return None
+            head, tail = bytearray(SECTION_HEADER_SIZE), bytearray(TRAILER_TAIL.size)
+            if size < len(head) + len(tail):
+                return ObjectInfo(size, 0, 0)  # too short to be a chunk object: not chunk_like
+            if not (self.backend.read_into(stored, memoryview(head), 0)
+                    and self.backend.read_into(stored, memoryview(tail), size - len(tail))):
+                return None  # vanished while we looked: a miss
+            info = ObjectInfo(size, section_size_of(bytes(head)), sections_end_of(bytes(tail), size))
+            if info.chunk_like:
+                self._remember(stored, info)
         return info
 
     def _remember(self, stored: str, info: ObjectInfo) -> None:
@@ -176,24 +209,34 @@ class StoragePod:
             self._info.pop(stored, None)
 
     def size(self, tenant: str, name: str) -> int | None:
-        stored = self.stored_name(tenant, name)
+        """The object's size; None when it is absent, or not a whole chunk object (then dropped)."""
+        return self._whole_size(tenant, self.stored_name(tenant, name))
+
+    def _whole_size(self, tenant: str, stored: str) -> int | None:
+        writes = self._writes[self._stripe(stored)]
         if not self.backend.exists(stored):  # asked each time: the layout cache outlives evictions
             self._forget(stored)
             return None
         info = self._object_info(stored)
+        if info is not None and not info.chunk_like:
+            self._corrupt(tenant, stored, f"not a whole chunk object ({info.size} bytes): truncated?", writes)
+            return None
         return None if info is None else info.size
 
     def delete(self, tenant: str, name: str) -> None:
         stored = self.stored_name(tenant, name)
-        self._forget(stored)
-        self.backend.delete(stored)
+        stripe = self._stripe(stored)
+        with self._stripes[stripe]:
+            self._writes[stripe] += 1
+            self._forget(stored)
+            self.backend.delete(stored)
         self.refresh_gauges()
 
     def exists(self, tenant: str, names: list[str]) -> list[bool]:
         if len(names) > self.config.max_names_per_query:
             raise BadRequestError(f"{len(names)} names in one query; at most {self.config.max_names_per_query}")
         stored = [self.stored_name(tenant, n) for n in names]  # all validated before any lookup
-        return [self.backend.exists(s) for s in stored]
+        return [self._whole_size(tenant, s) is not None for s in stored]
 
     # ------------------------------------------------------------------------------------ writes
     def write(self, tenant: str, name: str, data: memoryview) -> tuple[Status, str]:
@@ -204,9 +247,12 @@ class StoragePod:
         if problem:
             self.metrics.writes.labels("rejected").inc()
             raise BadRequestError(f"not a valid chunk object: {problem}")
-        self._forget(stored)
+        stripe = self._stripe(stored)
         try:
-            self.backend.put(stored, data)
+            with self._stripes[stripe]:  # see the module's docstring: replacement
+                self._writes[stripe] += 1
+                self._forget(stored)
+                self.backend.put(stored, data)
         except StoreError as exc:
             self.metrics.writes.labels("failed").inc()
             return Status.UNAVAILABLE, str(exc)

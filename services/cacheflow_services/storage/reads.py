@@ -22,6 +22,7 @@ class ReadPlan:
     length: int
     section_size: int  # of the object's sections (0: not a chunk object; its first piece fails the check)
     sections_end: int  # where the sections end and the trailer begins
+    writes: int = 0  # the pod's count of writes to the object's stripe when the read was planned
 
     def pieces(self, piece_bytes: int = PIECE_BYTES) -> Iterator[tuple[int, int]]:
         """(start, length) of consecutive pieces, `start` counted from the range's first byte."""
