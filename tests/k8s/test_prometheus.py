@@ -128,6 +128,8 @@ EXPECT: dict[tuple[str, str], Expect] = {
     ("Time saved vs whole recompute", "A"): Expect(ONE, values=lambda v: math.isfinite(v[()])),
     ("Time saved vs whole recompute", "B"): Expect(ONE, values=positive),
     ("Loaded bytes unused per stage", "A"): Expect(STAGE_IDS, ("stage",)),
+    ("Units given to I/O by request class", "A"): Expect({("cake",), ("load-only",)}, ("policy",),
+                                                         values=lambda v: shares(v) and v[("load-only",)] == 1),
 }
 # Before anything went wrong: every known cause is there, at 0 (not "no data").
 HEALTHY = {

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.stage_api import RestoreSummary
 
 LATENCY_BUCKETS = (0.01, 0.03, 0.1, 0.3, 0.5, 1, 2, 5, 10, 30, 60, 120)
@@ -83,9 +84,10 @@ class CoordinatorMetrics:
                                        "pointers met: the share of units the compute side claimed from the front "
                                        "(loads that missed and were recomputed not counted)", ["stage"],
                                        buckets=SHARE_BUCKETS, registry=r)
-        self.stage_units = Counter("cacheflow_stage_restore_units", "Restore units per stage, by the side that "
-                                   "did them (computed, loaded, missed: claimed by a load, then recomputed)",
-                                   ["stage", "how"], registry=r)
+        self.stage_units = Counter("cacheflow_stage_restore_units", "Restore units per stage and request class "
+                                   "(the policy it restored with), by the side the batch scheduler gave them to "
+                                   "(computed, loaded, missed: given to I/O, then recomputed)",
+                                   ["stage", "policy", "how"], registry=r)
         self.unused_bytes = Counter("cacheflow_stage_unused_bytes", "Bytes a stage loaded that no unit kept (a "
                                     "load that missed after reading part of its unit)", ["stage"], registry=r)
         self._time_saved_metrics(r)
@@ -112,7 +114,8 @@ class CoordinatorMetrics:
             for mode in ("token", "layer"):
                 self.stage_restores.labels(stage, mode)
             for how in ("computed", "loaded", "missed"):
-                self.stage_units.labels(stage, how)
+                for policy in POLICIES:
+                    self.stage_units.labels(stage, policy, how)
             self.loaded_share.labels(stage)
             self.meeting_point.labels(stage)
         for pod in pods:
@@ -152,7 +155,7 @@ class CoordinatorMetrics:
         self.loaded_share.labels(stage).observe(summary.loaded / units)
         self.meeting_point.labels(stage).observe((summary.computed - missed) / units)
         for how, count in (("computed", summary.computed - missed), ("loaded", summary.loaded), ("missed", missed)):
-            self.stage_units.labels(stage, how).inc(count)
+            self.stage_units.labels(stage, summary.policy, how).inc(count)
 
     def restore_modes(self, stage: int) -> dict[str, int]:
         """How many restores `stage` ran in each mode so far."""
