@@ -16,7 +16,9 @@ stage worker's engine or the simulator — asks for decisions and reports what h
   not `ready` (its input has not arrived) or its policy would rather leave it to storage.
 * Each I/O channel (storage pod) serves the request its policy ranks highest among those with a
   pending unit stored on it, re-evaluated at every decision; within it the stage with the most open
-  work, at that stage's highest pending unit on the channel (the I/O pointer, walking down).
+  work, at that stage's highest pending unit on the channel (the I/O pointer, walking down). A
+  unit-ranking policy (`saving`) ranks the I/O pointers themselves, across the batch: the unit whose
+  predicted compute seconds per load second are largest goes first.
 * The meeting point of a planned (CacheFlow) request is decided against the whole batch: its next
   pending unit is computed only if the shared compute loop would get through the units up to the
   best split sooner than the channels would load the rest. Compute time is counted in whole steps of
@@ -188,18 +190,35 @@ class BatchScheduler:
         """Claim the next load for `channel`: the top-ranked request, its busiest stage, its highest unit."""
         if channel in self._lost_channels:
             return None
-        candidates = [r for r in self._active.values() if r.policy.loads and r.pending_on[channel] > 0]
-        if not candidates:
+        best: tuple[tuple[float, ...], RequestWork, int, int] | None = None
+        for request in self._active.values():
+            if not request.policy.loads or request.pending_on[channel] <= 0:
+                continue
+            stage, unit, rank = self._channel_choice(request, channel, now)
+            if best is None or rank > best[0]:
+                best = (rank, request, stage, unit)
+        if best is None:
             return None
-        request = max(candidates, key=lambda r: r.policy.load_rank(r, now))
-        tops = {s: unit for s, work in enumerate(request.stages)
-                if (unit := work.highest_pending_on(channel)) is not None}
-        stage = max(tops, key=lambda s: (request.stages[s].open_s, -s))
-        unit = tops[stage]
+        _, request, stage, unit = best
         request.stages[stage].claim_load(unit)
         task = LoadTask(request.request_id, stage, unit)
         self._loads[task] = _Load(channel, now, self._predicted_load_s(request.stages[stage], unit))
         return task
+
+    def _channel_choice(self, request: RequestWork, channel: int, now: float) -> tuple[int, int, tuple[float, ...]]:
+        """(stage, unit, rank) a free `channel` would load for `request`: among its stages' I/O pointers on the
+        channel, the unit saving the most compute per link-second (a unit-ranking policy) or the stage with
+        the most open work; ranked by the policy."""
+        tops = {s: unit for s, work in enumerate(request.stages)
+                if (unit := work.highest_pending_on(channel)) is not None}
+        policy = request.policy
+        if policy.ranks_units:
+            ranks = {s: policy.unit_rank(request, request.stages[s].plan.compute_s[u],
+                                         self._predicted_load_s(request.stages[s], u), now) for s, u in tops.items()}
+            stage = max(tops, key=lambda s: (ranks[s], -s))
+            return stage, tops[stage], ranks[stage]
+        stage = max(tops, key=lambda s: (request.stages[s].open_s, -s))
+        return stage, tops[stage], policy.load_rank(request, now)
 
     # -- what the caller reads ------------------------------------------------------------------
     def finished(self) -> list[str]:
@@ -281,12 +300,32 @@ class BatchScheduler:
         """Seconds before `channel` can load for `request`: its load in flight, then every request it
         ranks higher (the whole batch's claim on the channel, at the current ranking)."""
         ahead = max(0.0, in_flight.started_s + in_flight.predicted_s - now) if in_flight else 0.0
+        if request.policy.ranks_units:
+            return ahead + self._units_ahead(channel, request, now)
         rank = request.policy.load_rank(request, now)
         for other in self._active.values():
             if other is request or not other.policy.loads or not other.pending_on[channel]:
                 continue
             if other.policy.load_rank(other, now) > rank:
                 ahead += sum(self._predicted_load_s(w, u) for w in other.stages for u in w.pending_on_channel(channel))
+        return ahead
+
+    def _units_ahead(self, channel: int, request: RequestWork, now: float) -> float:
+        """Load seconds `channel` spends on other requests' units before this request's I/O pointer: every
+        pending unit there that ranks above the request's best unit on the channel (units are taken in
+        rank order across the batch, each request's from the top down)."""
+        if not request.pending_on[channel]:
+            return 0.0
+        _, _, mine = self._channel_choice(request, channel, now)
+        ahead = 0.0
+        for other in self._active.values():
+            if other is request or not other.policy.loads or not other.pending_on[channel]:
+                continue
+            for work in other.stages:
+                for u in work.pending_on_channel(channel):
+                    load_s = self._predicted_load_s(work, u)
+                    if other.policy.unit_rank(other, work.plan.compute_s[u], load_s, now) > mine:
+                        ahead += load_s
         return ahead
 
     def _predicted_load_s(self, work: StageWork, unit: int) -> float:
