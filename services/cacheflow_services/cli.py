@@ -44,7 +44,7 @@ def _profile(args: argparse.Namespace) -> int:
 
 # `cacheflow bench NAME` -> its module in cacheflow_bench
 BENCHMARKS = {"restore": "restore_single", "storage": "storage", "stages": "stages", "batch": "batch",
-              "vllm": "vllm", "report": "report", "chaos": "chaos"}
+              "vllm": "vllm", "report": "report", "chaos": "chaos", "sweep": "sweep"}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -209,6 +209,8 @@ def _coordinator(args: argparse.Namespace) -> int:
         slot_stuck_s=args.slot_stuck_s,
         max_held_restores=args.max_held_restores,
         stage_wait_s=args.stage_wait_s,
+        stage_restart_wait_s=args.stage_restart_wait_s,
+        restarts_file=args.restarts_file,
         host=args.host,
         http_port=args.http_port,
     )
@@ -238,6 +240,10 @@ def _add_coordinator_parser(sub: argparse._SubParsersAction) -> None:
                     help="not ready (/readyz 503) while every batch slot has been held longer than this")
     co.add_argument("--stage-wait-s", type=float, default=30.0,
                     help="a request waits this long for a stage that is down (restarting) before a 503")
+    co.add_argument("--stage-restart-wait-s", type=float, default=180.0,
+                    help="... or, while the supervisor says it is restarting the stage, up to this long in all")
+    co.add_argument("--restarts-file", type=Path, default=None,
+                    help="the supervisor's restart state (`cacheflow up` passes its own)")
     co.add_argument("--max-held-restores", type=int, default=16,
                     help="restores (POST /v1/restore) one tenant may have queued, running or held at once")
     co.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")

@@ -28,7 +28,7 @@ from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import model_config
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
 from cacheflow_services.storage.launch import LocalPod, launch_pod
-from cacheflow_services.supervisor import RestartPolicy, Service, Supervisor
+from cacheflow_services.supervisor import RESTARTS_FILE, RestartPolicy, Service, Supervisor
 from cacheflow_services.worker.launch import LocalWorker, launch_stages
 
 LOCK_FILE = "up.lock"
@@ -107,7 +107,8 @@ class LocalCluster:
 
     def supervise(self, policy: RestartPolicy | None = None) -> Supervisor:
         """From now on, start again (same ports, same arguments) each process that exits."""
-        self.supervisor = Supervisor(self.services(), policy).start()
+        self.supervisor = Supervisor(self.services(), policy,
+                                     state_file=self.coordinator.log_path.parent / RESTARTS_FILE).start()
         return self.supervisor
 
     def stop(self) -> None:
@@ -199,7 +200,8 @@ def start_cluster(spec: ClusterSpec, workdir: Path) -> LocalCluster:
                                 threads=spec.threads(), cpus=spec.stage_cpus,
                                 extra=[*spec.worker_args, *_link_hint(spec)])
         extra = ["--max-batch", str(spec.max_batch), "--max-queue", str(spec.max_queue),
-                 "--batch-window-ms", str(spec.batch_window_ms), "--policy", spec.policy]
+                 "--batch-window-ms", str(spec.batch_window_ms), "--policy", spec.policy,
+                 "--restarts-file", str(workdir / RESTARTS_FILE)]  # what the supervisor knows of restarts
         coordinator = launch_coordinator(workdir, stages=[w.url for w in workers], pods=addresses,
                                          pod_token_file=pod_token_file, token_file=api_token_file, secrets=secrets,
                                          model=spec.model,

@@ -9,11 +9,20 @@ why (`wait_failed`). Each exit and restart is logged with the process, its exit 
 
 The thread that restarts the processes is their parent for the kernel's parent-death signal
 (`local_process`): it lives until `close()`, which comes after the processes are stopped.
+
+What it knows is published for the coordinator (`state_file`, JSON, replaced atomically on every
+change): each process being restarted, from the moment its exit is seen until it serves again, with
+its attempt and since when, or that the supervisor gave up on it; a process not listed is running. A
+request waiting for a stage that is down waits longer while that stage is known to be restarting
+(`restart_in_progress`), up to the coordinator's hard bound, instead of a fixed time. (On Kubernetes
+the equivalent is a pod that exists but is not ready yet.)
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
 import subprocess
 import threading
@@ -38,6 +47,21 @@ class RestartPolicy:
 
     def delay_s(self, attempt: int) -> float:
         return min(self.max_delay_s, self.first_delay_s * 2 ** (attempt - 1))
+
+
+RESTARTING, GAVE_UP = "restarting", "gave up"
+RESTARTS_FILE = "restarts.json"  # the state file's name in a local cluster's directory
+
+
+def restart_in_progress(state_file: Path, name: str) -> bool:
+    """Whether the supervisor publishing `state_file` is restarting process `name` now (False when the file
+    cannot be read: nothing is known)."""
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        return False
+    entry = state.get(name) if isinstance(state, dict) else None
+    return isinstance(entry, dict) and entry.get("state") == RESTARTING
 
 
 class Service(Protocol):
@@ -71,9 +95,12 @@ def exit_status(code: int) -> str:
 
 
 class Supervisor:
-    def __init__(self, services: Sequence[tuple[str, Service]], policy: RestartPolicy | None = None) -> None:
+    def __init__(self, services: Sequence[tuple[str, Service]], policy: RestartPolicy | None = None, *,
+                 state_file: Path | None = None) -> None:
         self.policy = policy or RestartPolicy()
         self._watched = [_Watched(name, service) for name, service in services]
+        self.state_file = state_file
+        self._states: dict[str, dict[str, object]] = {}  # name -> what is published about it
         self._stopping = threading.Event()  # no more restarts
         self._closed = threading.Event()  # the thread may end
         self._gave_up = threading.Event()
@@ -81,8 +108,28 @@ class Supervisor:
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
 
     def start(self) -> Supervisor:
+        self._publish()  # every process running: a file left by an earlier run says nothing wrong
         self._thread.start()
         return self
+
+    def _set_state(self, name: str, state: str | None, attempt: int = 0) -> None:
+        """Publish that process `name` is restarting or given up (None: running again)."""
+        if state is None:
+            self._states.pop(name, None)
+        else:
+            since = self._states.get(name, {}).get("since", time.time())
+            self._states[name] = {"state": state, "attempt": attempt, "since": since}
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.state_file is None:
+            return
+        tmp = self.state_file.with_name(f".{self.state_file.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(self._states))
+            os.replace(tmp, self.state_file)
+        except OSError as exc:
+            log.warning("could not publish the restart state in %s: %s", self.state_file, exc)
 
     def wait_failed(self, timeout_s: float) -> str:
         """Why the supervisor gave up, once it has ("" if it has not within `timeout_s`)."""
@@ -122,6 +169,7 @@ class Supervisor:
         if not watched.last_status:
             watched.last_status = exit_status(code)
             log.warning("%s (pid %d) exited with %s", watched.name, proc.pid, watched.last_status)
+        self._set_state(watched.name, RESTARTING, watched.attempts + 1)
         self._restart(watched)
 
     def _restart(self, watched: _Watched) -> None:
@@ -137,6 +185,7 @@ class Supervisor:
             log.warning("%s did not come back (%s): %s", watched.name, attempt, exc)
             return
         watched.started, watched.last_status = time.monotonic(), ""
+        self._set_state(watched.name, None)
         if self._stopping.is_set():  # the cluster began to stop while this one started
             watched.service.stop()
             return
@@ -149,4 +198,5 @@ class Supervisor:
         self.failed = (f"{watched.name} exited again after {watched.attempts} restarts in a row "
                        f"(last: {watched.last_status}); gave up restarting it (its log: {watched.service.log_path})")
         log.error("%s", self.failed)
+        self._set_state(watched.name, GAVE_UP, watched.attempts)
         self._gave_up.set()

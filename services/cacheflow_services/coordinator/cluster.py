@@ -5,6 +5,10 @@ they serve one model with one chunk size and layer ranges that tile it in order.
 then probes each worker (`/healthz`) and each storage pod (a small data-plane request) every few
 seconds; a request is refused at once while a stage is down instead of hanging on it. A pod that is
 down needs no refusal: the workers recompute what it held.
+
+A request that finds a stage down waits for it `stage_wait_s`, and past that for as long as the
+supervisor says it is restarting that stage (`restarts_file`: a worker reloading its model on a
+loaded host can take longer than any fixed wait), never more than `stage_restart_wait_s` in all.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from cacheflow_common.store.placement import ClusterStore, tenant_stores
 from cacheflow_common.transport.pod_client import PodClient
 from cacheflow_services.coordinator.config import CoordinatorConfig
 from cacheflow_services.coordinator.stages import ChainError, StageChain
+from cacheflow_services.supervisor import restart_in_progress
 
 log = logging.getLogger(__name__)
 PROBE_NAME = "cacheflow-health-probe"  # a name no chunk has: a pod that answers about it is up
@@ -90,17 +95,30 @@ class Cluster:
             probe.close()
 
     # ------------------------------------------------------------------------------------ health
+    def down_stages(self) -> list[int]:
+        return [s for s, up in enumerate(self.stage_up) if not up]
+
     def require_stages(self) -> None:
         """Raise StageDownError naming the stages that do not answer."""
-        down = [s for s, up in enumerate(self.stage_up) if not up]
-        if down:
-            raise StageDownError(f"stage worker(s) {', '.join(map(str, down))} not answering; retry later")
+        if down := self.down_stages():
+            how = " (being restarted)" if self.restarting(down) else ""
+            raise StageDownError(f"stage worker(s) {', '.join(map(str, down))} not answering{how}; retry later")
+
+    def restarting(self, stages: list[int]) -> bool:
+        """Whether the supervisor says it is restarting every one of `stages` (False when nothing is known)."""
+        state = self.config.restarts_file
+        return state is not None and all(restart_in_progress(state, f"stage {s}") for s in stages)
 
     def wait_for_stages(self, timeout_s: float) -> None:
-        """Return once every stage answers, probing them meanwhile (a restarting worker comes back within
-        seconds); StageDownError naming those still down after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        while not all(self.stage_up) and time.monotonic() < deadline:
+        """Return once every stage answers, probing them meanwhile; StageDownError naming those still down
+        after `timeout_s`, or, while the supervisor is restarting all of them, after the hard bound
+        (`stage_restart_wait_s`)."""
+        began = time.monotonic()
+        bound = max(timeout_s, self.config.stage_restart_wait_s)
+        while down := self.down_stages():
+            waited = time.monotonic() - began
+            if waited >= bound or (waited >= timeout_s and not self.restarting(down)):
+                break
             time.sleep(STAGE_POLL_S)
             self.probe_stages()
         self.require_stages()

@@ -28,7 +28,9 @@ class CoordinatorConfig:
     max_new_tokens: int = 4096  # the largest max_tokens a request may ask for
     stage_timeout_s: float = 300.0  # one call to a stage worker (a restore of a long prefix included)
     health_interval_s: float = 2.0  # how often workers and pods are probed
-    stage_wait_s: float = 30.0  # a request waits this long for a stage that is down (restarting) before a 503
+    stage_wait_s: float = 30.0  # a request waits this long for a stage that is down (restarting) before a 503 ...
+    stage_restart_wait_s: float = 180.0  # ... or, while the supervisor says it is restarting it, up to this long
+    restarts_file: Path | None = None  # the supervisor's restart state (`cacheflow up`); None: nothing known
     held_restore_s: float = 60.0  # a restore's KV held on the workers for a later completion, then freed
     max_held_restores: int = 16  # per tenant: restores queued, running or held at once (more: 429)
     max_body_bytes: int = 8 << 20  # the largest request body accepted (larger: 413)
