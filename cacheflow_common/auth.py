@@ -81,7 +81,10 @@ class GrantSigner:
     """The coordinator's half: makes grants (holds the private key)."""
 
     def __init__(self, private_pem: bytes) -> None:
-        key = serialization.load_pem_private_key(private_pem, password=None)
+        try:
+            key = serialization.load_pem_private_key(private_pem, password=None)
+        except (ValueError, TypeError):
+            key = None
         if not isinstance(key, Ed25519PrivateKey):
             raise ConfigError("the grant signing key must be an Ed25519 private key (PEM)")
         self._key = key
@@ -96,7 +99,10 @@ class GrantVerifier:
     """A worker's half: checks grants (holds only the public key)."""
 
     def __init__(self, public_pem: bytes) -> None:
-        key = serialization.load_pem_public_key(public_pem)
+        try:
+            key = serialization.load_pem_public_key(public_pem)
+        except (ValueError, TypeError):
+            key = None
         if not isinstance(key, Ed25519PublicKey):
             raise ConfigError("the grant verifying key must be an Ed25519 public key (PEM)")
         self._key = key

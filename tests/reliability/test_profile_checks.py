@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from cacheflow_common.auth import INTERNAL_TOKEN_FILE, VERIFY_KEY_FILE, ensure_cluster_secrets
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.restore import profiler
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
@@ -60,11 +61,11 @@ def test_a_worker_refuses_a_profile_of_another_model(tmp_path):
     import sys
 
     _profile_of("f" * 32).save(tmp_path / "p.json")
-    tokens = tmp_path / "tokens.txt"
-    tokens.write_text("alpha secret-token-of-alpha\n")
+    secrets = ensure_cluster_secrets(tmp_path / "internal")
     run = subprocess.run([sys.executable, "-m", "cacheflow_services.cli", "worker", "--stage", "0", "--layers", "0:8",
                           "--model", "tiny", "--dtype", "float32", "--pods", "pod-0=127.0.0.1:1",
-                          "--pod-token-file", str(tokens), "--profile", str(tmp_path / "p.json")],
+                          "--internal-token-file", str(secrets / INTERNAL_TOKEN_FILE),
+                          "--grant-key-file", str(secrets / VERIFY_KEY_FILE), "--profile", str(tmp_path / "p.json")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
     assert f"model {'f' * 32} (this model: " in run.stderr and '"event": "ready"' not in run.stdout

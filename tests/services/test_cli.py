@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from cacheflow_common.auth import INTERNAL_TOKEN_FILE, SIGNING_KEY_FILE, VERIFY_KEY_FILE, ensure_cluster_secrets
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.restore.profile import Profile
 from cacheflow_services.cli import BENCHMARKS, configure_logging, main
@@ -73,9 +74,30 @@ def test_each_benchmark_prints_its_own_help(name, capsys):
     assert out.startswith(f"usage: cacheflow bench {name} ") and "--out" in out, out
 
 
-def test_a_coordinator_refuses_an_unknown_default_policy(tmp_path):
+def _coordinator_args(tmp_path) -> list[str]:
     tokens = tmp_path / "tokens"
     tokens.write_text("acme secret\n")
-    run = _cacheflow("coordinator", "--stages", "http://127.0.0.1:1", "--pods", "127.0.0.1:1",
-                     "--pod-token-file", str(tokens), "--token-file", str(tokens), "--policy", "fastest")
+    secrets = ensure_cluster_secrets(tmp_path / "internal")
+    return ["coordinator", "--stages", "http://127.0.0.1:1", "--pods", "127.0.0.1:1", "--pod-token-file", str(tokens),
+            "--token-file", str(tokens), "--internal-token-file", str(secrets / INTERNAL_TOKEN_FILE),
+            "--grant-signing-key-file", str(secrets / SIGNING_KEY_FILE)]
+
+
+def test_a_coordinator_refuses_an_unknown_default_policy(tmp_path):
+    run = _cacheflow(*_coordinator_args(tmp_path), "--policy", "fastest")
     assert run.returncode == 2 and "unknown policy 'fastest'" in run.stderr
+
+
+def test_services_refuse_to_start_without_their_internal_credentials(tmp_path):
+    args = _coordinator_args(tmp_path)
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    key = args.index("--grant-signing-key-file") + 1
+    run = _cacheflow(*args[:key], str(tmp_path / "internal" / VERIFY_KEY_FILE), *args[key + 1 :])
+    assert run.returncode == 2 and "Ed25519 private key" in run.stderr  # a verifying key cannot sign
+    token = args.index("--internal-token-file") + 1
+    run = _cacheflow(*args[:token], str(empty), *args[token + 1 :])
+    assert run.returncode == 2 and "internal token file" in run.stderr and "is empty" in run.stderr
+    run = _cacheflow("worker", "--stage", "0", "--layers", "0:8", "--pods", "127.0.0.1:1",
+                     "--internal-token-file", str(tmp_path / "missing"), "--grant-key-file", str(empty))
+    assert run.returncode == 2 and "cannot read the internal token file" in run.stderr
