@@ -29,7 +29,10 @@ def random_plans(rng: random.Random, n_requests: int, n_stages: int, n_channels:
     return plans
 
 
-def pointer_candidates(s: BatchScheduler, plans: dict[str, RequestPlan], channel: int) -> list[tuple[float, str, int, int]]:
+Candidate = tuple[float, str, int, int]  # compute / load, request, stage, unit
+
+
+def pointer_candidates(s: BatchScheduler, plans: dict[str, RequestPlan], channel: int) -> list[Candidate]:
     """(compute / load, request, stage, unit) of every I/O pointer on `channel`: each request's and stage's
     highest pending unit held there."""
     out = []
@@ -53,8 +56,8 @@ def test_a_free_channel_takes_the_largest_saving_per_link_second(seed: int, n_st
         s.arrive(p)
     for _ in range(rng.randint(0, 8)):  # some compute first, so pointers sit at random places
         stage = rng.randrange(n_stages)
-        for task in s.next_compute_batch(stage):
-            s.computed(stage, task.request_id, task.unit)
+        for computed in s.next_compute_batch(stage):
+            s.computed(stage, computed.request_id, computed.unit)
     for _ in range(10):
         channel = rng.randrange(n_channels)
         candidates = pointer_candidates(s, plans, channel)
