@@ -55,6 +55,7 @@ PARSED_ONLY = {  # `cacheflow` subcommands that are parsed but not run, and why
 }
 SKIPPED = {  # other commands in bash blocks, and why they do not run here
     "pip": "installs packages",
+    "prometheus": "serves until stopped (tests/k8s/test_prometheus.py runs it against a local cluster)",
     "bash": "`bash .ci/run` is the whole CI (it runs these tests)",
     "curl": "needs `cacheflow up` serving on port 8000",
     "docker": "builds and pushes an image",
