@@ -17,12 +17,15 @@ and needs:
   pod's link serves its loads by processor sharing: its capacity is one second per second);
 * its own chain: on each stage a request computes one unit per step, a step lasting at least the
   unit's whole cost, so its computed units take their summed cost; its loads on one channel their
-  summed load time; both end at least tail_s before its first token.
+  summed load time; both end at least tail_s before its first token;
+* admission (with `max_batch`): it holds one of max_batch slots, at most one at a time, for at least
+  its longest chain plus tail_s, between its arrival and its first token.
 Its first token is at least t[k] for the fraction in slot k, and at least its arrival plus tail_s
 plus the chain of its (average) split. Minimising the mean (or the largest) first-token time minus
 arrival over all that is a linear program; every real schedule is one of its solutions (y one-hot),
 so its optimum is a lower bound. It drops: the order of units within a request (a unit needs the
-ones below it), batch caps and admission, the compute slowdown while loading, and unit granularity.
+ones below it), the batch window and step token caps, the compute slowdown while loading, and unit
+granularity.
 What it keeps exactly: both resources per stage, the shared channels, arrivals, the split of every
 unit. A grid slot's width is what the per-fraction part may lose; the chains are exact.
 """
@@ -61,18 +64,22 @@ class _Unit:
     channel: int  # NOT_STORED: compute only
 
 
-def batch_bound(requests: Sequence[BoundRequest], *, horizon_s: float | None = None,
-                slots: int = DEFAULT_SLOTS) -> BatchBound:
+def batch_bound(requests: Sequence[BoundRequest], *, horizon_s: float | None = None, slots: int = DEFAULT_SLOTS,
+                max_batch: int | None = None) -> BatchBound:
     """The bound for the mean and for the slowest request (two solves of one relaxation).
 
     `horizon_s`: where the uniform grid ends (absolute, as the arrivals); a good schedule's last first
     token makes the bound tight; default: the relaxation's own serial estimate. Any value is valid.
+    `max_batch`: at most this many requests hold an admission slot at once (None: no cap).
     """
     if not requests:
         return BatchBound(0.0, 0.0)
     if slots <= 0:
         raise ConfigError(f"slots must be positive, got {slots}")
-    return BatchBound(mean_ttft_s=_mean(requests, horizon_s, slots), max_ttft_s=_max(requests, slots))
+    if max_batch is not None and max_batch <= 0:
+        raise ConfigError(f"max_batch must be positive, got {max_batch}")
+    return BatchBound(mean_ttft_s=_mean(requests, horizon_s, slots, max_batch),
+                      max_ttft_s=_max(requests, slots, max_batch))
 
 
 def _units(plan: RequestPlan) -> list[_Unit]:
@@ -96,8 +103,9 @@ _Fraction = tuple[int, list[int], list[int | None]]  # y, and per unit its compu
 class _Fractions:
     """The rows every request's fractions share: the stages' and channels' capacity per slot."""
 
-    def __init__(self, t: list[float]) -> None:
+    def __init__(self, t: list[float], max_batch: int | None) -> None:
         self.t = t
+        self.max_batch = max_batch
         self.lp = LinearProgram()
         self.use: dict[tuple[str, int, int], list[int]] = {}  # (kind, stage or channel, slot) -> placements
 
@@ -121,26 +129,48 @@ class _Fractions:
         for m in sorted({u.channel for u in units} - {NOT_STORED}):
             self._place([(z, u.load_s) for z, u in zip(zl, units, strict=True) if z is not None and u.channel == m],
                         restore, ("link", m))
+        if self.max_batch is not None:
+            self._hold(r, units, y, zc, zl, prefill)
         return y, zc, zl
 
-    def capacities(self) -> None:
-        for (_, _, q), used in self.use.items():
-            self.lp.le([(v, 1.0) for v in used], self.t[q + 1] - self.t[q])
+    def _hold(self, r: BoundRequest, units: list[_Unit], y: int, zc: list[int], zl: list[int | None],
+              slots: list[int]) -> None:
+        """Admission: a request holds one of `max_batch` slots from admission to first token, at least as long
+        as each of its chains plus its tail, at most one slot at a time, between its arrival and deadline."""
+        lp = self.lp
+        hold = lp.var()
+        lp.le([(y, r.tail_s), (hold, -1.0)], 0.0)
+        for s in sorted({u.stage for u in units}):
+            lp.le([(zc[j], u.compute_s) for j, u in enumerate(units) if u.stage == s]
+                  + [(y, r.tail_s), (hold, -1.0)], 0.0)
+        for m in sorted({u.channel for u in units} - {NOT_STORED}):
+            lp.le([(z, u.load_s) for z, u in zip(zl, units, strict=True) if z is not None and u.channel == m]
+                  + [(y, r.tail_s), (hold, -1.0)], 0.0)
+        for v, q in zip(self._place([(hold, 1.0)], slots, ("admission", 0)), slots, strict=True):
+            lp.le([(v, 1.0), (y, -(self.t[q + 1] - self.t[q]))], 0.0)
 
-    def _place(self, work: Sequence[tuple[int | None, float]], allowed: list[int], resource: tuple[str, int]) -> None:
-        """The work (sum of coefficient * variable, in seconds) is spread over the `allowed` slots of a resource."""
+    def capacities(self) -> None:
+        for (kind, _, q), used in self.use.items():
+            per_second = self.max_batch if kind == "admission" and self.max_batch is not None else 1
+            self.lp.le([(v, 1.0) for v in used], per_second * (self.t[q + 1] - self.t[q]))
+
+    def _place(self, work: Sequence[tuple[int | None, float]], allowed: list[int],
+               resource: tuple[str, int]) -> list[int]:
+        """The work (sum of coefficient * variable, in seconds) is spread over the `allowed` slots of a resource;
+        returns the amount per slot."""
         terms = [(v, c) for v, c in work if v is not None and c > 0]
         if not terms:
-            return
+            return []
         spread = [self.lp.var() for _ in allowed]
         for v, q in zip(spread, allowed, strict=True):
             self.use.setdefault((*resource, q), []).append(v)
         self.lp.eq([(v, 1.0) for v in spread] + [(v, -c) for v, c in terms], 0.0)
+        return spread
 
 
-def _mean(requests: Sequence[BoundRequest], horizon_s: float | None, slots: int) -> float:
+def _mean(requests: Sequence[BoundRequest], horizon_s: float | None, slots: int, max_batch: int | None) -> float:
     """Each request's first token spread over the grid's slots (fractions); minimise the mean."""
-    f = _Fractions(_grid(requests, horizon_s, slots))
+    f = _Fractions(_grid(requests, horizon_s, slots), max_batch)
     done = []
     for r in requests:
         units, a = _units(r.plan), r.plan.arrival_s
@@ -157,25 +187,25 @@ def _mean(requests: Sequence[BoundRequest], horizon_s: float | None, slots: int)
     return mean_done - sum(r.plan.arrival_s for r in requests) / len(requests)
 
 
-def _max(requests: Sequence[BoundRequest], slots: int) -> float:
+def _max(requests: Sequence[BoundRequest], slots: int, max_batch: int | None) -> float:
     """The least Z such that every request can have its first token by arrival + Z: bisection on Z, each
     step a feasibility problem whose slots are cut at the arrivals and deadlines (exact per resource)."""
     lo = max(r.tail_s for r in requests)
     hi = _grid(requests, None, 1)[-1] - min(r.plan.arrival_s for r in requests)
-    if _feasible(requests, lo):
+    if _feasible(requests, lo, max_batch):
         return lo
     for _ in range(max(30, slots)):
         if hi - lo <= 1e-6 * max(hi, 1e-9):
             break
         mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if _feasible(requests, mid) else (mid, hi)
+        lo, hi = (lo, mid) if _feasible(requests, mid, max_batch) else (mid, hi)
     return lo  # infeasible (or the least possible): a lower bound, within 1e-6 of the relaxation's optimum
 
 
-def _feasible(requests: Sequence[BoundRequest], z: float) -> bool:
+def _feasible(requests: Sequence[BoundRequest], z: float, max_batch: int | None) -> bool:
     cuts = {r.plan.arrival_s for r in requests}
     cuts |= {r.plan.arrival_s + z for r in requests} | {r.plan.arrival_s + z - r.tail_s for r in requests}
-    f = _Fractions(sorted(cuts))
+    f = _Fractions(sorted(cuts), max_batch)
     for r in requests:
         x = f.fraction(r, _units(r.plan), r.plan.arrival_s + z)
         if x is None:

@@ -46,4 +46,4 @@ def trace_bound(trace: Sequence[TraceRequest], config: SimConfig, *, horizon_s: 
     """No schedule of `trace` on the cluster `config` describes has a lower mean (or slowest) TTFT.
 
     `horizon_s`: a good schedule's last first token (absolute), where the bound's grid ends (tighter)."""
-    return batch_bound(bound_requests(trace, config), horizon_s=horizon_s, slots=slots)
+    return batch_bound(bound_requests(trace, config), horizon_s=horizon_s, slots=slots, max_batch=config.max_batch)

@@ -131,3 +131,15 @@ def test_never_above_the_best_schedule(seed: int) -> None:
     assert mean <= best_mean + 1e-5
     assert worst <= best_max + 1e-5
     assert mean > 0 and worst >= mean - 1e-9
+
+
+def test_admission_makes_requests_that_share_nothing_wait() -> None:
+    """Two requests, each held by its own channel (its one unit split divisibly: 100/101 s alone), finish
+    together at about 1 s; one admission slot makes one wait for the other: the slowest at twice its
+    time alone, the mean at 1.5 times (less at most one grid slot)."""
+    plans = [plan("a", [100.0], [1.0], [0]), plan("b", [100.0], [1.0], [1])]
+    free = batch_bound([BoundRequest(plan=p) for p in plans], horizon_s=2.0)
+    one = batch_bound([BoundRequest(plan=p) for p in plans], horizon_s=2.0, max_batch=1)
+    assert free.max_ttft_s == pytest.approx(200 / 201, abs=1e-5)  # both compute a little on the one stage
+    assert one.max_ttft_s == pytest.approx(2 * 100 / 101, abs=1e-5)
+    assert 1.5 * 100 / 101 - 2.0 / 40 - 1e-6 <= one.mean_ttft_s <= 1.5 * 100 / 101 + 1e-6

@@ -17,9 +17,9 @@ COSTS = CostModel(chunk_compute=LinearCost(fixed_s=1e-3, per_token_s=1e-5, per_t
 SHAPE = ModelShape(num_layers=4, kv_bytes_per_token_layer=4096)
 
 
-def config(policy: str) -> SimConfig:
+def config(policy: str, max_batch: int = 4) -> SimConfig:
     return SimConfig(model=SHAPE, costs=COSTS, policy=policy, n_stages=2, n_channels=2, link_gbps=0.5,
-                     chunk_size=256, max_batch=4, prefill_tokens=512, restore_overhead_s=1e-3)
+                     chunk_size=256, max_batch=max_batch, prefill_tokens=512, restore_overhead_s=1e-3)
 
 
 def random_trace(seed: int) -> list[TraceRequest]:
@@ -33,12 +33,13 @@ def random_trace(seed: int) -> list[TraceRequest]:
     return out
 
 
+@pytest.mark.parametrize("max_batch", [1, 2, 4])
 @pytest.mark.parametrize("seed", range(3))
-def test_no_simulated_policy_beats_the_bound(seed: int) -> None:
+def test_no_simulated_policy_beats_the_bound(seed: int, max_batch: int) -> None:
     trace = random_trace(seed)
-    results = {p: simulate(trace, config(p)) for p in ("cake", "cacheflow", "load-only")}
+    results = {p: simulate(trace, config(p, max_batch)) for p in ("cake", "cacheflow", "load-only")}
     horizon = min(max(r.arrival_s + r.ttft_s for r in res.requests) for res in results.values())
-    bound = trace_bound(trace, config("cacheflow"), horizon_s=horizon, slots=16)
+    bound = trace_bound(trace, config("cacheflow", max_batch), horizon_s=horizon, slots=16)
     for res in results.values():
         summary = res.summary()
         assert bound.mean_ttft_s <= summary["ttft_mean_s"] + 1e-9
