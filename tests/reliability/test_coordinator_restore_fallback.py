@@ -8,26 +8,13 @@ chunk: stage 1 can neither load that chunk nor compute it (its input was never c
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 
 from cacheflow_services.local_cluster import LocalCluster
-from tests.reliability.coordinator_checks import api_client, small_cluster
 
 CHUNK = 32  # small_cluster's
-
-
-@pytest.fixture(scope="module")
-def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from small_cluster(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def client(local: LocalCluster) -> Iterator[httpx.Client]:
-    yield from api_client(local)
 
 
 def _objects(local: LocalCluster, kind: str) -> list[Path]:

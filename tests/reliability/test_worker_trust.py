@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,20 +17,10 @@ from cacheflow_common.auth import GrantIssuer, GrantSigner, generate_signing_pai
 from cacheflow_common.model.sources import model_config
 from cacheflow_common.transport import frames
 from cacheflow_services.local_cluster import SECRETS_DIR, LocalCluster
-from tests.reliability.coordinator_checks import WAIT_S, api_client, local_file, second_coordinator, small_cluster
+from tests.reliability.coordinator_checks import WAIT_S, local_file, second_coordinator, small_cluster
 
 CHUNK = 32
 TENANT = "default"
-
-
-@pytest.fixture(scope="module")
-def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from small_cluster(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def client(local: LocalCluster) -> Iterator[httpx.Client]:
-    yield from api_client(local)
 
 
 def _issuer(local: LocalCluster) -> GrantIssuer:
