@@ -42,4 +42,5 @@ def test_a_prefix_no_stage_can_restore_is_prefilled_and_answered_the_same(local,
     again = client.post("/v1/completions", json=body | {"policy": "load-only"})
     assert again.status_code == 200, again.text
     assert again.json()["choices"][0]["token_ids"] == first.json()["choices"][0]["token_ids"]
-    assert again.json()["cacheflow"]["prompt_tokens_restored"] == 0  # prefilled whole, as on a miss
+    # prefilled from the corrupt chunk on (which chunk: test_coordinator_restore_shortened.py)
+    assert again.json()["cacheflow"]["prompt_tokens_restored"] < 4 * CHUNK

@@ -201,18 +201,42 @@ class Coordinator:
         self.metrics.record_restore(request.stages, request.cached_tokens, [len(r) for r in self.model.stage_layers])
 
     def _restore_or_recompute(self, request: Request, reserve_tokens: int, save: bool = True) -> None:
-        """`_restore`; if a stage fails to restore the prefix (not unreachable: that is waited for), the
-        whole prompt is prefilled instead, as on a miss: a prefix that cannot be restored costs time,
-        never the answer (a stage fed by the previous one cannot recompute a chunk it failed to load)."""
+        """`_restore`, falling back when a stage fails to restore the prefix (not unreachable: that is
+        waited for). A stage fed by the previous one cannot recompute a chunk it failed to load, e.g. a
+        corrupt one with no boundary activations, and the pods drop such a chunk as they find it: so the
+        prefix is looked up again and the part still stored before it restored instead; if none is left
+        (or that fails too) the whole prompt is prefilled, as on a miss. Costs time, never the answer."""
+        for attempt in (1, 2):
+            try:
+                self._restore(request, reserve_tokens, save)
+                return
+            except ChainError as exc:
+                if exc.status == 0 or request.cancelled.is_set():
+                    raise
+                self.cluster.chain.release(request.id)
+                shorter = self._still_stored(request) if attempt == 1 else 0
+                what = f"restoring its first {shorter} tokens instead" if shorter else "prefilling the whole prompt"
+                log.warning("%s: restoring its %d cached tokens failed (%s); %s", request.id, request.cached_tokens,
+                            exc, what)
+                self.metrics.failures.labels(f"stage{exc.stage}:restore-{'shortened' if shorter else 'recomputed'}"
+                                             ).inc()
+                reserve_tokens += request.cached_tokens - shorter  # those tokens are prefilled now
+                request.cached_tokens, request.stages = shorter, []
+                if not shorter:
+                    return
+
+    def _still_stored(self, request: Request) -> int:
+        """How much of the request's cached prefix the pods still hold whole, if less than it was (else 0)."""
+        store = self.cluster.stores.get(request.tenant)
+        if store is None or request.cached_tokens <= self.model.chunk_size:
+            return 0
         try:
-            self._restore(request, reserve_tokens, save)
-        except ChainError as exc:
-            if exc.status == 0 or request.cancelled.is_set():
-                raise
-            log.warning("%s: restoring its prefix failed (%s); prefilling the whole prompt instead", request.id, exc)
-            self.metrics.failures.labels(f"stage{exc.stage}:restore-recomputed").inc()
-            self.cluster.chain.release(request.id)
-            request.cached_tokens, request.stages = 0, []
+            found = cached_prefix_tokens(request.token_ids, fingerprint=self.model.fingerprint, tenant=request.tenant,
+                                         chunk_size=self.model.chunk_size, stage_layers=self.model.stage_layers,
+                                         store=store, limit=request.cached_tokens)
+        except UnauthorizedError:
+            return 0
+        return found if found < request.cached_tokens else 0
 
     def _failed(self, request: Request, exc: BaseException) -> None:
         if request.cancelled.is_set():  # what fails once a request is stopped is the stopping
