@@ -9,9 +9,9 @@ Every `/v1` call needs `Authorization: Bearer <token>`; the token names the tena
 their reason: 400 bad input (or a field this server does not implement), 401 no or wrong token, 403
 the storage pods refuse the tenant, 404 unknown model or restore, 413 a body over `max_body_bytes`,
 429 queue full, 502 a stage worker failed (naming it), 503 a stage is down. Everything is checked
-before a request takes its place in the queue; a completion whose client goes away, streamed or not,
-is stopped at once (`streaming.py`) and counted with status 499. `/readyz` answers 503 while a stage is down or no batch slot can
-be expected to free up.
+before a request takes its place in the queue (the bearer token before any of the body is read); a
+completion whose client goes away, streamed or not, is stopped at once (`streaming.py`) and counted
+with status 499. `/readyz` answers 503 while a stage is down or no batch slot can be expected to free up.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real types of the route parameters.
