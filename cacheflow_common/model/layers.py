@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from cacheflow_common.model.config import ModelConfig
 
@@ -59,6 +58,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> 
         # O(T * end) math path); those kernels want K/V expanded to every query head.
         group = q.shape[0] // k.shape[0]
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [H, end, D]
+        from torch.nn.attention.bias import causal_lower_right  # here: importing it costs ~1 s of CPU (dynamo)
+
         bias = causal_lower_right(q.shape[1], end)
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias)
     else:
