@@ -90,6 +90,18 @@ def test_a_layout_read_from_the_old_copy_is_not_kept_for_its_replacement(pod, mo
     assert pod.size(TENANT, name) == len(new)
 
 
+def test_a_layout_remembered_from_a_copy_replaced_behind_the_pods_back_does_not_drop_the_new_one(pod):
+    (name, old), = make_chunks(1, tokens=16)
+    new = make_chunks(1, tokens=32)[0][1]  # another layout (longer) under the same name
+    stored = pod.stored_name(TENANT, name)
+    pod.write(TENANT, name, memoryview(old))
+    assert _read(pod, name, len(old)) == (Status.OK, "")  # its layout remembered
+    pod.backend.put(stored, new)  # as another pod sharing this Redis would write it
+    assert _read(pod, name, len(old)) == (Status.MISS, "replaced while it was read")  # not CORRUPT
+    assert pod.backend.read(stored) == new  # kept
+    assert _read(pod, name, len(new)) == (Status.OK, "")
+
+
 @pytest.mark.parametrize("keep", [0.5, 0.99, 10])
 def test_a_truncated_object_is_absent_and_dropped_and_its_replacement_served(pod, keep):
     (name, good), = make_chunks(1)

@@ -138,9 +138,18 @@ class StoragePod:
             self._forget(plan.stored)  # evicted or deleted since its layout was remembered
             return self._miss(plan.tenant, "absent")
         problem = range_problem(out, plan.offset + start, plan.section_size, plan.sections_end)
+        if problem and self._replaced(plan):  # read with an old copy's layout: the new copy is not corrupt
+            return self._miss(plan.tenant, "replaced while it was read")
         if problem:
             return self._corrupt(plan.tenant, plan.stored, problem, plan.writes)
         return Status.OK, ""
+
+    def _replaced(self, plan: ReadPlan) -> bool:
+        """Whether the object's layout, read again now, differs from the one the read was planned with (it
+        was replaced behind this pod's back, e.g. by another pod on a shared Redis); the new one is kept."""
+        self._forget(plan.stored)
+        info = self._object_info(plan.stored)
+        return info is None or (info.section_size, info.sections_end) != (plan.section_size, plan.sections_end)
 
     def count_hit(self, plan: ReadPlan) -> None:
         """A read served whole."""
