@@ -170,7 +170,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
             raise BadRequestError("stop strings need a tokenizer; use stop_token_ids")
         stop_ids = frozenset(body.stop_token_ids) | (codec.eos_ids if codec and not body.ignore_eos else frozenset())
         request = coordinator.admit(prompt, who, prefix_limit=len(prompt) - 1, policy=body.policy or config.policy,
-                                    kind="cmpl")
+                                    kind="cmpl", gone=lambda: departure.gone)
         tokens = coordinator.complete(request, max_new_tokens=max_new, temperature=body.temperature,
                                       seed=body.seed, stop_ids=stop_ids, save=body.save)
         departure.on_leave(tokens.abort)  # gone already: stopped now, the queue place freed

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -109,15 +110,15 @@ class Cluster:
         state = self.config.restarts_file
         return state is not None and all(restart_in_progress(state, f"stage {s}") for s in stages)
 
-    def wait_for_stages(self, timeout_s: float) -> None:
+    def wait_for_stages(self, timeout_s: float, *, gone: Callable[[], bool] = lambda: False) -> None:
         """Return once every stage answers, probing them meanwhile; StageDownError naming those still down
         after `timeout_s`, or, while the supervisor is restarting all of them, after the hard bound
-        (`stage_restart_wait_s`)."""
+        (`stage_restart_wait_s`), or as soon as `gone` (the request's client left)."""
         began = time.monotonic()
         bound = max(timeout_s, self.config.stage_restart_wait_s)
         while down := self.down_stages():
             waited = time.monotonic() - began
-            if waited >= bound or (waited >= timeout_s and not self.restarting(down)):
+            if waited >= bound or (waited >= timeout_s and not self.restarting(down)) or gone():
                 break
             time.sleep(STAGE_POLL_S)
             self.probe_stages()

@@ -140,11 +140,13 @@ class Coordinator:
         return requested
 
     # ------------------------------------------------------------------------------------ admission
-    def admit(self, token_ids: list[int], tenant: str, *, prefix_limit: int, policy: str, kind: str) -> Request:
-        """Look the prefix up and take a place in the queue (QueueFullError: HTTP 429)."""
+    def admit(self, token_ids: list[int], tenant: str, *, prefix_limit: int, policy: str, kind: str,
+              gone: Callable[[], bool] = lambda: False) -> Request:
+        """Look the prefix up and take a place in the queue (QueueFullError: HTTP 429); `gone`: the client
+        left (it waits for no stage then)."""
         arrived = time.perf_counter()
         policy = self.check_policy(policy)  # every check before the queue: a refused request holds no slot
-        self.cluster.wait_for_stages(self.config.stage_wait_s)  # a restarting stage costs time, not an answer
+        self.cluster.wait_for_stages(self.config.stage_wait_s, gone=gone)  # a restarting stage costs time only
         store = self.cluster.stores.get(tenant)
         if store is None:
             raise BadRequestError(f"tenant {tenant!r} has no storage credentials on this coordinator")
