@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field, StrictBool
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_PROMPT_TOKENS = 1 << 20
@@ -80,7 +80,7 @@ class ForwardMeta(BaseModel):
     token_ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
     tenant: str = ""
     reserve_tokens: int = Field(default=0, ge=0)
-    save: bool = True  # store whole chunks as they fill up
+    save: StrictBool = True  # store whole chunks as they fill up (JSON true/false only)
     temperature: float = Field(default=0.0, ge=0.0)
     seed: int = Field(default=0, ge=0, lt=SEED_LIMIT)
     grant: str = Field(default="", max_length=MAX_GRANT_CHARS)  # the coordinator's, for this request and tenant
@@ -91,7 +91,7 @@ class DeliverMeta(BaseModel):
 
     request_id: str
     index: int = Field(default=0, ge=0)
-    finished: bool = False
+    finished: StrictBool = False
     failure: str = ""
 
 

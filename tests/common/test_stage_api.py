@@ -30,3 +30,17 @@ def test_a_summary_round_trips_through_json():
     summary = RestoreSummary(request_id="r", stage=1, input="boundary", policy="cake", mode="token", elapsed_s=0.5,
                              computed=2, loaded=3, misses={"absent": 1})
     assert RestoreSummary.model_validate_json(summary.model_dump_json()) == summary
+
+
+def test_the_workers_booleans_are_strict_json_booleans():
+    from pydantic import ValidationError
+
+    from cacheflow_common.stage_api import DeliverMeta, ForwardMeta
+
+    base = {"request_id": "r", "start": 0, "token_ids": [1]}
+    assert ForwardMeta.model_validate({**base, "save": False}).save is False
+    for lax in ("yes", 1, "true"):
+        with pytest.raises(ValidationError):
+            ForwardMeta.model_validate({**base, "save": lax})
+        with pytest.raises(ValidationError):
+            DeliverMeta.model_validate({"request_id": "r", "finished": lax})
