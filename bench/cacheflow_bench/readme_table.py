@@ -138,8 +138,12 @@ def chaos_row(r: Row) -> tuple[str, str]:
                 f"{r.get('lockout_s')} s of lockout for the legitimate tenant, served again "
                 f"{r.get('worker_kill_recovery_s')} s after the worker kill, pods' resident memory "
                 f"+{r.get('max_rss_growth_mb')} MB, {r.get('bad_requests_not_refused', _count)} bad requests not "
-                "refused")
-    return headline, "failures only in flight on the killed worker; 0; 0; 0; ≤ 15 s; ≤ 256 MB; 0"
+                f"refused; the stage workers, attacked directly ({r.get('worker_api_attacks_sent', _count)} calls: "
+                f"KV poisoning, a pool grab, cross-tenant reads), accepted "
+                f"{r.get('worker_api_unauthenticated_accepted', _count)} without credentials and "
+                f"{r.get('worker_api_ungranted_accepted', _count)} with the internal token but no grant, and "
+                f"{r.get('poisoned_answers', _count)} answers changed after them")
+    return headline, "failures only in flight on the killed worker; 0; 0; 0; ≤ 15 s; ≤ 256 MB; 0; 0; 0; 0"
 
 
 def _count(x: float) -> str:
