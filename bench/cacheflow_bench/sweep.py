@@ -36,7 +36,7 @@ from cacheflow_common.sim.replay import ReplayRequest, read_records, select_requ
 from cacheflow_common.sim.trace import TraceRequest
 
 LEVELS = {"light": 0.2, "medium": 0.05, "overload": 0.01}  # arrival time scales
-POLICIES = ("cake", "cacheflow-srpt", "cacheflow-saving", "cacheflow-hrrn")
+POLICIES = ("cake", "cacheflow-srpt", "cacheflow-saving", "cacheflow-hrrn", "cacheflow-progress")
 BATCH, CHUNK, TOKEN_SCALE, MAX_TOKENS = 8, 64, 8, 2048
 
 

@@ -29,6 +29,13 @@ serving the longest restore first keeps every short one waiting behind it.
 takes, across the whole batch, the I/O-pointer unit (each request's and stage's highest pending unit on
 that channel) whose predicted compute seconds per predicted load second are largest; late chunks of
 long prefixes (attention over a long context) come first, the cheap early chunks are left to compute.
+Measured (`cacheflow bench sweep --sim-only`, bench/results/sweep_sim.md: 6 trace windows x 3 load
+levels), `saving` loses to least-remaining and to Cake on the mean at every level (median 1.07-1.16x
+Cake's) and only matches them on the slowest request: in the engine's batched steps a request's chain
+pays a whole step per computed unit whatever the chunk, so a load saves about the same step for any
+compute-bound request, and what the mean rewards is finishing requests (leaving the batch, freeing a
+slot), which least-remaining does and a batch-wide compute-per-link-second rule does not. It stays
+selectable; `cacheflow` keeps least-remaining.
 When policies are mixed on one stage, requests of planned (CacheFlow) policies are served first.
 """
 
