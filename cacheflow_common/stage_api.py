@@ -5,9 +5,10 @@ coordinator's stage client (`cacheflow_services.coordinator.stages`) builds its 
 answers with the same models, so a field renamed on one side fails on the other at once.
 
     POST /v1/restore   RestoreRequest  -> RestoreSummary
-    POST /v1/forward   ForwardMeta (+ hidden states, a tensor frame) -> {"token": int} or the next stage's answer
+    POST /v1/forward   ForwardMeta (+ hidden states, a tensor frame) -> ForwardAnswer (the last stage's token)
     POST /v1/deliver   DeliverMeta (+ hidden states)                 -> {"ok": true}
     GET  /v1/info      -> WorkerInfo
+    any 4xx or 5xx     -> StageError (which stage failed, how, and whether it could be reached)
 
 Every call carries the cluster's internal token (`Authorization: Bearer`), and every request's work a
 `grant` (`cacheflow_common.auth`): the coordinator's signed word that it admitted this request for this
@@ -119,18 +120,26 @@ class WorkerInfo(BaseModel):
     busy: BusyTotals
 
 
-# A stage that fails because one further down the pipeline did answers with this error type and a detail
-# naming how many stages down (`stage +1 unreachable (...)`): the caller names the stage that failed.
-RELAYED_ERROR = "NextStageError"
-UNREACHABLE = "unreachable"  # how a relayed (or the coordinator's own) failure to reach a stage starts
-_RELAYED = re.compile(r"stage \+(\d+) (.*)", re.DOTALL)
+class ForwardAnswer(BaseModel):
+    """What a forward comes back with, from the last stage through every stage before it."""
+
+    token: int  # the next token, sampled by the last stage
 
 
-def relayed_detail(hops: int, reason: str) -> str:
-    return f"stage +{hops} {reason}"
+class StageError(BaseModel):
+    """A stage's error answer. A stage that fails because one further down the pipeline did relays that
+    stage's error with `hops` one higher, so the caller names the stage that failed, not the first on
+    the way."""
 
+    error: str  # the failing stage's error type, e.g. "BoundaryMissingError" ("" if it never answered)
+    detail: str
+    hops: int = Field(default=0, ge=0)  # 0: the answering stage failed; n: the stage n further down did
+    unreachable: bool = False  # that stage could not be reached (down, or restarting)
 
-def downstream_failure(error: str, detail: str) -> tuple[int, str] | None:
-    """(hops, reason) when a stage's error answer (its `error` type and `detail`) relays a failure further down."""
-    match = _RELAYED.fullmatch(detail) if error == RELAYED_ERROR else None
-    return (int(match[1]), match[2]) if match else None
+    @classmethod
+    def of_response(cls, status: int, body: bytes) -> StageError:
+        """The error in an HTTP error answer; a body that is not one (a proxy's page) is kept as the detail."""
+        try:
+            return cls.model_validate_json(body)
+        except ValueError:
+            return cls(error="", detail=f"HTTP {status}: {body[:500].decode(errors='replace')}")

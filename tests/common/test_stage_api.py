@@ -44,3 +44,13 @@ def test_the_workers_booleans_are_strict_json_booleans():
             ForwardMeta.model_validate({**base, "save": lax})
         with pytest.raises(ValidationError):
             DeliverMeta.model_validate({"request_id": "r", "finished": lax})
+
+
+def test_a_stage_error_is_read_back_typed_and_a_foreign_error_page_keeps_its_text():
+    from cacheflow_common.stage_api import StageError
+
+    relayed = StageError(error="ConnectError", detail="unreachable (http://s2)", hops=2, unreachable=True)
+    assert StageError.of_response(502, relayed.model_dump_json().encode()) == relayed
+    foreign = StageError.of_response(504, b"<html>Gateway Timeout</html>")
+    assert (foreign.error, foreign.hops, foreign.unreachable) == ("", 0, False)
+    assert "HTTP 504" in foreign.detail and "Gateway Timeout" in foreign.detail

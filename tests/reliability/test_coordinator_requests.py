@@ -255,4 +255,4 @@ def test_a_stage_that_dies_mid_request_is_the_stage_named(client, local):
     assert errors[0]["type"] == "ChainError"
     failures = {labels["cause"] for labels, value in samples(local.coordinator.url, "cacheflow_failures_total")
                 if value}
-    assert failures == {"stage1:NextStageError"}, failures
+    assert failures == {"stage1:unreachable"}, failures  # the stage that failed, and how

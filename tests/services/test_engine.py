@@ -25,7 +25,7 @@ from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.restore.profile import Crossover, Profile
 from cacheflow_common.restore.save import compute_prefix_kv, make_job, save_prefix
 from cacheflow_common.sched.scheduler import BatchScheduler
-from cacheflow_common.stage_api import RestoreSummary
+from cacheflow_common.stage_api import ForwardMeta, RestoreSummary
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_common.store.shaped import ShapedStore
 from cacheflow_common.transport.pod_client import PodAddress
@@ -156,7 +156,8 @@ def test_a_step_with_forward_work_carries_one_restore_unit_at_most(model, engine
     restores = [functools.partial(engine.restore, f"r{i}", ids, tenant=TENANT, input_mode="boundary",
                                   reserve_tokens=0) for i, ids in enumerate(prompts)]
     meta = {"request_id": "f", "tenant": TENANT, "reserve_tokens": 8, "save": False, "start": 0}
-    forwards = [functools.partial(engine.forward, {**meta, "request_id": f"f{i}", "token_ids": [1, 2, 3]}, None)
+    forwards = [functools.partial(engine.forward, ForwardMeta.model_validate({**meta, "request_id": f"f{i}",
+                                                                               "token_ids": [1, 2, 3]}), None)
                 for i in range(4)]
     _in_threads([*restores, *forwards])
     assert any(f for f, _ in steps) and all(units <= 1 for f, units in steps if f)
@@ -175,7 +176,7 @@ def test_a_restored_request_stores_its_new_chunks_only_if_its_forward_says_so(mo
     engine.restore("r", ids[:prefix], tenant=TENANT, input_mode="boundary", reserve_tokens=len(ids) - prefix)
     stored_before = len(stored.names())
     meta = {"request_id": "r", "tenant": TENANT, "start": prefix, "token_ids": ids[prefix:], "save": save}
-    engine.forward(meta, None)
+    engine.forward(ForwardMeta.model_validate(meta), None)
     engine.flush()
     assert (len(stored.names()) > stored_before) is save
 
@@ -191,11 +192,11 @@ def test_a_request_whose_sampling_fails_gets_the_error_and_the_others_their_toke
         return sample(logits, temperature, seed, position)
 
     engine.loop.sampler = failing_for_seed_13
-    metas = [{"request_id": f"s{seed}", "tenant": TENANT, "start": 0, "token_ids": [1, 2, 3], "reserve_tokens": 4,
-              "save": False, "temperature": 0.7, "seed": seed} for seed in (13, 14)]
+    metas = [ForwardMeta(request_id=f"s{seed}", tenant=TENANT, start=0, token_ids=[1, 2, 3], reserve_tokens=4,
+                         save=False, temperature=0.7, seed=seed) for seed in (13, 14)]
     calls = [functools.partial(_outcome, engine.forward, meta, None) for meta in metas]
     (failed, error), (served, answer) = _in_threads(calls)
-    assert failed and isinstance(error, ValueError) and not served and isinstance(answer["token"], int)
+    assert failed and isinstance(error, ValueError) and not served and isinstance(answer.token, int)
 
 
 def _outcome(call: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
@@ -215,10 +216,11 @@ def test_continuous_batching_gives_each_request_its_greedy_tokens_alone(model, e
     def generate(i: int, ids: list[int]) -> list[int]:
         meta = {"request_id": f"g{i}", "tenant": TENANT, "reserve_tokens": len(ids) + n_new, "save": False,
                 "temperature": 0.0, "seed": 0}
-        tokens = [engine.forward({**meta, "start": 0, "token_ids": ids}, None)["token"]]
+        tokens = [engine.forward(ForwardMeta.model_validate({**meta, "start": 0, "token_ids": ids}), None).token]
         while len(tokens) < n_new:
             position = len(ids) + len(tokens) - 1
-            tokens.append(engine.forward({**meta, "start": position, "token_ids": tokens[-1:]}, None)["token"])
+            step = ForwardMeta.model_validate({**meta, "start": position, "token_ids": tokens[-1:]})
+            tokens.append(engine.forward(step, None).token)
         return tokens
 
     together = _in_threads([functools.partial(generate, i, ids) for i, ids in enumerate(prompts)])

@@ -213,7 +213,7 @@ class Coordinator:
                 self._restore(request, reserve_tokens, save)
                 return
             except ChainError as exc:
-                if exc.status == 0 or request.cancelled.is_set():
+                if exc.unreachable or request.cancelled.is_set():
                     raise
                 self.cluster.chain.release(request.id)
                 shorter = self._still_stored(request) if attempt == 1 else 0
@@ -246,8 +246,8 @@ class Coordinator:
             return
         cause = type(exc).__name__
         if isinstance(exc, ChainError):
-            cause = f"stage{exc.stage}:{exc.error or exc.status or 'unreachable'}"
-            if exc.status == 0:
+            cause = f"stage{exc.stage}:{'unreachable' if exc.unreachable else exc.error or exc.status}"
+            if exc.unreachable:
                 self.cluster.mark_stage_down(exc.stage)
         self.metrics.failures.labels(cause).inc()
         log.warning("%s failed (%s): %s", request.id, cause, exc)
@@ -309,7 +309,7 @@ class Coordinator:
                 tokens = start()
                 return None if tokens is None else (next(tokens), tokens)
             except ChainError as exc:
-                if attempt == 2 or exc.status != 0 or request.cancelled.is_set():
+                if attempt == 2 or not exc.unreachable or request.cancelled.is_set():
                     raise
                 log.warning("%s: stage %d unreachable before the first token (%s); trying again once it is back",
                             request.id, exc.stage, exc)

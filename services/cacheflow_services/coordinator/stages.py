@@ -35,25 +35,35 @@ import httpx
 
 from cacheflow_common.auth import GrantIssuer
 from cacheflow_common.errors import CacheFlowError
+from cacheflow_common.restore.stages import BoundaryMissingError
 from cacheflow_common.stage_api import (
-    UNREACHABLE,
+    ForwardAnswer,
     ForwardMeta,
     RestoreRequest,
     RestoreSummary,
+    StageError,
     WorkerInfo,
-    downstream_failure,
 )
 from cacheflow_common.transport import frames
 
 
 class ChainError(CacheFlowError):
-    """A stage failed or could not be reached; `status` is its HTTP status (0 when unreachable)."""
+    """Stage `stage` failed (`error`: its error type, e.g. "BoundaryMissingError") or could not be
+    reached (`unreachable`), whichever stage the coordinator called; `status`: the HTTP status of the
+    answer the coordinator got (0 when it got none)."""
 
-    def __init__(self, stage: int, message: str, status: int = 0, error: str = "") -> None:
+    def __init__(self, stage: int, message: str, *, status: int = 0, error: str = "",
+                 unreachable: bool = False) -> None:
         super().__init__(f"stage {stage}: {message}")
         self.stage = stage
         self.status = status
-        self.error = error  # the worker's error type, e.g. "BoundaryMissingError"
+        self.error = error
+        self.unreachable = unreachable
+
+    @property
+    def boundaries_missing(self) -> bool:
+        """The stage lacks its boundary activations: it can restore pipelined instead."""
+        return self.error == BoundaryMissingError.__name__
 
 
 @dataclass
@@ -93,7 +103,7 @@ class StageChain:
                 return self.restore(request_id, token_ids, tenant=tenant, input="boundary",
                                     reserve_tokens=reserve_tokens, policy=policy, arrived=arrived, save=save)
             except ChainError as exc:
-                if exc.error != "BoundaryMissingError":
+                if not exc.boundaries_missing:
                     raise
             input = "pipelined"
         waited = 0.0 if arrived is None else max(0.0, time.perf_counter() - arrived)
@@ -118,7 +128,7 @@ class StageChain:
             try:
                 response = await http.post(self.urls[stage] + "/v1/restore", json=body.model_dump())
             except httpx.HTTPError as exc:
-                return ChainError(stage, f"{UNREACHABLE} ({type(exc).__name__}: {exc})")
+                return ChainError(stage, f"unreachable ({type(exc).__name__}: {exc})", unreachable=True)
             try:
                 return RestoreSummary.model_validate(_answer(stage, response))
             except ChainError as exc:
@@ -162,7 +172,7 @@ class StageChain:
         forward = ForwardMeta.model_validate({**meta, "start": start, "token_ids": token_ids, "grant": grant})
         result = self._call(0, "POST", "/v1/forward", content=frames.pack(forward.model_dump()),
                             headers={"Content-Type": frames.CONTENT_TYPE})
-        return int(result["token"])
+        return ForwardAnswer.model_validate(result).token
 
     # ------------------------------------------------------------------------------------ release
     def release(self, request_id: str) -> None:
@@ -185,26 +195,21 @@ class StageChain:
         try:
             response = self._http.request(method, self.urls[stage] + path, **kwargs)
         except httpx.HTTPError as exc:
-            raise ChainError(stage, f"{UNREACHABLE} ({type(exc).__name__}: {exc})") from exc
+            raise ChainError(stage, f"unreachable ({type(exc).__name__}: {exc})", unreachable=True) from exc
         return _answer(stage, response)
 
 
 def _answer(stage: int, response: httpx.Response) -> dict[str, Any]:
-    """The JSON body of a stage's answer; ChainError with the failed stage's reason for a 4xx or 5xx."""
+    """The JSON body of a stage's answer; ChainError naming the stage that failed (the one called, or one
+    further down that it relays) for a 4xx or 5xx."""
     if response.status_code >= 400:
-        try:
-            body = response.json()
-        except ValueError:
-            body = {"detail": response.text[:500]}
-        error, detail, status = str(body.get("error", "")), str(body.get("detail")), response.status_code
-        if relayed := downstream_failure(error, detail):  # it failed further down the pipeline
-            stage, detail = stage + relayed[0], relayed[1]
-            status = 0 if detail.startswith(UNREACHABLE) else status  # as if this coordinator had called it
-        raise ChainError(stage, detail, status, error)
+        failed = StageError.of_response(response.status_code, response.content)
+        raise ChainError(stage + failed.hops, failed.detail, status=response.status_code, error=failed.error,
+                         unreachable=failed.unreachable)
     result: dict[str, Any] = response.json()
     return result
 
 
 def _root_cause_first(error: ChainError) -> tuple[int, int]:
     """Among several stage failures, report an unreachable stage first (the others follow from it)."""
-    return (0 if error.status == 0 else 1, error.stage)
+    return (0 if error.unreachable else 1, error.stage)

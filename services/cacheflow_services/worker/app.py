@@ -29,7 +29,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cacheflow_common.auth import Grant, bearer_matches
 from cacheflow_common.errors import BadRequestError, GrantError
 from cacheflow_common.restore.stages import BoundaryMissingError
-from cacheflow_common.stage_api import BusyTotals, DeliverMeta, ForwardMeta, RestoreRequest, RestoreSummary, WorkerInfo
+from cacheflow_common.stage_api import (
+    BusyTotals,
+    DeliverMeta,
+    ForwardAnswer,
+    ForwardMeta,
+    RestoreRequest,
+    RestoreSummary,
+    StageError,
+    WorkerInfo,
+)
 from cacheflow_common.transport import frames
 from cacheflow_services.worker.core import RestoreCancelledError
 from cacheflow_services.worker.engine import ConflictError, StageEngine, UnknownRequestError
@@ -57,9 +66,9 @@ class InternalOnly:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             headers = dict(scope["headers"])
             if not bearer_matches(headers.get(b"authorization", b"").decode(errors="replace"), self.token):
-                response = JSONResponse({"detail": "this API is internal to the cluster: missing or wrong internal "
-                                         "token", "error": "UnauthorizedError"}, status_code=401,
-                                        headers={"WWW-Authenticate": "Bearer"})
+                refused = StageError(error="UnauthorizedError",
+                                     detail="this API is internal to the cluster: missing or wrong internal token")
+                response = JSONResponse(refused.model_dump(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -117,14 +126,12 @@ def create_app(engine: StageEngine, *, max_body_bytes: int, trust: WorkerTrust) 
             raise
 
     @app.post("/v1/forward")
-    async def forward(request: Request) -> dict[str, Any]:
+    async def forward(request: Request) -> ForwardAnswer:
         meta, hidden = frames.unpack(await body_of(request))
-        checked = _validated(ForwardMeta, meta).model_dump()
-        grant = granted(checked["grant"], checked["request_id"], checked["tenant"])
-        checked["save"] = checked["save"] and grant.save
-        result: dict[str, Any] = await anyio.to_thread.run_sync(
-            lambda: engine.forward(checked, hidden, max_tokens=grant.max_tokens))
-        return result
+        asked = _validated(ForwardMeta, meta)
+        grant = granted(asked.grant, asked.request_id, asked.tenant)
+        checked = asked.model_copy(update={"save": asked.save and grant.save})
+        return await anyio.to_thread.run_sync(lambda: engine.forward(checked, hidden, max_tokens=grant.max_tokens))
 
     @app.post("/v1/deliver")
     async def deliver(request: Request) -> dict[str, bool]:
@@ -162,8 +169,12 @@ def create_app(engine: StageEngine, *, max_body_bytes: int, trust: WorkerTrust) 
 
 
 def _handler(status: int) -> Any:
+    """Every error answer is a `StageError`: ours, or the one a stage further down relayed."""
+
     async def handle(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=status)
+        answer = exc.relayed if isinstance(exc, NextStageError) else StageError(error=type(exc).__name__,
+                                                                                 detail=str(exc))
+        return JSONResponse(answer.model_dump(), status_code=status)
 
     return handle
 

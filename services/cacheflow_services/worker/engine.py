@@ -44,7 +44,7 @@ from cacheflow_common.restore.save import make_job, save_chunks
 from cacheflow_common.restore.stages import save_boundaries
 from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.sched.policies import make_policy
-from cacheflow_common.stage_api import RestoreSummary
+from cacheflow_common.stage_api import ForwardAnswer, ForwardMeta, RestoreSummary
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.worker.channels import ChannelLoader
 from cacheflow_services.worker.config import WorkerConfig
@@ -213,60 +213,59 @@ class StageEngine:
         return upstream
 
     # ------------------------------------------------------------------------------------ forward
-    def forward(self, meta: dict[str, Any], hidden: torch.Tensor | None, *,
-                max_tokens: int | None = None) -> dict[str, Any]:
+    def forward(self, meta: ForwardMeta, hidden: torch.Tensor | None, *,
+                max_tokens: int | None = None) -> ForwardAnswer:
         """Run this stage's layers over new tokens of a request (in the engine's next steps), then the
         next stage's (or sample the next token). `max_tokens`: what its grant lets a new session hold."""
-        request_id, start, token_ids = meta["request_id"], meta["start"], meta["token_ids"]
         session = self._session_for(meta, max_tokens)
         session.touched = time.monotonic()
-        if not meta.get("save", True):  # a restored session is told only now whether to store what comes
+        if not meta.save:  # a restored session is told only now whether to store what comes
             session.save = False
-        if start != len(session.token_ids):
-            raise ConflictError(f"request {request_id!r} holds {len(session.token_ids)} tokens, not {start}")
-        if start + len(token_ids) > session.kv.capacity:
-            raise ConflictError(f"request {request_id!r} would exceed its reserved {session.kv.capacity} tokens")
-        x = self._stage_input(token_ids, hidden)  # [T, hidden]
-        sample_with = (meta.get("temperature", 0.0), meta.get("seed", 0)) if self.next_stage is None else None
-        item = ForwardItem(request_id=request_id, kv=session.kv, start=start, rows=x, sample=sample_with)
+        if meta.start != len(session.token_ids):
+            raise ConflictError(f"request {meta.request_id!r} holds {len(session.token_ids)} tokens, not {meta.start}")
+        if meta.start + len(meta.token_ids) > session.kv.capacity:
+            raise ConflictError(f"request {meta.request_id!r} would exceed its reserved {session.kv.capacity} tokens")
+        x = self._stage_input(meta.token_ids, hidden)  # [T, hidden]
+        sample_with = (meta.temperature, meta.seed) if self.next_stage is None else None
+        item = ForwardItem(request_id=meta.request_id, kv=session.kv, start=meta.start, rows=x, sample=sample_with)
         with self.core.cond:
             self.core.forwards.append(item)
             self.core.cond.notify_all()
         out = item.future.result()
-        session.token_ids.extend(token_ids)
+        session.token_ids.extend(meta.token_ids)
         if session.save and self.config.stage > 0:  # stage 0's input is the embedding: never stored
             session.unsaved_input = torch.cat([session.unsaved_input, x])
-        self.metrics.forward_tokens.inc(len(token_ids))
+        self.metrics.forward_tokens.inc(len(meta.token_ids))
         if session.save:
             self._save_filled(session)
-            if len(token_ids) > 1:  # a prompt's prefill: its partial last chunk too, so it restores whole
+            if len(meta.token_ids) > 1:  # a prompt's prefill: its partial last chunk too, so it restores whole
                 self._save_tail(session)
         if isinstance(out, int):
-            return {"token": out}
+            return ForwardAnswer(token=out)
         assert self.next_stage is not None  # only the last stage samples
         return self.next_stage.forward(meta, out)
 
-    def _session_for(self, meta: dict[str, Any], max_tokens: int | None) -> Session:
-        request_id = meta["request_id"]
+    def _session_for(self, meta: ForwardMeta, max_tokens: int | None) -> Session:
         with self._lock:
-            session = self._sessions.get(request_id)
+            session = self._sessions.get(meta.request_id)
         if session is not None:
-            if session.tenant != meta["tenant"]:
-                raise GrantError(f"request {request_id!r} belongs to another tenant")
+            if session.tenant != meta.tenant:
+                raise GrantError(f"request {meta.request_id!r} belongs to another tenant")
             return session
-        if meta["start"] != 0:
-            raise UnknownRequestError(f"request {request_id!r} has no KV on stage {self.config.stage}")
-        self._store(meta["tenant"])  # an unknown tenant is refused before anything is allocated
-        reserve = meta.get("reserve_tokens", 0)
-        self._check_tokens(meta["token_ids"], reserve)
-        _check_granted(len(meta["token_ids"]) + reserve, max_tokens)
-        self._check_new(request_id)
-        kv = self.pool.allocate(request_id, len(meta["token_ids"]) + reserve, tenant=meta["tenant"])
-        session = Session(tenant=meta["tenant"], kv=kv, token_ids=[], save=bool(meta.get("save", True)),
-                          saved_tokens=0, unsaved_input=self._no_rows(), touched=time.monotonic())
+        if meta.start != 0:
+            raise UnknownRequestError(f"request {meta.request_id!r} has no KV on stage {self.config.stage}")
+        self._store(meta.tenant)  # an unknown tenant is refused before anything is allocated
+        self._check_tokens(meta.token_ids, meta.reserve_tokens)
+        _check_granted(len(meta.token_ids) + meta.reserve_tokens, max_tokens)
+        self._check_new(meta.request_id)
+        kv = self.pool.allocate(meta.request_id, len(meta.token_ids) + meta.reserve_tokens, tenant=meta.tenant)
+        session = Session(tenant=meta.tenant, kv=kv, token_ids=[], save=meta.save, saved_tokens=0,
+                          unsaved_input=self._no_rows(), touched=time.monotonic())
         with self._lock:
-            self._sessions[request_id] = session
+            self._sessions[meta.request_id] = session
         self._refresh_pool_gauges()
+        log.info("request %s opened on stage %d: %d tokens, %d reserved, save %s", meta.request_id,
+                 self.config.stage, len(meta.token_ids), meta.reserve_tokens, meta.save)
         return session
 
     def _stage_input(self, token_ids: list[int], hidden: torch.Tensor | None) -> torch.Tensor:

@@ -17,23 +17,21 @@ import httpx
 import torch
 
 from cacheflow_common.errors import BadRequestError, CacheFlowError
-from cacheflow_common.stage_api import UNREACHABLE, downstream_failure, relayed_detail
+from cacheflow_common.stage_api import ForwardAnswer, ForwardMeta, StageError
 from cacheflow_common.transport import frames
 
 log = logging.getLogger(__name__)
 
 
 class NextStageError(CacheFlowError):
-    """A stage down the pipeline failed or could not be reached (HTTP 502 to our caller, with its reason).
+    """A stage down the pipeline failed or could not be reached (HTTP 502 to our caller). `relayed` is
+    that stage's error as our caller must see it: its `hops` count from this stage (1: the next stage,
+    2: the one after, relayed through the next), so whoever called this stage names the stage that
+    failed rather than the first on the way."""
 
-    `hops` says how far down: 1 the next stage, 2 the one after (relayed through the next), ... Its
-    message starts with it (`stage +1 unreachable (...)`), so that whoever called this stage, reading
-    it back with `downstream_failure`, can name the stage that failed rather than the first on the way.
-    """
-
-    def __init__(self, hops: int, reason: str) -> None:
-        super().__init__(relayed_detail(hops, reason))
-        self.hops = hops
+    def __init__(self, relayed: StageError) -> None:
+        super().__init__(f"stage +{relayed.hops}: {relayed.detail}")
+        self.relayed = relayed
 
 
 class NextStage:
@@ -41,9 +39,9 @@ class NextStage:
         self.url = url.rstrip("/")
         self._http = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {internal_token}"})
 
-    def forward(self, meta: dict[str, Any], hidden: torch.Tensor) -> dict[str, Any]:
+    def forward(self, meta: ForwardMeta, hidden: torch.Tensor) -> ForwardAnswer:
         """`meta` carries the coordinator's grant for the request: the next stage checks it too."""
-        return self._post("/v1/forward", frames.pack(meta, hidden))
+        return ForwardAnswer.model_validate(self._post("/v1/forward", frames.pack(meta.model_dump(), hidden)))
 
     def deliver(self, request_id: str, index: int, hidden: torch.Tensor) -> None:
         self._post("/v1/deliver", frames.pack({"request_id": request_id, "index": index}, hidden))
@@ -56,28 +54,18 @@ class NextStage:
             response = self._http.post(self.url + path, content=body,
                                        headers={"Content-Type": frames.CONTENT_TYPE})
         except httpx.HTTPError as exc:
-            raise NextStageError(1, f"{UNREACHABLE} ({self.url}): {type(exc).__name__}: {exc}") from exc
+            raise NextStageError(StageError(error=type(exc).__name__, hops=1, unreachable=True,
+                                            detail=f"unreachable ({self.url}): {type(exc).__name__}: {exc}")) from exc
         if response.status_code >= 400:
-            error, detail = _error_of(response)
+            failed = StageError.of_response(response.status_code, response.content)
             if response.status_code < 500:
-                raise BadRequestError(f"next stage refused: {detail}")
-            if relayed := downstream_failure(error, detail):  # a stage further down failed
-                raise NextStageError(relayed[0] + 1, relayed[1])
-            raise NextStageError(1, f"failed ({self.url}): {detail}")
+                raise BadRequestError(f"next stage refused: {failed.detail}")
+            raise NextStageError(failed.model_copy(update={"hops": failed.hops + 1}))
         result: dict[str, Any] = response.json()
         return result
 
     def close(self) -> None:
         self._http.close()
-
-
-def _error_of(response: httpx.Response) -> tuple[str, str]:
-    """The error type and detail of a stage's error answer."""
-    try:
-        body = response.json()
-        return str(body.get("error", "")), str(body.get("detail", response.text))
-    except (ValueError, AttributeError):
-        return "", response.text[:500]
 
 
 class DeliverySender:
