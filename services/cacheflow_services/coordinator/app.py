@@ -173,7 +173,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
                                     kind="cmpl", gone=lambda: departure.gone)
         tokens = coordinator.complete(request, max_new_tokens=max_new, temperature=body.temperature,
                                       seed=body.seed, stop_ids=stop_ids, save=body.save)
-        departure.on_leave(tokens.abort)  # gone already: stopped now, the queue place freed
+        departure.on_leave(tokens.abort, request.id)  # gone already: stopped now, the queue place freed
         try:
             return answer(kind, request, tokens, body, stops, stop_ids, len(prompt), departure)
         except BaseException as exc:
@@ -192,7 +192,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
             metrics.requests.labels(endpoint, "200").inc()
             head = StreamHead(kind, request.id, body.model, created, prompt_tokens, body.stream_options)
             events = sse(head, deltas, lambda output: _extra(request, output))
-            return CompletionStream(events, stop=tokens.abort)
+            return CompletionStream(events, stop=tokens.abort, request_id=request.id)
         output = deque(deltas, maxlen=1)[0][1]  # the last (finished) output
         metrics.requests.labels(endpoint, CLIENT_LEFT if departure.gone else "200").inc()
         return response(kind, request.id, body.model, created, output, prompt_tokens, _extra(request, output))

@@ -35,24 +35,29 @@ class Departure:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._gone = False
-        self._stops: list[Callable[[], None]] = []
+        self._stops: list[tuple[str, Callable[[], None]]] = []  # (request id, how to stop it)
 
     @property
     def gone(self) -> bool:
         return self._gone
 
-    def on_leave(self, stop: Callable[[], None]) -> None:
+    def on_leave(self, stop: Callable[[], None], request_id: str) -> None:
         with self._lock:
             if not self._gone:
-                self._stops.append(stop)
+                self._stops.append((request_id, stop))
                 return
-        stop()
+        _stop_for_departure(request_id, stop)
 
     def leave(self) -> None:
         with self._lock:
             self._gone, stops, self._stops = True, self._stops, []
-        for stop in stops:
-            stop()
+        for request_id, stop in stops:
+            _stop_for_departure(request_id, stop)
+
+
+def _stop_for_departure(request_id: str, stop: Callable[[], None]) -> None:
+    log.info("%s: its client went away before its answer; stopping it", request_id)
+    stop()
 
 
 async def while_connected(receive: Receive, work: Callable[[Departure], T]) -> T:
@@ -76,7 +81,6 @@ async def while_connected(receive: Receive, work: Callable[[Departure], T]) -> T
 async def _watch_departure(receive: Receive, departure: Departure) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-    log.info("a client went away before its answer: its completion is stopped")
     with anyio.CancelScope(shield=True):
         await anyio.to_thread.run_sync(departure.leave, limiter=_stoppers())
 
@@ -93,10 +97,11 @@ def _stoppers() -> anyio.CapacityLimiter:
 
 
 class CompletionStream(StreamingResponse):
-    def __init__(self, events: Iterator[str], *, stop: Callable[[], None]) -> None:
+    def __init__(self, events: Iterator[str], *, stop: Callable[[], None], request_id: str) -> None:
         super().__init__(events, media_type="text/event-stream")
         self._events = events
         self._stop_completion = stop
+        self.request_id = request_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -111,7 +116,7 @@ class CompletionStream(StreamingResponse):
     async def _watch(self, receive: Receive, scope: anyio.CancelScope) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        log.info("a streaming client went away: its completion is stopped")
+        log.info("%s: its streaming client went away; stopping it", self.request_id)
         scope.cancel()
 
     async def _stream(self, send: Send) -> None:

@@ -70,6 +70,7 @@ class ConflictError(BadRequestError):
 
 @dataclass
 class Session:
+    request_id: str
     tenant: str
     kv: KVBuffer
     token_ids: list[int]  # every token whose KV is in `kv`, in order
@@ -153,9 +154,9 @@ class StageEngine:
         if sender is not None:
             sender.finish()
         with self._lock:
-            self._sessions[request_id] = Session(tenant=tenant, kv=kv, token_ids=list(token_ids), save=save,
-                                                 saved_tokens=len(token_ids), unsaved_input=self._no_rows(),
-                                                 touched=time.monotonic())
+            self._sessions[request_id] = Session(request_id=request_id, tenant=tenant, kv=kv,
+                                                 token_ids=list(token_ids), save=save, saved_tokens=len(token_ids),
+                                                 unsaved_input=self._no_rows(), touched=time.monotonic())
         if save:
             self._save_recomputed(job, restore, store)
         log.info("restore %s finished on stage %d: %d units loaded, %d computed (%s-wise), %.3f s", request_id,
@@ -181,7 +182,7 @@ class StageEngine:
         if not missed:
             return
         keys = [job.keys[i] for i in missed] if restore.spec.mode == "token" else list(job.keys)
-        self._saver.submit(self._guarded, save_chunks, restore.kv, job, store,
+        self._saver.submit(self._guarded, restore.request_id, save_chunks, restore.kv, job, store,
                            model_fingerprint=self.model.fingerprint(), keys=keys)
 
     # ------------------------------------------------------------------------------------ pipelined input
@@ -259,8 +260,8 @@ class StageEngine:
         _check_granted(len(meta.token_ids) + meta.reserve_tokens, max_tokens)
         self._check_new(meta.request_id)
         kv = self.pool.allocate(meta.request_id, len(meta.token_ids) + meta.reserve_tokens, tenant=meta.tenant)
-        session = Session(tenant=meta.tenant, kv=kv, token_ids=[], save=meta.save, saved_tokens=0,
-                          unsaved_input=self._no_rows(), touched=time.monotonic())
+        session = Session(request_id=meta.request_id, tenant=meta.tenant, kv=kv, token_ids=[], save=meta.save,
+                          saved_tokens=0, unsaved_input=self._no_rows(), touched=time.monotonic())
         with self._lock:
             self._sessions[meta.request_id] = session
         self._refresh_pool_gauges()
@@ -292,7 +293,7 @@ class StageEngine:
         inputs, first = session.unsaved_input, session.saved_tokens
         session.unsaved_input = inputs[whole - first :]
         session.saved_tokens = whole
-        self._saver.submit(self._guarded, self._store_chunks, session.kv, job, keys, inputs, first,
+        self._saver.submit(self._guarded, session.request_id, self._store_chunks, session.kv, job, keys, inputs, first,
                            self._store(session.tenant))
 
     def _save_tail(self, session: Session) -> None:
@@ -304,8 +305,8 @@ class StageEngine:
         tail = job.keys[-1]
         if tail.token_start != session.saved_tokens:  # a restored prefix ended mid-chunk: its inputs are gone
             return
-        self._saver.submit(self._guarded, self._store_chunks, session.kv, job, [tail], session.unsaved_input,
-                           session.saved_tokens, self._store(session.tenant))
+        self._saver.submit(self._guarded, session.request_id, self._store_chunks, session.kv, job, [tail],
+                           session.unsaved_input, session.saved_tokens, self._store(session.tenant))
 
     def _store_chunks(self, kv: KVBuffer, job: RestoreJob, keys: list[Any], inputs: torch.Tensor, first: int,
                       store: ChunkStore) -> None:
@@ -317,12 +318,12 @@ class StageEngine:
         self.metrics.saved_chunks.inc(len(keys))
         self.metrics.saved_bytes.inc(written)
 
-    def _guarded(self, fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+    def _guarded(self, request_id: str, fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
         """Saves run off the critical path: a failure is logged and counted (the chunk is recomputed later)."""
         try:
             fn(*args, **kwargs)
         except Exception:
-            log.exception("saving chunks failed")
+            log.exception("%s: saving its chunks on stage %d failed", request_id, self.config.stage)
             self.metrics.save_failures.inc()
 
     # ------------------------------------------------------------------------------------ housekeeping
@@ -373,8 +374,7 @@ class StageEngine:
         self._saver.submit(lambda: None).result()
 
     def _stepped(self, plan: StepPlan, seconds: float) -> None:
-        requests = {t.request_id for t in (*plan.token_units, *plan.layer_units)} | {i.request_id for i, _, _ in
-                                                                                    plan.forwards}
+        requests = plan.request_ids()
         self.metrics.step(seconds, tokens=plan.tokens + sum(self._unit_tokens(t.request_id, t.unit)
                                                               for t in plan.token_units), requests=len(requests))
 

@@ -47,6 +47,11 @@ class StepPlan:
     def tokens(self) -> int:
         return sum(b - a for _, a, b in self.forwards)
 
+    def request_ids(self) -> set[str]:
+        """Every request with work in this step."""
+        units = {t.request_id for t in (*self.token_units, *self.layer_units)}
+        return units | {item.request_id for item, _, _ in self.forwards}
+
 
 class StepLoop:
     def __init__(self, core: EngineCore, model: Transformer, layers: range, *, step_tokens: int,
@@ -75,7 +80,7 @@ class StepLoop:
         try:
             outputs, failed = self._run(plan)
         except Exception as exc:  # the batched forward itself failed: everything in it fails, the loop goes on
-            log.exception("compute step failed")
+            log.exception("compute step failed; failing its requests %s", sorted(plan.request_ids()))
             self._fail_all(plan, exc)
             return True
         ended = time.perf_counter()
