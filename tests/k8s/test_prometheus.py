@@ -221,15 +221,18 @@ def cause_a_miss(local: LocalCluster, client: httpx.Client, prompt: list[int]) -
 
 
 def fail_a_stage(local: LocalCluster, client: httpx.Client, prompt: list[int]) -> None:
-    """Stage 1 can neither load a chunk (corrupt) nor compute it (no boundary stored, and stage 0 loads
-    rather than computes): its restore fails, and the prompt is prefilled whole."""
+    """Stage 1 can neither load its chunks (all corrupt) nor compute them (no boundary stored, and stage 0
+    loads rather than computes): its restore fails, no part of the prefix is left to restore, and the
+    prompt is prefilled whole."""
     before = objects(local)
     store_and_restore(client, prompt)
     new = objects(local) - before
     for path in new:
         if ".hidden." in path.name:
             path.unlink()
-    flip_a_byte(sorted(p for p in new if ".kv.L" in p.name and ".kv.L0-" not in p.name)[0])
+    for path in new:
+        if ".kv.L" in path.name and ".kv.L0-" not in path.name:
+            flip_a_byte(path)
     assert complete(client, prompt, policy="load-only")["cacheflow"]["prompt_tokens_restored"] == 0
 
 
