@@ -9,7 +9,6 @@ workers and a coordinator on loopback)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,20 +16,9 @@ import pytest
 
 from cacheflow_common.kv.keys import chunk_keys, object_name, tenant_salt
 from cacheflow_services.local_cluster import LocalCluster
-from tests.reliability.coordinator_checks import api_client, small_cluster
 
 CHUNK = 32  # small_cluster's
 WHOLE_CHUNKS = 4
-
-
-@pytest.fixture(scope="module")
-def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from small_cluster(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def client(local: LocalCluster) -> Iterator[httpx.Client]:
-    yield from api_client(local)
 
 
 def _stored(local: LocalCluster, pattern: str) -> list[Path]:
