@@ -45,11 +45,14 @@ POD_CREDENTIAL_PREFIX = "cfpod1."
 CLOCK_SKEW_S = 30.0  # an expiry this far in the past is still accepted (clocks of two pods differ)
 
 
-def bearer_matches(authorization: str, expected: str) -> bool:
-    """Whether an `Authorization` header carries `Bearer <expected>` (compared in constant time)."""
-    scheme, _, token = authorization.partition(" ")
-    return bool(expected) and scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                                   expected.encode())
+def tenant_of_token(tokens: Mapping[str, str], token: str) -> str | None:
+    """The tenant `token` names among `tokens` (token -> tenant), or None; every known token is compared,
+    in constant time, so the time taken tells nothing of which one came close. An empty token is no one's."""
+    found = None
+    for known, tenant in tokens.items():
+        if token and hmac.compare_digest(known.encode(), token.encode()):
+            found = tenant
+    return found
 
 
 # ---------------------------------------------------------------------------------------------- grants

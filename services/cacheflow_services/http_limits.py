@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 UNAUTHORIZED = "missing or wrong bearer token"
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # probes and Prometheus: no token, no tenant data
 
 
 class BodyTooLargeError(HTTPException):
@@ -68,21 +69,22 @@ def bearer_token(authorization: str) -> str:
 class BearerFirst:
     """ASGI middleware: a request on a path that `needs_token` is answered 401 at once, its body unread,
     unless `authenticate` knows its bearer token; the tenant it names is left in `request.state.tenant`.
-    `on_refused` is told the path of every request refused."""
+    `on_refused` is told the path of every request refused; `detail` is the refusal's reason."""
 
     def __init__(self, app: ASGIApp, *, authenticate: Callable[[str], str | None], needs_token: Callable[[str], bool],
-                 on_refused: Callable[[str], None] = lambda path: None) -> None:
+                 on_refused: Callable[[str], None] = lambda path: None, detail: str = UNAUTHORIZED) -> None:
         self.app = app
         self.authenticate = authenticate  # token -> tenant, or None
         self.needs_token = needs_token
         self.on_refused = on_refused
+        self.detail = detail
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.needs_token(scope["path"]):
             tenant = self.authenticate(bearer_token(Headers(scope=scope).get("authorization", "")))
             if tenant is None:
                 self.on_refused(scope["path"])
-                refused = JSONResponse({"detail": UNAUTHORIZED, "error": "UnauthorizedError"}, status_code=401,
+                refused = JSONResponse({"detail": self.detail, "error": "UnauthorizedError"}, status_code=401,
                                        headers={"WWW-Authenticate": "Bearer"})
                 await refused(scope, receive, send)
                 return

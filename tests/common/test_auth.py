@@ -16,15 +16,16 @@ from cacheflow_common.auth import (
     GrantIssuer,
     GrantSigner,
     GrantVerifier,
-    bearer_matches,
     ensure_cluster_secrets,
     generate_signing_pair,
     pod_credential,
     pod_credential_expiry,
     pod_credential_tenant,
     read_secret,
+    tenant_of_token,
 )
 from cacheflow_common.errors import ConfigError
+from cacheflow_services.http_limits import bearer_token
 
 
 def _grant(**changes: object) -> Grant:
@@ -105,7 +106,8 @@ def test_the_issuer_grants_a_fresh_pod_credential_for_the_requests_tenant(tmp_pa
     assert (grant.request_id, grant.tenant, grant.save, grant.max_tokens) == ("r9", "acme", False, 100)
     assert pod_credential_tenant(grant.pod_credential, {"tok-acme": "acme"}) == "acme"
     assert verifier.verify(issuer.issue("r9", "nobody", save=True, max_tokens=1)).pod_credential == ""
-    assert bearer_matches(issuer.headers["Authorization"], issuer.internal_token)
+    sent = bearer_token(issuer.headers["Authorization"])
+    assert tenant_of_token({issuer.internal_token: "cluster"}, sent) == "cluster"
 
 
 def test_cluster_secrets_are_made_once_private_and_kept(tmp_path):
@@ -116,10 +118,13 @@ def test_cluster_secrets_are_made_once_private_and_kept(tmp_path):
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == first
 
 
-def test_bearer_matches_only_the_exact_token():
-    assert bearer_matches("Bearer abc", "abc")
-    assert bearer_matches("bearer abc", "abc")
-    assert not bearer_matches("Bearer abcd", "abc")
-    assert not bearer_matches("abc", "abc")
-    assert not bearer_matches("", "")
-    assert not bearer_matches("Bearer ", "")
+def test_a_bearer_header_names_a_tenant_only_by_its_exact_token():
+    def tenant(authorization: str, known: str) -> str | None:
+        return tenant_of_token({known: "t"}, bearer_token(authorization))
+
+    assert tenant("Bearer abc", "abc") == "t"
+    assert tenant("bearer abc", "abc") == "t"
+    assert tenant("Bearer abcd", "abc") is None
+    assert tenant("abc", "abc") is None
+    assert tenant("", "") is None
+    assert tenant("Bearer ", "") is None

@@ -15,7 +15,6 @@ with status 499. `/readyz` answers 503 while a stage is down or no batch slot ca
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real types of the route parameters.
-import hmac
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
@@ -29,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from cacheflow_common.auth import tenant_of_token
 from cacheflow_common.errors import BadRequestError
 from cacheflow_services.coordinator.admission import AdmissionTimeoutError, QueueFullError
 from cacheflow_services.coordinator.cluster import StageDownError
@@ -77,7 +77,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
     config, metrics = coordinator.config, coordinator.metrics
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     # added last, so outermost: no token is a 401 before a byte of the body is read (not a 400 or 413)
-    app.add_middleware(BearerFirst, authenticate=lambda token: _tenant_of(config.api_tokens, token),
+    app.add_middleware(BearerFirst, authenticate=lambda token: tenant_of_token(config.api_tokens, token),
                        needs_token=lambda path: path.startswith("/v1/"),
                        on_refused=lambda path: metrics.requests.labels(_endpoint(path), "401").inc())
 
@@ -261,15 +261,6 @@ def _extra(request: Request, output: Output) -> dict[str, Any]:
             "stage_modes": [s.mode for s in request.stages], "batch": request.ticket.batch,
             "lookup_s": request.lookup_s, "queue_s": request.queue_s, "restore_s": request.restore_s,
             "stages": [s.model_dump() for s in request.stages]}
-
-
-def _tenant_of(tokens: dict[str, str], token: str) -> str | None:
-    """The tenant a client token names, or None (every token compared, in constant time)."""
-    found = None
-    for known, tenant in tokens.items():
-        if token and hmac.compare_digest(known.encode(), token.encode()):
-            found = tenant
-    return found
 
 
 def _endpoint(path: str) -> str:

@@ -16,10 +16,9 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cacheflow_services.http_limits import UNAUTHORIZED, BodyLimit, bearer_token
+from cacheflow_services.http_limits import PUBLIC_PATHS, UNAUTHORIZED, BodyLimit, bearer_token
 
-__all__ = ["PUBLIC_PATHS", "UNAUTHORIZED", "RequestGuard", "bearer_token", "unauthorized"]
-PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+__all__ = ["UNAUTHORIZED", "RequestGuard", "unauthorized"]
 
 
 def unauthorized() -> JSONResponse:

@@ -18,14 +18,13 @@ deleted by a slower reader of the old copy, or served from its stale layout as a
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from cacheflow_common.auth import POD_CREDENTIAL_PREFIX, pod_credential_tenant
+from cacheflow_common.auth import POD_CREDENTIAL_PREFIX, pod_credential_tenant, tenant_of_token
 from cacheflow_common.errors import BadRequestError, StoreError
 from cacheflow_common.kv.chunk import SECTION_HEADER_SIZE, TRAILER_TAIL
 from cacheflow_common.kv.integrity import object_problem, range_problem, section_size_of, sections_end_of
@@ -90,11 +89,7 @@ class StoragePod:
         belongs to; None if neither (every token compared in constant time)."""
         if token.startswith(POD_CREDENTIAL_PREFIX):
             return pod_credential_tenant(token, self.config.tokens)
-        found = None
-        for known, tenant in self.config.tokens.items():
-            if hmac.compare_digest(known.encode(), token.encode()):
-                found = tenant
-        return found
+        return tenant_of_token(self.config.tokens, token)
 
     @staticmethod
     def stored_name(tenant: str, name: str) -> str:

@@ -24,9 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cacheflow_common.auth import Grant, bearer_matches
+from cacheflow_common.auth import Grant
 from cacheflow_common.errors import BadRequestError, GrantError
 from cacheflow_common.restore.stages import BoundaryMissingError
 from cacheflow_common.stage_api import (
@@ -40,6 +39,7 @@ from cacheflow_common.stage_api import (
     WorkerInfo,
 )
 from cacheflow_common.transport import frames
+from cacheflow_services.http_limits import PUBLIC_PATHS, BearerFirst
 from cacheflow_services.worker.core import RestoreCancelledError
 from cacheflow_services.worker.engine import ConflictError, StageEngine, UnknownRequestError
 from cacheflow_services.worker.next_stage import NextStageError
@@ -51,32 +51,13 @@ _STATUS: list[tuple[type[Exception], int]] = [
     (PoolFullError, 503), (GrantError, 403),
     (NextStageError, 502), (BadRequestError, 400),
 ]
-OPEN_PATHS = ("/healthz", "/readyz", "/metrics")
-
-
-class InternalOnly:
-    """ASGI middleware: every path but the open ones needs the internal token, checked from the headers
-    alone, before the app reads any of the body (401 otherwise)."""
-
-    def __init__(self, app: ASGIApp, *, token: str) -> None:
-        self.app = app
-        self.token = token
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            headers = dict(scope["headers"])
-            if not bearer_matches(headers.get(b"authorization", b"").decode(errors="replace"), self.token):
-                refused = StageError(error="UnauthorizedError",
-                                     detail="this API is internal to the cluster: missing or wrong internal token")
-                response = JSONResponse(refused.model_dump(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def create_app(engine: StageEngine, *, max_body_bytes: int, trust: WorkerTrust) -> FastAPI:
     app = FastAPI(title=f"CacheFlow stage {engine.config.stage} worker", docs_url=None, redoc_url=None)
-    app.add_middleware(InternalOnly, token=trust.internal_token)
+    # every path but the probes and /metrics: the internal token, checked before a byte of the body is read
+    app.add_middleware(BearerFirst, authenticate=trust.caller_of, needs_token=lambda path: path not in PUBLIC_PATHS,
+                       detail="this API is internal to the cluster: missing or wrong internal token")
 
     for exc_type, status in _STATUS:
         app.add_exception_handler(exc_type, _handler(status))

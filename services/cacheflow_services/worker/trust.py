@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cacheflow_common.auth import Grant, GrantVerifier, read_secret
+from cacheflow_common.auth import Grant, GrantVerifier, read_secret, tenant_of_token
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_common.store.placement import ClusterStore
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
@@ -29,6 +29,10 @@ class WorkerTrust:
     def from_files(cls, internal_token_file: Path | str, grant_key_file: Path | str) -> WorkerTrust:
         token = read_secret(internal_token_file, "internal token file").decode()
         return cls(token, GrantVerifier(read_secret(grant_key_file, "grant verifying key file")))
+
+    def caller_of(self, token: str) -> str | None:
+        """"cluster" for the internal token (whoever holds it is a component of this cluster), else None."""
+        return tenant_of_token({self.internal_token: "cluster"}, token)
 
     def grant_for(self, text: str, *, request_id: str, tenant: str) -> Grant:
         """The verified grant `text`, for this request of this tenant (GrantError otherwise)."""
