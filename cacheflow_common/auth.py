@@ -25,7 +25,6 @@ import base64
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import time
 from collections.abc import Mapping
@@ -37,6 +36,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from cacheflow_common.errors import ConfigError, GrantError
+from cacheflow_common.files import write_atomically
 
 INTERNAL_TOKEN_FILE = "internal-token"
 SIGNING_KEY_FILE = "grant-signing-key.pem"  # the coordinator's only
@@ -214,14 +214,12 @@ def new_cluster_secrets() -> dict[str, bytes]:
 
 
 def ensure_cluster_secrets(directory: Path) -> Path:
-    """The cluster's internal secrets in `directory`, created once (mode 0600) and kept; returns it."""
+    """The cluster's internal secrets in `directory`, created once (mode 0600) and kept; returns it. Each
+    file is written whole or not at all, so a start interrupted midway makes all three again next time."""
     directory.mkdir(parents=True, exist_ok=True)
     if not all((directory / name).is_file() for name in (INTERNAL_TOKEN_FILE, SIGNING_KEY_FILE, VERIFY_KEY_FILE)):
         for name, data in new_cluster_secrets().items():
-            path = directory / name
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            write_atomically(directory / name, data)
     return directory
 
 

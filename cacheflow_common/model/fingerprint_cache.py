@@ -12,12 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from cacheflow_common.files import write_atomically
 from cacheflow_common.model.smollm2 import cache_root
 
 log = logging.getLogger(__name__)
@@ -85,20 +84,10 @@ def _keep(root: Path, stamps: Stamps, variant: str, fp: str) -> None:
         known = entry.get("fingerprints", {}) if entry.get("files") == stamps else {}
         body = {"format": SIDECAR_FORMAT, "files": stamps, "fingerprints": {**known, variant: fp}}
         try:
-            _write_atomically(sidecar, json.dumps(body, indent=1, sort_keys=True))
+            write_atomically(sidecar, json.dumps(body, indent=1, sort_keys=True))
             return
         except OSError as exc:
             log.info("cannot keep the fingerprint of %s in %s (%s); trying the next place", root, sidecar, exc)
     log.warning("fingerprint of %s kept in memory only: no place to write it", root)
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".fingerprint-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from cacheflow_common.errors import ConfigError
+from cacheflow_common.files import write_atomically
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 
 if TYPE_CHECKING:
@@ -99,14 +98,7 @@ class Profile:
 
     def save(self, path: str | Path) -> None:
         """Write atomically (temp file, fsync, rename); `~` is expanded."""
-        path = Path(path).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_json(), f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomically(Path(path).expanduser(), json.dumps(self.to_json(), indent=2))
 
     @classmethod
     def load(cls, path: str | Path, *, model: Transformer | None = None) -> Profile:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import threading
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from cacheflow_common.files import write_atomically
 from cacheflow_services.local_process import STARTUP_S, ServiceStartError
 
 log = logging.getLogger(__name__)
@@ -124,10 +124,8 @@ class Supervisor:
     def _publish(self) -> None:
         if self.state_file is None:
             return
-        tmp = self.state_file.with_name(f".{self.state_file.name}.tmp")
         try:
-            tmp.write_text(json.dumps(self._states))
-            os.replace(tmp, self.state_file)
+            write_atomically(self.state_file, json.dumps(self._states))
         except OSError as exc:
             log.warning("could not publish the restart state in %s: %s", self.state_file, exc)
 
