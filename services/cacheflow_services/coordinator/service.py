@@ -26,6 +26,7 @@ from typing import Any
 from cacheflow_common.errors import BadRequestError, UnauthorizedError
 from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.stage_api import RestoreSummary
+from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.coordinator.admission import Admission, QueueFullError, Ticket
 from cacheflow_services.coordinator.cluster import Cluster, ModelInfo
 from cacheflow_services.coordinator.completion import Completion
@@ -154,9 +155,7 @@ class Coordinator:
             cached = 0  # vLLM on a miss: the whole prompt prefilled, batched like any prefill; nothing to look up
         else:
             try:
-                cached = cached_prefix_tokens(token_ids, fingerprint=self.model.fingerprint, tenant=tenant,
-                                              chunk_size=self.model.chunk_size, stage_layers=self.model.stage_layers,
-                                              store=store, limit=prefix_limit)
+                cached = self._stored_prefix(token_ids, tenant, store, limit=prefix_limit)
             except UnauthorizedError as exc:
                 raise TenantRefusedError(f"the storage pods refuse tenant {tenant!r}: {exc}") from exc
         lookup_s = time.perf_counter() - arrived
@@ -167,6 +166,12 @@ class Coordinator:
                  request.id, tenant, len(token_ids), cached, request.policy or "the workers' default",
                  request.lookup_s)
         return request
+
+    def _stored_prefix(self, token_ids: list[int], tenant: str, store: ChunkStore, *, limit: int) -> int:
+        """Tokens of the longest prefix of `token_ids` (at most `limit`) whose chunks every stage holds."""
+        return cached_prefix_tokens(token_ids, fingerprint=self.model.fingerprint, tenant=tenant,
+                                    chunk_size=self.model.chunk_size, stage_layers=self.model.stage_layers,
+                                    store=store, limit=limit)
 
     def _wait_turn(self, request: Request) -> bool:
         """Wait for the request's batch; False if it was withdrawn (cancelled) meanwhile."""
@@ -233,9 +238,7 @@ class Coordinator:
         if store is None or request.cached_tokens <= self.model.chunk_size:
             return 0
         try:
-            found = cached_prefix_tokens(request.token_ids, fingerprint=self.model.fingerprint, tenant=request.tenant,
-                                         chunk_size=self.model.chunk_size, stage_layers=self.model.stage_layers,
-                                         store=store, limit=request.cached_tokens)
+            found = self._stored_prefix(request.token_ids, request.tenant, store, limit=request.cached_tokens)
         except UnauthorizedError:
             return 0
         return found if found < request.cached_tokens else 0
