@@ -32,10 +32,17 @@ CLUSTER_LABEL = "cacheflow.io/cluster"  # the label every Service of a cluster c
 NAMESPACE = "local"  # what `namespace` reads for a local cluster
 INTERVAL_S = 5.0
 FILE_NAME = "prometheus.yml"
+
+
+def prometheus_label(name: str) -> str:
+    """A Kubernetes label name as the Prometheus Operator writes it (`cacheflow.io/cluster`: `cacheflow_io_cluster`)."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
 # Every label a scrape attaches to a target: Prometheus's own (job, instance) and the operator's; a metric's
 # label of one of these names is renamed exported_<name> (honor_labels off).
 RESERVED = frozenset({"job", "instance", "namespace", "service", "pod", "container", "endpoint"} |
-                     {re.sub(r"[^a-zA-Z0-9_]", "_", key) for key in TARGET_LABELS})
+                     {prometheus_label(key) for key in TARGET_LABELS})
 
 
 @dataclass(frozen=True)
@@ -47,11 +54,6 @@ class Target:
     pod: str
     container: str
     service_labels: Mapping[str, str] = field(default_factory=dict)
-
-
-def prometheus_label(name: str) -> str:
-    """A Kubernetes label name as the Prometheus Operator writes it (`cacheflow.io/cluster`: `cacheflow_io_cluster`)."""
-    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
 
 
 def operator_labels(target: Target, *, namespace: str = NAMESPACE, port_name: str = PORT_NAME,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from collections import Counter as Tally
-from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -19,10 +18,6 @@ from cacheflow_services.storage.config import StorageConfig
 TENANT_COUNTS = ("hits", "misses", "corrupt", "read_bytes", "writes")  # what /v1/stats counts per tenant
 # every reason a request is refused (admission.py, dataplane.py, http_guard.py)
 REFUSALS = ("pending", "unauthorized", "hello_timeout", "body_too_large", "connections", "tenant_connections")
-
-
-class Listable(Protocol):
-    def entries(self) -> list[tuple[str, int]]: ...
 
 
 class StorageMetrics:
