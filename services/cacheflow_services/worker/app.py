@@ -53,7 +53,8 @@ _STATUS: list[tuple[type[Exception], int]] = [
 ]
 
 
-def create_app(engine: StageEngine, *, max_body_bytes: int, trust: WorkerTrust) -> FastAPI:
+def create_app(engine: StageEngine, *, max_body_bytes: int, trust: WorkerTrust, stores: GrantedStores) -> FastAPI:
+    """The API over `engine`, whose tenants' storage placements are `stores` (what each grant authorizes)."""
     app = FastAPI(title=f"CacheFlow stage {engine.config.stage} worker", docs_url=None, redoc_url=None)
     # every path but the probes and /metrics: the internal token, checked before a byte of the body is read
     app.add_middleware(BearerFirst, authenticate=trust.caller_of, needs_token=lambda path: path not in PUBLIC_PATHS,
@@ -91,8 +92,7 @@ def create_app(engine: StageEngine, *, max_body_bytes: int, trust: WorkerTrust) 
 
     def granted(grant: str, request_id: str, tenant: str) -> Grant:
         checked = trust.grant_for(grant, request_id=request_id, tenant=tenant)
-        if isinstance(engine.stores, GrantedStores):
-            engine.stores.authorize(checked)
+        stores.authorize(checked)
         return checked
 
     @app.post("/v1/restore")

@@ -36,7 +36,7 @@ def serve(config: WorkerConfig, trust: WorkerTrust) -> None:
     engine.metrics.pool_capacity_blocks.set(engine.pool.capacity_blocks)
     max_body = config.max_request_tokens * model.config.hidden_size * 4 + FRAME_SLACK_BYTES
     http = socket.create_server((config.host, config.http_port))
-    app = create_app(engine, max_body_bytes=max_body, trust=trust)
+    app = create_app(engine, max_body_bytes=max_body, trust=trust, stores=stores)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     ready = {"event": "ready", "stage": config.stage, "http_port": http.getsockname()[1],
              "layers": [config.layers.start, config.layers.stop], "threads": torch.get_num_threads()}
