@@ -32,9 +32,9 @@ import pytest
 import torch
 import yaml
 
+from cacheflow_common.engine import restore
 from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import load_model, model_config
-from cacheflow_common.restore.executor import restore
 from cacheflow_common.restore.save import compute_prefix_kv, make_job, save_prefix
 from cacheflow_services.cli import main
 from cacheflow_services.storage.launch import LocalPod, launch_pod

@@ -18,9 +18,9 @@ import torch
 
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.costs import best_split
-from cacheflow_common.restore.executor import LOAD_ONLY_READS_IN_FLIGHT, RestoreJob, RestoreResult, run_restore
+from cacheflow_common.restore.executor import LOAD_ONLY_READS_IN_FLIGHT, run_fixed_split
+from cacheflow_common.restore.job import RestoreJob, RestoreResult
 from cacheflow_common.restore.loader import KVLoader
-from cacheflow_common.restore.planner import FixedSplitPlanner
 from cacheflow_common.restore.save import make_job
 from cacheflow_common.store.base import ChunkStore
 
@@ -43,8 +43,7 @@ def forced(model: Transformer, job: RestoreJob, store: ChunkStore, mode: str, sp
     """A run with a fixed split: `split = n_units` is compute-only, `0` load-only."""
     loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=model.new_kv(job.layers, len(job.token_ids)),
                       dtype=job.kv_dtype, quant=job.quant)
-    result = run_restore(job, model=model, loader=loader, mode=mode, planner=FixedSplitPlanner(split),
-                         policy=f"{mode}-split-{split}", reads_in_flight=reads_in_flight)
+    result = run_fixed_split(job, model=model, loader=loader, mode=mode, split=split, reads_in_flight=reads_in_flight)
     require_complete(result)
     return result
 

@@ -25,11 +25,12 @@ from functools import partial
 import numpy as np
 import torch
 
+from cacheflow_common.engine import restore
 from cacheflow_common.kv.chunk import encode_kv_chunk
 from cacheflow_common.kv.keys import ChunkKey
 from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
-from cacheflow_common.restore.executor import RestoreJob, restore
+from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.restore.profile import Crossover, MeasuredFor, MonotoneCheck, Profile
 from cacheflow_common.restore.save import dtype_name, make_job, save_prefix
 from cacheflow_common.store.base import ChunkStore

@@ -26,7 +26,7 @@ from cacheflow_common.errors import CacheFlowError, ChunkFormatError, ConfigErro
 from cacheflow_common.kv.chunk import decode_hidden_chunk, encode_hidden_chunk
 from cacheflow_common.kv.keys import ChunkKey, object_name
 from cacheflow_common.model.transformer import Transformer
-from cacheflow_common.restore.executor import RestoreJob
+from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.restore.save import prefill_stage, save_chunks
 from cacheflow_common.store.base import ChunkStore
 

@@ -3,8 +3,8 @@
 Without boundary activations, stage s can compute a chunk only from the hidden state the compute
 pointer of stage s-1 produced for it. So stage s-1 *delivers* each chunk it computes (`deliver`, its
 restore's `on_computed`) and, once its restore is done, *finishes* (`finish`): the chunks it loaded
-instead carry no hidden state, and stage s must load them too. `UpstreamPlanner` lets stage s's
-compute pointer take a chunk only once it was delivered; its loader takes chunks from the back.
+instead carry no hidden state, and stage s must load them too. The engine lets stage s's compute side
+take a chunk only once it was delivered (`StageRestore.ready`); its loaders take chunks from the back.
 
 Stage s-1 computes a front run of chunks and loads the back, so what stage s receives is a front run
 as well and its own two pointers stay contiguous. A chunk stage s fails to load (a miss) that stage
@@ -18,14 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from cacheflow_common.model.kv_buffer import KVBuffer
-from cacheflow_common.model.transformer import Transformer
-from cacheflow_common.restore.board import BoardView
-from cacheflow_common.restore.executor import ChunkComputed, RestoreJob, RestoreResult, run_restore
-from cacheflow_common.restore.loader import KVLoader
-from cacheflow_common.restore.planner import GreedyPlanner
+from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.restore.stages import BoundaryMissingError
-from cacheflow_common.store.base import ChunkStore
 
 
 class UpstreamInput:
@@ -94,25 +88,3 @@ class UpstreamInput:
                 raise BoundaryMissingError(f"chunk {index}: {self._failure}")
         reason = "the previous stage did not compute it" if ok else f"no input within {self.timeout_s:g} s"
         raise BoundaryMissingError(f"chunk {index} cannot be computed on this stage: {reason}")
-
-
-class UpstreamPlanner(GreedyPlanner):
-    """Compute only chunks the previous stage delivered; load anything, from the back."""
-
-    def __init__(self, upstream: UpstreamInput) -> None:
-        self.upstream = upstream
-
-    def compute_may_take(self, view: BoardView) -> bool:
-        if not view.load_active:
-            return True  # the loader is gone: compute must try (and fails clearly if it has no input)
-        return bool(view.pending) and self.upstream.delivered(view.pending.start)
-
-
-def restore_from_upstream(job: RestoreJob, *, model: Transformer, store: ChunkStore, upstream: UpstreamInput,
-                          kv: KVBuffer | None = None, on_computed: ChunkComputed | None = None) -> RestoreResult:
-    """A pipelined, token-wise restore of stage s > 0 fed by `upstream` (see the module docstring)."""
-    kv = kv if kv is not None else model.new_kv(job.layers, max(1, len(job.token_ids)))
-    loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
-    return run_restore(job, model=model, loader=loader, mode="token", planner=UpstreamPlanner(upstream),
-                       policy="pipelined", stage_input=upstream, on_computed=on_computed,
-                       on_board=lambda board: upstream.on_wake(board.wake))

@@ -1,4 +1,4 @@
-"""The two-pointer board and planners, without a model: claims, misses, meeting, bounds."""
+"""The fixed-split board of the baseline runner, without a model: claims, misses, meeting; and the best split."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cacheflow_common.restore.board import BoardView, Planner, TwoPointerBoard
+from cacheflow_common.restore.board import TwoPointerBoard
 from cacheflow_common.restore.costs import best_split, best_split_from
-from cacheflow_common.restore.planner import FixedSplitPlanner, GreedyPlanner, PredictivePlanner
 
 
 def _drive(board: TwoPointerBoard, misses: set[int], seed: int) -> tuple[list[int], list[int]]:
@@ -60,20 +59,12 @@ def _check_partition(board: TwoPointerBoard, computed: list[int], loaded: list[i
     n=st.integers(1, 12),
     miss_bits=st.integers(0, 2**12 - 1),
     token_mode=st.booleans(),
-    planner_kind=st.sampled_from(["greedy", "fixed", "predictive"]),
+    split_at=st.floats(0, 1),
     seed=st.integers(0, 1000),
 )
-def test_every_unit_restored_once_and_pointers_never_cross(n, miss_bits, token_mode, planner_kind, seed):
+def test_every_unit_restored_once_and_pointers_never_cross(n, miss_bits, token_mode, split_at, seed):
     misses = {u for u in range(n) if miss_bits >> u & 1}
-    rng = random.Random(seed)
-    planners: dict[str, Planner] = {
-        "greedy": GreedyPlanner(),
-        "fixed": FixedSplitPlanner(rng.randint(0, n)),
-        "predictive": PredictivePlanner([rng.uniform(1e-4, 1e-3) for _ in range(n)],
-                                        [rng.uniform(1e-4, 1e-3) for _ in range(n)]),
-    }
-    planner = planners[planner_kind]
-    board = TwoPointerBoard(n, planner=planner, compute_skips_loaded=token_mode)
+    board = TwoPointerBoard(n, split=round(split_at * n), compute_skips_loaded=token_mode)
     computed, loaded = _drive(board, misses, seed)
     _check_partition(board, computed, loaded, token_mode)
     assert not set(loaded) & misses
@@ -82,13 +73,13 @@ def test_every_unit_restored_once_and_pointers_never_cross(n, miss_bits, token_m
 
 
 def test_fixed_split_is_exact():
-    board = TwoPointerBoard(6, planner=FixedSplitPlanner(2), compute_skips_loaded=True)
+    board = TwoPointerBoard(6, split=2, compute_skips_loaded=True)
     computed, loaded = _drive(board, set(), 0)
     assert computed == [0, 1] and sorted(loaded) == [2, 3, 4, 5]
 
 
 def test_layer_mode_passes_through_loaded_layers_to_reach_a_miss():
-    board = TwoPointerBoard(5, planner=FixedSplitPlanner(0), compute_skips_loaded=False)
+    board = TwoPointerBoard(5, split=0, compute_skips_loaded=False)
     computed, loaded = _drive(board, {3}, 0)
     assert computed == [0, 1, 2, 3] and sorted(loaded) == [0, 1, 2, 4]
     assert [r.source for r in board.records] == ["computed"] * 4 + ["loaded"]
@@ -107,15 +98,3 @@ def test_best_split_accounts_for_busy_sides():
     assert best_split_from([1, 1, 1], [1, 1, 1], compute_ready_s=10, load_ready_s=0)[0] == 0
     # The loader is busy for 10 s: everything should be computed.
     assert best_split_from([1, 1, 1], [1, 1, 1], compute_ready_s=0, load_ready_s=10)[0] == 3
-
-
-def test_predictive_planner_leaves_the_last_unit_to_the_side_that_finishes_it_first():
-    # One unit left; the loader is free now and loads it in 1 s; computing it would take 5 s.
-    planner = PredictivePlanner([5.0, 5.0], [1.0, 1.0])
-    view = BoardView(pending=range(1, 2), now=0.0, compute_free_at=0.0, load_free_at=0.0, load_active=True)
-    assert not planner.compute_may_take(view) and planner.load_may_take(view)
-    # Once it learns compute is 10x faster than predicted, it takes the unit itself.
-    planner.observe(0, "compute", 0.1)
-    planner.observe(0, "compute", 0.1)
-    planner.observe(0, "compute", 0.1)
-    assert planner.compute_may_take(view) and not planner.load_may_take(view)

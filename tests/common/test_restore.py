@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from cacheflow_common.engine import RestoreJob, RestoreResult, restore
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span, Transformer
-from cacheflow_common.restore.executor import POLICIES, RestoreJob, RestoreResult, restore, run_restore
+from cacheflow_common.restore.executor import run_fixed_split
 from cacheflow_common.restore.loader import KVLoader
-from cacheflow_common.restore.planner import FixedSplitPlanner
 from cacheflow_common.restore.save import compute_prefix_kv, make_job, save_chunks, save_prefix
+from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_common.store.filesystem import FilesystemStore
 from cacheflow_common.store.memory import MemoryStore
@@ -146,7 +147,7 @@ def test_forced_mixed_split_is_exact_where_loaded(model, mode, split):
     case = _case(model, 3 * CHUNK + 5, 7, store)
     job = case.job
     loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=case.kv, dtype=job.kv_dtype, quant="none")
-    result = run_restore(job, model=model, loader=loader, mode=mode, planner=FixedSplitPlanner(split))
+    result = run_fixed_split(job, model=model, loader=loader, mode=mode, split=split)
     n_units = len(result.units)
     assert result.sources() == ["computed"] * split + ["loaded"] * (n_units - split)
     case.check(model, result)
@@ -189,12 +190,10 @@ def test_stage_restores_from_boundary_activation(model):
     scratch = model.new_kv(range(0, 2), n)
     boundary = model.forward_layers(model.embed(torch.tensor(ids[:n])), range(0, 2), [Span(scratch, 0, n)])
     ref, _ = _reference(model, ids, n)
-    for mode in ("token", "layer"):
+    for policy in ("compute-only", "cake", "load-only"):
         kv = model.new_kv(stage, n)
-        loader = KVLoader(store=store, keys=job.keys, layers=stage, kv=kv, dtype=job.kv_dtype, quant="none")
-        result = run_restore(job, model=model, loader=loader, mode=mode, planner=FixedSplitPlanner(1),
-                             stage_input=lambda a, b: boundary[a:b])
-        assert result.sources()[0] == "computed" and result.sources()[-1] == "loaded"
+        result = restore(job, model=model, store=store, policy=policy, kv=kv, stage_input=lambda a, b: boundary[a:b])
+        assert policy != "compute-only" or set(result.sources()) == {"computed"}
         torch.testing.assert_close(kv.data[:, :, :, :n], ref.data[2:4, :, :, :n], atol=ATOL, rtol=ATOL)
 
 

@@ -8,11 +8,11 @@ import threading
 import pytest
 import torch
 
+from cacheflow_common.engine import RestoreResult, restore
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.kv.chunk import encode_hidden_chunk
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.layer_split import balanced_split, parse_split
-from cacheflow_common.restore.executor import RestoreResult, restore
 from cacheflow_common.restore.save import compute_prefix_kv, make_job
 from cacheflow_common.restore.stages import (
     BoundaryInput,
@@ -21,7 +21,7 @@ from cacheflow_common.restore.stages import (
     save_prefix_by_stage,
     stage_jobs,
 )
-from cacheflow_common.restore.upstream import UpstreamInput, restore_from_upstream
+from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_common.store.shaped import ShapedStore
 from cacheflow_common.transport.shaping import TokenBucket
@@ -157,8 +157,8 @@ def _pipelined(model, job, split, store, first_policy: str):
             if s == 0:
                 results[s] = restore(stages[0], model=model, store=store, policy=first_policy, on_computed=deliver)
             else:
-                results[s] = restore_from_upstream(stages[s], model=model, store=store, upstream=upstreams[s - 1],
-                                                   on_computed=deliver)
+                results[s] = restore(stages[s], model=model, store=store, policy="cake", stage_input=upstreams[s - 1],
+                                     on_computed=deliver)
         except BoundaryMissingError as exc:
             results[s] = exc
             if s < len(upstreams):

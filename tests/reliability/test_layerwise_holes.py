@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from cacheflow_common.engine import restore
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
-from cacheflow_common.restore.executor import restore
 from cacheflow_common.restore.profile import Crossover, Profile
 from cacheflow_common.restore.save import compute_prefix_kv, make_job, save_prefix
 from cacheflow_common.store.memory import MemoryStore

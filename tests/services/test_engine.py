@@ -152,7 +152,7 @@ def test_a_step_with_forward_work_carries_one_restore_unit_at_most(model, engine
     engine = _engine(model, _saved_store(model, prompts), policy="compute-only", prefill_tokens=CHUNK)
     engines.append(engine)
     steps: list[tuple[int, int]] = []  # per step: forward slices, restore units
-    engine.loop.on_step = lambda plan, _s: steps.append((len(plan.forwards), len(plan.token_units)))
+    engine.engine.loop.on_step = lambda plan, _s: steps.append((len(plan.forwards), len(plan.token_units)))
     restores = [functools.partial(engine.restore, f"r{i}", ids, tenant=TENANT, input_mode="boundary",
                                   reserve_tokens=0) for i, ids in enumerate(prompts)]
     meta = {"request_id": "f", "tenant": TENANT, "reserve_tokens": 8, "save": False, "start": 0}
@@ -184,14 +184,14 @@ def test_a_restored_request_stores_its_new_chunks_only_if_its_forward_says_so(mo
 def test_a_request_whose_sampling_fails_gets_the_error_and_the_others_their_tokens(model, engines):
     engine = _engine(model, MemoryStore())
     engines.append(engine)
-    sample = engine.loop.sampler
+    sample = engine.engine.loop.sampler
 
     def failing_for_seed_13(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
         if seed == 13:
             raise ValueError("this seed cannot be sampled")
         return sample(logits, temperature, seed, position)
 
-    engine.loop.sampler = failing_for_seed_13
+    engine.engine.loop.sampler = failing_for_seed_13
     metas = [ForwardMeta(request_id=f"s{seed}", tenant=TENANT, start=0, token_ids=[1, 2, 3], reserve_tokens=4,
                          save=False, temperature=0.7, seed=seed) for seed in (13, 14)]
     calls = [functools.partial(_outcome, engine.forward, meta, None) for meta in metas]
@@ -260,10 +260,10 @@ def test_worker_decisions_replay_exactly_in_a_fresh_scheduler(model, engines):
     prompts = _prompts(5, seed=4)
     engine = _engine(model, _saved_store(model, prompts))
     engines.append(engine)
-    recorder = RecordingScheduler(engine.core.scheduler.policy, n_stages=1)
-    engine.core.scheduler = recorder
+    recorder = RecordingScheduler(engine.engine.core.scheduler.policy, n_stages=1)
+    engine.engine.core.scheduler = recorder
     _restore_all(engine, prompts)
-    with engine.core.cond:
+    with engine.engine.core.cond:
         log = list(recorder.log)
     decisions = [entry for entry in log if entry[0].startswith("next_") and entry[3]]
     assert len(decisions) > len(prompts) and any(e[0] == "next_load" for e in decisions)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from cacheflow_common.engine import restore
 from cacheflow_common.kv.keys import object_name
-from cacheflow_common.restore.executor import restore
 from cacheflow_common.store.placement import ClusterStore
 from tests.common.test_restore import CHUNK, COSTS, _case
 from tests.factories import tiny_model

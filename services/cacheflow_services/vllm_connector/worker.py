@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from cacheflow_common.engine import RestoreEngine, RestoreJob, RestoreResult
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.kv.chunk import encode_kv_chunk
 from cacheflow_common.kv.keys import ChunkKey, chunk_keys, object_name, tenant_salt
@@ -41,18 +42,17 @@ from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.model.weights import checkpoint_fingerprint
 from cacheflow_common.restore.cores import move_off_compute_cores
-from cacheflow_common.restore.executor import RestoreJob, RestoreResult, restore
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.save import dtype_name, make_job, save_chunks
-from cacheflow_common.restore.stages import BoundaryInput, BoundaryMissingError, save_boundaries
+from cacheflow_common.restore.stages import save_boundaries
 from cacheflow_common.store.placement import ClusterStore
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
 from cacheflow_common.transport.shaping import gbps
-from cacheflow_services.vllm_connector.batch import BatchRestorer, engine_config
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather, layer_index, scatter
 from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
 from cacheflow_services.vllm_connector.ranks import BoundaryCapture, rank_layers
+from cacheflow_services.vllm_connector.restorer import engine_settings
 from cacheflow_services.vllm_connector.shared import Unsupported, shared_bytes, shared_runtime
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class WorkerEngine:
         self.capture = BoundaryCapture()  # the hidden state entering layer a (ranks with a > 0 that save)
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheflow-saver",
                                          initializer=move_off_compute_cores)
-        self._batcher: BatchRestorer | None = None
+        self._engine: RestoreEngine | None = None  # started at the first restore
         self._choose_runtime(final=False)
 
     # ------------------------------------------------------------------------------------ runtime
@@ -202,8 +202,10 @@ class WorkerEngine:
             except Exception as exc:
                 failed |= self._failed_load(spec, exc)
         together = self.cfg.batch_restores and len(jobs) > 1
-        outcomes = self._batch().restore(jobs, self._policy()[0]) if together else {
-            request_id: self._restore_alone(job) for request_id, job in jobs.items()}
+        engine, policy = self._restorer(), self._policy()[0]
+        outcomes = engine.restore_batch(jobs, self.store, policy) if together else {
+            request_id: engine.restore_batch({request_id: job}, self.store, policy)[request_id]
+            for request_id, job in jobs.items()}
         for spec in specs:
             outcome = outcomes.get(spec.req_id)
             if isinstance(outcome, Exception):
@@ -234,31 +236,13 @@ class WorkerEngine:
                          runtime=self.runtime)
         return self._after_misses(spec, job, result)
 
-    def _restore_alone(self, job: RestoreJob) -> RestoreResult | Exception:
-        try:
-            return self._restore(job)
-        except Exception as exc:
-            return exc
-
-    def _batch(self) -> BatchRestorer:
-        """The batch engine, started at the first step with several loads."""
-        if self._batcher is None:
-            config = engine_config(self.cfg, self.layers, self.cfg.token())
-            self._batcher = BatchRestorer(config, self.model, self.store, self.profile)
-        return self._batcher
-
-    def _restore(self, job: RestoreJob) -> RestoreResult:
-        policy, link = self._policy()
-        costs = self.profile.cost_model(link) if self.profile is not None else None
-        l_delta = self.profile.l_delta_for(link) if self.profile is not None else 0
-        if self.layers.start == 0:
-            return restore(job, model=self.model, store=self.store, policy=policy, costs=costs, l_delta=l_delta)
-        with BoundaryInput(job, self.store, device=self.model.device) as boundary:  # as a stage worker's
-            if missing := boundary.missing():
-                raise BoundaryMissingError(f"boundary activations entering layer {self.layers.start} missing "
-                                           f"for chunks {missing[:8]}")
-            return restore(job, model=self.model, store=self.store, policy=policy, costs=costs, l_delta=l_delta,
-                           stage_input=boundary)
+    def _restorer(self) -> RestoreEngine:
+        """The engine every restore runs in, started at the first."""
+        if self._engine is None:
+            policy, link = self._policy()
+            settings = engine_settings(self.cfg, self.layers, self.profile, link, policy)
+            self._engine = RestoreEngine(settings, self.model)
+        return self._engine
 
     def _policy(self) -> tuple[str, float | None]:
         """The restore policy and the link its costs are for; the CacheFlow ones need a profile (else Cake)."""
@@ -340,8 +324,8 @@ class WorkerEngine:
 
     def close(self) -> None:
         self.capture.detach()
-        if self._batcher is not None:
-            self._batcher.close()
+        if self._engine is not None:
+            self._engine.close()
         self.flush()
         self._saver.shutdown()
         for pod in self.store.pods.values():

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from cacheflow_common.auth import Grant
+from cacheflow_common.engine.core import RestoreCancelledError
 from cacheflow_common.errors import BadRequestError, GrantError
 from cacheflow_common.restore.stages import BoundaryMissingError
 from cacheflow_common.stage_api import (
@@ -40,7 +41,6 @@ from cacheflow_common.stage_api import (
 )
 from cacheflow_common.transport import frames
 from cacheflow_services.http_limits import PUBLIC_PATHS, BearerFirst
-from cacheflow_services.worker.core import RestoreCancelledError
 from cacheflow_services.worker.engine import ConflictError, StageEngine, UnknownRequestError
 from cacheflow_services.worker.next_stage import NextStageError
 from cacheflow_services.worker.pool import PoolFullError

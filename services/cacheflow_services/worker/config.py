@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cacheflow_common.engine.settings import EngineSettings
 from cacheflow_common.errors import ConfigError
+from cacheflow_common.restore.profile import Profile
 from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.transport.pod_client import PodAddress
 
@@ -68,6 +70,18 @@ class WorkerConfig:
             raise ConfigError("the tenant pool share must be in (0, 1]; the hold TTL and typical request positive")
         if not 1 <= self.replicas <= len(self.pods):
             raise ConfigError(f"{self.replicas} replicas over {len(self.pods)} storage pods")
+
+
+def engine_settings(config: WorkerConfig, profile: Profile | None) -> EngineSettings:
+    """The engine's view of a worker: its stage, layers, budgets, pods as channels, and the profile's costs
+    behind the link rate it was told (`link_gbps`)."""
+    link = None if config.link_gbps is None else config.link_gbps * 1e9 / 8
+    return EngineSettings(layers=config.layers, stage=config.stage, pipeline=config.stage > 0 or not config.last_stage,
+                          policy=config.policy, chunk_size=config.chunk_size, prefill_tokens=config.prefill_tokens,
+                          step_tokens=config.step_tokens, beside_forward_tokens=config.beside_forward_tokens,
+                          channels=tuple(address.pod_id for address in config.pods),
+                          costs=profile.cost_model(link) if profile else None,
+                          l_delta=profile.l_delta_for(link) if profile else 0)
 
 
 def parse_layers(text: str) -> range:

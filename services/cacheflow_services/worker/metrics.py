@@ -102,3 +102,8 @@ class WorkerMetrics:
         """Busy seconds since start, of the compute loop and of each channel, and the seconds since start."""
         return {"uptime_s": time.perf_counter() - self.started, "compute_s": self._compute.total_s,
                 "channels_s": [meter.total_s for meter in self._channels]}
+
+    def pool_changed(self, used_blocks: int, requests: int) -> None:
+        """The pool's use after an admission or a release."""
+        self.pool_used_blocks.set(used_blocks)
+        self.requests.set(requests)

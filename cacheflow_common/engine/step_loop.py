@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from cacheflow_common.engine.core import STAGE, EngineCore, ForwardItem, RestoreCancelledError
+from cacheflow_common.engine.stage_restore import StageRestore
 from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.sched.scheduler import ComputeTask
-from cacheflow_services.worker.core import STAGE, EngineCore, ForwardItem, RestoreCancelledError
-from cacheflow_services.worker.stage_restore import StageRestore
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05  # a loop with nothing to do re-checks this often (every event also wakes it)

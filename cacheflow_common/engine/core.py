@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cacheflow_common.engine.stage_restore import StageRestore
 from cacheflow_common.errors import CacheFlowError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.sched.policies import Policy
 from cacheflow_common.sched.scheduler import BatchScheduler
-from cacheflow_services.worker.stage_restore import StageRestore
 
 STAGE = 0  # this worker's stage, as its own one-stage scheduler numbers it
 

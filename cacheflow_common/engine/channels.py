@@ -14,10 +14,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from cacheflow_common.engine.core import STAGE, EngineCore
+from cacheflow_common.engine.stage_restore import StageRestore
 from cacheflow_common.restore.cores import move_off_compute_cores
 from cacheflow_common.sched.scheduler import LoadTask
-from cacheflow_services.worker.core import STAGE, EngineCore
-from cacheflow_services.worker.stage_restore import StageRestore
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05  # an idle channel re-checks this often (every event also wakes it)

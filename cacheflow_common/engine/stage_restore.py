@@ -20,8 +20,7 @@ import torch
 
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span, Transformer
-from cacheflow_common.restore.board import UnitRecord
-from cacheflow_common.restore.executor import ChunkComputed, RestoreJob
+from cacheflow_common.restore.job import ChunkComputed, RestoreJob, UnitRecord
 from cacheflow_common.restore.loader import KVLoader
 from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.sched.plan import RequestPlan

@@ -17,20 +17,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from cacheflow_common.engine.settings import EngineSettings
+from cacheflow_common.engine.stage_restore import EmbeddingInput, RestoreSpec, StageInput, StageRestore
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
-from cacheflow_common.restore.executor import ChunkComputed, RestoreJob
+from cacheflow_common.restore.job import ChunkComputed, RestoreJob
 from cacheflow_common.restore.loader import KVLoader
-from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.stages import BoundaryInput, BoundaryMissingError
 from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.sched.plan import build_plan
 from cacheflow_common.sched.policies import POLICIES, choose_mode, make_policy, token_unit
 from cacheflow_common.store.base import ChunkStore
-from cacheflow_services.worker.config import WorkerConfig
-from cacheflow_services.worker.stage_restore import EmbeddingInput, RestoreSpec, StageInput, StageRestore
 
 UPSTREAM_FED = ("pipelined", "sequential")  # restore inputs taken from the previous stage's output
 # Without a profile the plan's numbers only order units (the greedy and fixed policies use no times).
@@ -40,31 +39,35 @@ UNPROFILED = CostModel(chunk_compute=LinearCost(fixed_s=0.0, per_token_s=1e-6, p
 
 
 class RestoreBuilder:
-    def __init__(self, config: WorkerConfig, model: Transformer, profile: Profile | None, *,
-                 on_input: Callable[[], None]) -> None:
-        self.config = config
+    def __init__(self, settings: EngineSettings, model: Transformer, *, on_input: Callable[[], None]) -> None:
+        self.config = settings
         self.model = model
-        self.profile = profile
         self.on_input = on_input  # told when a background read of inputs lands (wakes the compute loop)
-        link = None if config.link_gbps is None else config.link_gbps * 1e9 / 8
-        self.costs = profile.cost_model(link) if profile else UNPROFILED
-        self.l_delta = profile.l_delta_for(link) if profile else 0
+        self.profiled = settings.costs is not None
+        self.costs = settings.costs or UNPROFILED
+        self.l_delta = settings.l_delta
 
     def build(self, request_id: str, job: RestoreJob, store: ChunkStore, kv: KVBuffer, policy_name: str, *,
-              input_mode: str, upstream: UpstreamInput | None, on_computed: ChunkComputed | None,
-              arrival_s: float) -> StageRestore:
-        """`arrival_s`: when the request arrived, on this process's perf_counter clock (the scheduler's)."""
-        spec = self.spec(request_id, job, policy_name, input_mode=input_mode, upstream=upstream is not None,
+              input_mode: str, arrival_s: float, inputs: StageInput | None = None,
+              on_computed: ChunkComputed | None = None) -> StageRestore:
+        """`arrival_s`: when the request arrived, on this process's perf_counter clock (the scheduler's).
+        `inputs`: where the compute side's input comes from, if not from the stage's own (the embeddings on
+        stage 0, else the stored boundary activations): an `UpstreamInput` fed by the previous stage, or any
+        `StageInput` of the caller's. `on_computed` hears of every chunk computed (token-wise)."""
+        upstream = isinstance(inputs, UpstreamInput)
+        if isinstance(inputs, UpstreamInput):
+            inputs.on_wake(self.on_input)  # a delivery may make a unit computable: the loop re-checks
+        spec = self.spec(request_id, job, policy_name, input_mode=input_mode, upstream=upstream,
                          delivers=on_computed is not None)
         loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
-        spec = replace(_token_wise_over_holes(spec, loader), profiled=self.profile is not None)
+        spec = replace(_token_wise_over_holes(spec, loader), profiled=self.profiled)
         unit_size = self._unit_size(spec, delivers=on_computed is not None)
         units = _units(spec.mode, len(job.token_ids), unit_size, len(job.layers))
         plan = build_plan(request_id=request_id, arrival_s=arrival_s, n_tokens=len(job.token_ids),
                           costs=self.costs, stage_layers=[len(job.layers)], chunk_size=unit_size, mode=spec.mode,
                           kv_bytes_per_token_layer=self.model.kv_bytes_per_token_per_layer,
                           place=self._placement(store, loader, spec.mode))
-        inputs, closers = self._inputs(job, store, spec, upstream)
+        inputs, closers = (inputs, ()) if inputs is not None else self._inputs(job, store)
         return StageRestore(spec, plan=plan, kv=kv, loader=loader, inputs=inputs, unit_tokens=units,
                             on_computed=on_computed, closers=closers)
 
@@ -82,11 +85,10 @@ class RestoreBuilder:
         policy, fallback = make_policy(policy_name), ""
         if upstream:
             policy, fallback = make_policy("cake"), "fed by the previous stage: greedy pointers"
-        elif policy.plans_meeting and self.profile is None:
+        elif policy.plans_meeting and not self.profiled:
             policy, fallback = make_policy("cake"), "no profile: run `cacheflow profile` for CacheFlow's planning"
         mode = choose_mode(policy, len(job.token_ids), self.l_delta)
-        pipeline = self.config.stage > 0 or not self.config.last_stage
-        if mode == "layer" and (delivers or (pipeline and policy.adaptive_mode)):
+        if mode == "layer" and (delivers or (self.config.pipeline and policy.adaptive_mode)):
             mode = "token"
         return RestoreSpec(request_id=request_id, job=job, policy=policy, mode=mode, input_mode=input_mode,
                            fallback=fallback)
@@ -97,7 +99,7 @@ class RestoreBuilder:
         return token_unit(spec.policy, self.config.chunk_size, self.config.prefill_tokens)
 
     def _placement(self, store: ChunkStore, loader: KVLoader, mode: str) -> Callable[[int, int], int]:
-        pods = [address.pod_id for address in self.config.pods]
+        pods = list(self.config.channels)
         placement = getattr(store, "placement", None)
 
         def channel(_stage: int, unit: int) -> int:
@@ -108,10 +110,8 @@ class RestoreBuilder:
 
         return channel
 
-    def _inputs(self, job: RestoreJob, store: ChunkStore, spec: RestoreSpec,
-                upstream: UpstreamInput | None) -> tuple[StageInput, tuple[Callable[[], None], ...]]:
-        if upstream is not None:
-            return upstream, ()
+    def _inputs(self, job: RestoreJob, store: ChunkStore) -> tuple[StageInput, tuple[Callable[[], None], ...]]:
+        """The stage's own inputs: stage 0's embeddings, else the boundary activations in storage."""
         if self.config.stage == 0:
             return EmbeddingInput(self.model, job.token_ids), ()
         boundary = BoundaryInput(job, store, device=self.model.device, on_read=self.on_input)
@@ -137,6 +137,6 @@ def _token_wise_over_holes(spec: RestoreSpec, loader: KVLoader) -> RestoreSpec:
 def _units(mode: str, n_tokens: int, unit_size: int, n_layers: int) -> list[tuple[int, int]]:
     """Each unit's token range: chunks of `unit_size` (token mode), or the whole prefix per layer."""
     if mode == "layer":
-        return [(0, n_tokens)] * n_layers
+        return [(0, n_tokens)] * n_layers if n_tokens else []  # an empty prefix has nothing to restore
     return [(a, min(a + unit_size, n_tokens)) for a in range(0, n_tokens, unit_size)]
 

@@ -1,0 +1,23 @@
+"""The connector's restore engine: `cacheflow_common.engine.RestoreEngine` as a one-stage engine over its vLLM
+rank's layers — all of them, fed by the token embeddings, or (a pipeline-parallel rank after the first)
+[a, b), fed by the stored boundary activations entering layer a. One compute loop runs one batched
+forward per step over every request's units, one loader per storage pod: a step's loads restore together
+(`batch_restores`), or one by one, with the same policies and channel ranking as a stage worker's.
+"""
+
+from __future__ import annotations
+
+from cacheflow_common.engine import EngineSettings
+from cacheflow_common.restore.profile import Profile
+from cacheflow_common.transport.pod_client import PodAddress
+from cacheflow_services.vllm_connector.config import ConnectorConfig
+
+
+def engine_settings(cfg: ConnectorConfig, layers: range, profile: Profile | None, link: float | None,
+                    policy: str) -> EngineSettings:
+    """The connector's settings as a one-stage engine's over the rank's layers (stage 1 stands for any rank
+    after the first: its restores read boundary activations). `link`: bytes/s of a pod's link, if known."""
+    return EngineSettings(layers=layers, stage=int(layers.start > 0), policy=policy, chunk_size=cfg.chunk_size,
+                          channels=tuple(PodAddress.parse(p).pod_id for p in cfg.pods),
+                          costs=profile.cost_model(link) if profile else None,
+                          l_delta=profile.l_delta_for(link) if profile else 0)

@@ -1,0 +1,106 @@
+"""Everything a stage holds for one request, in one record (`StageRequest`), and the one map of them
+(`RequestTable`).
+
+A request's life on a stage reads in `StageEngine`: admitted (its KV from the pool) by a restore or by
+its first forward → restored → forward* → released, and release is one removal from this map. A
+pipelined restore's deliveries may come before its restore call does: they wait in the record's mailbox
+until the restore attaches its upstream input.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from cacheflow_common.errors import BadRequestError
+from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.restore.upstream import UpstreamInput
+
+MAILBOX_CHUNKS = 65536  # deliveries held for restores not yet started (bounds memory if one never comes)
+
+Delivery = Callable[[UpstreamInput], None]  # one event from the previous stage: a chunk, its end, or a failure
+
+
+class ConflictError(BadRequestError):
+    """The request does not fit this stage's state for it (HTTP 409): wrong position, over its reserve."""
+
+
+@dataclass
+class StageRequest:
+    """One request on this stage. Until `kv` is set it is only a mailbox of early deliveries."""
+
+    request_id: str
+    tenant: str = ""
+    kv: KVBuffer | None = None  # from the pool, once admitted
+    token_ids: list[int] = field(default_factory=list)  # every token whose KV is in `kv`, in order
+    restoring: bool = False  # its restore is running: forwards wait for it to finish
+    save: bool = True  # store whole chunks as they fill up
+    saved_tokens: int = 0  # tokens [0, saved_tokens) are in storage (whole chunks, or the restored prefix)
+    unsaved_input: torch.Tensor | None = None  # [len(token_ids) - saved_tokens, hidden]: this stage's input
+    touched: float = field(default_factory=time.monotonic)  # last use (idle past the hold TTL: released)
+    upstream: UpstreamInput | None = None  # a pipelined restore's input, while it restores
+    mailbox: list[Delivery] = field(default_factory=list)  # deliveries that came before the restore
+
+
+class RequestTable:
+    """The stage's requests by id, under one lock; events for a request go through its record."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[str, StageRequest] = {}
+
+    def get(self, request_id: str) -> StageRequest | None:
+        with self._lock:
+            return self._requests.get(request_id)
+
+    def admit(self, request: StageRequest) -> StageRequest:
+        """Add an admitted request, taking over the deliveries that came before it; a second admission of
+        the same id is a conflict."""
+        with self._lock:
+            early = self._requests.get(request.request_id)
+            if early is not None and early.kv is not None:
+                raise ConflictError(f"request {request.request_id!r} already holds KV on this stage")
+            if early is not None:
+                request.mailbox = early.mailbox
+            self._requests[request.request_id] = request
+            return request
+
+    def deliver(self, request_id: str, event: Delivery) -> None:
+        """Hand an event from the previous stage to the request's restore, or keep it until that starts."""
+        with self._lock:
+            request = self._requests.setdefault(request_id, StageRequest(request_id))
+            upstream = request.upstream
+            if upstream is None:
+                if sum(len(r.mailbox) for r in self._requests.values()) >= MAILBOX_CHUNKS:
+                    raise ConflictError("too many deliveries for restores that have not started")
+                request.mailbox.append(event)
+                return
+        event(upstream)
+
+    def attach(self, request_id: str, upstream: UpstreamInput) -> None:
+        """The restore's upstream input: it receives every delivery so far, then each as it comes."""
+        with self._lock:
+            request = self._requests[request_id]
+            request.upstream, early, request.mailbox = upstream, request.mailbox, []
+        for event in early:
+            event(upstream)
+
+    def detach(self, request_id: str) -> None:
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is not None:
+                request.upstream = None
+
+    def remove(self, request_id: str) -> StageRequest | None:
+        with self._lock:
+            return self._requests.pop(request_id, None)
+
+    def idle(self, ttl_s: float) -> list[str]:
+        """Requests unused for longer than `ttl_s`."""
+        now = time.monotonic()
+        with self._lock:
+            return [r for r, request in self._requests.items() if now - request.touched > ttl_s]
