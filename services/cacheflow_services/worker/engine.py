@@ -101,6 +101,7 @@ class StageEngine:
                 on_computed=sender.deliver if sender is not None else None)
             summary = self.engine.submit(restore).done.result()
         except BaseException as exc:
+            log.warning("restore %s failed on stage %d: %s: %s", request_id, self.config.stage, type(exc).__name__, exc)
             self.release(request_id, quiet=True)
             if sender is not None:
                 sender.fail(f"stage {self.config.stage} failed: {exc}")
