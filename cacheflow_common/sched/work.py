@@ -99,3 +99,7 @@ class RequestWork:
 
     def complete(self) -> bool:
         return all(s.pointers.complete() for s in self.stages)
+
+    def loads_from(self, channel: int) -> bool:
+        """Would `channel` serve this request now: its policy loads and the channel holds a PENDING unit of it."""
+        return self.policy.loads and self.pending_on[channel] > 0
