@@ -7,7 +7,7 @@ import pytest
 
 from cacheflow_common.kv.keys import chunk_keys, object_name, tenant_salt
 from cacheflow_common.store.memory import MemoryStore
-from cacheflow_services.coordinator.prefix import WINDOW, cached_prefix_tokens
+from cacheflow_common.store.prefix import WINDOW, cached_prefix_tokens
 
 CHUNK, STAGES = 4, (range(0, 2), range(2, 4))
 PROMPT = list(range(CHUNK * (2 * WINDOW + 3) + 1))  # 2 windows and 3 chunks whole, then 1 token

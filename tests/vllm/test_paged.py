@@ -7,7 +7,7 @@ import torch
 
 from cacheflow_common.kv.keys import chunk_keys, object_name, tenant_salt
 from cacheflow_common.store.memory import MemoryStore
-from cacheflow_services.coordinator.prefix import cached_prefix_tokens
+from cacheflow_common.store.prefix import cached_prefix_tokens
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.paged import LAYOUTS, gather, layer_index, scatter
 from cacheflow_services.vllm_connector.plan import SchedulerPlan

@@ -31,8 +31,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from cacheflow_common.auth import tenant_of_token
 from cacheflow_common.errors import BadRequestError
 from cacheflow_services.coordinator.admission import AdmissionTimeoutError, QueueFullError
+from cacheflow_services.coordinator.chain_error import ChainError
 from cacheflow_services.coordinator.cluster import StageDownError
 from cacheflow_services.coordinator.completion import Completion
+from cacheflow_services.coordinator.first_token import Plan
+from cacheflow_services.coordinator.held_restores import UnknownRestoreError
+from cacheflow_services.coordinator.intake import TenantRefusedError
 from cacheflow_services.coordinator.openai_api import (
     ChatBody,
     CompletionBody,
@@ -45,8 +49,8 @@ from cacheflow_services.coordinator.openai_api import (
     sse,
     stop_strings,
 )
-from cacheflow_services.coordinator.service import Coordinator, Request, TenantRefusedError, UnknownRestoreError
-from cacheflow_services.coordinator.stages import ChainError
+from cacheflow_services.coordinator.request import Request
+from cacheflow_services.coordinator.service import Coordinator
 from cacheflow_services.coordinator.streaming import CompletionStream, Departure, while_connected
 from cacheflow_services.coordinator.tokenizer import TextCodec
 from cacheflow_services.http_limits import UNAUTHORIZED, BearerFirst, BodyLimit, BodyTooLargeError
@@ -163,16 +167,16 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
     def generate(kind: str, prompt: list[int], who: str, body: SamplingBody, max_new: int,
                  departure: Departure) -> Response | dict[str, Any]:
         """Admit, then answer (streamed or whole); a client that goes away meanwhile stops the completion."""
-        coordinator.check_prompt(prompt, max_new)
-        coordinator.check_stop_ids(body.stop_token_ids)
+        coordinator.checks.prompt(prompt, max_new)
+        coordinator.checks.stop_ids(body.stop_token_ids)
         stops = stop_strings(body.stop)
         if stops and codec is None:
             raise BadRequestError("stop strings need a tokenizer; use stop_token_ids")
         stop_ids = frozenset(body.stop_token_ids) | (codec.eos_ids if codec and not body.ignore_eos else frozenset())
-        request = coordinator.admit(prompt, who, prefix_limit=len(prompt) - 1, policy=body.policy or config.policy,
-                                    kind="cmpl", gone=lambda: departure.gone)
-        tokens = coordinator.complete(request, max_new_tokens=max_new, temperature=body.temperature,
-                                      seed=body.seed, stop_ids=stop_ids, save=body.save)
+        request = coordinator.intake.admit(prompt, who, prefix_limit=len(prompt) - 1, kind="cmpl",
+                                           policy=body.policy or config.policy, gone=lambda: departure.gone)
+        tokens = coordinator.complete(request, Plan(max_new_tokens=max_new, temperature=body.temperature,
+                                                    seed=body.seed, stop_ids=stop_ids, save=body.save))
         departure.on_leave(tokens.abort, request.id)  # gone already: stopped now, the queue place freed
         try:
             return answer(kind, request, tokens, body, stops, stop_ids, len(prompt), departure)
@@ -202,21 +206,21 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
         if (body.token_ids is None) == (body.prompt is None):
             raise BadRequestError("give the prefix as exactly one of token_ids or prompt")
         prefix = encode(body.prompt if body.prompt is not None else body.token_ids or [])
-        coordinator.check_prompt(prefix, 1)
-        request = coordinator.admit(prefix, who, prefix_limit=len(prefix), policy=body.policy or config.policy,
-                                    kind="rst")
+        coordinator.checks.prompt(prefix, 1)
+        request = coordinator.intake.admit(prefix, who, prefix_limit=len(prefix), policy=body.policy or config.policy,
+                                           kind="rst")
         metrics.requests.labels("restore", "200").inc()
-        return coordinator.start_restore(request).view()
+        return coordinator.restores.start(request).view()
 
     @app.get("/v1/restore/{restore_id}")
     def restore_status(restore_id: str, who: Annotated[str, Depends(tenant)], wait: float = 0.0) -> dict[str, Any]:
-        record = coordinator.restore_record(restore_id, who)
+        record = coordinator.restores.record(restore_id, who)
         record.done.wait(min(max(wait, 0.0), 600.0))
         return record.view()
 
     @app.delete("/v1/restore/{restore_id}")
     def restore_cancel(restore_id: str, who: Annotated[str, Depends(tenant)]) -> dict[str, Any]:
-        return coordinator.cancel(restore_id, who).view()
+        return coordinator.restores.cancel(restore_id, who).view()
 
     @app.get("/metrics")
     def prometheus() -> Response:

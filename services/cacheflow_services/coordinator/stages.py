@@ -4,12 +4,12 @@ This is what the coordinator does for one request (and what tests and benchmarks
 typed messages of `cacheflow_common.stage_api`:
 
 1. `restore`: `POST /v1/restore` to every stage concurrently; each stage's engine batches it with the
-   other requests restoring there and answers once its pointers have met. With `input="auto"` it asks
-   for the boundary-activation restore and, if any stage lacks its boundary activations, releases and
-   restores pipelined instead. The calls of every request in flight share one event loop (one thread),
-   not a thread per stage per request.
-2. `generate` / `stream`: the suffix goes to stage 0, which forwards hidden states stage to stage; the
-   last stage answers with the next token (TTFT); then one token at a time.
+   other requests restoring there and answers once its pointers have met. With `input="auto"` it climbs
+   `ladder.RESTORE_LADDER`: the boundary-activation restore, pipelined where a stage lacks its boundary
+   activations. The calls of every request in flight share one event loop (one thread), not a thread
+   per stage per request.
+2. `prefill`: the suffix goes to stage 0, which forwards hidden states stage to stage; the last stage
+   answers with the next token (TTFT). `decode`: then one token at a time (`stream`/`generate`: both).
 3. `release`: every stage frees the request's KV (also done on any failure).
 
 Every call carries the cluster's internal token, and every request's work a grant the coordinator
@@ -34,36 +34,12 @@ from typing import Any
 import httpx
 
 from cacheflow_common.auth import GrantIssuer
-from cacheflow_common.errors import CacheFlowError
-from cacheflow_common.restore.stages import BoundaryMissingError
-from cacheflow_common.stage_api import (
-    ForwardAnswer,
-    ForwardMeta,
-    RestoreRequest,
-    RestoreSummary,
-    StageError,
-    WorkerInfo,
-)
+from cacheflow_common.stage_api import ForwardAnswer, ForwardMeta, InputMode, RestoreRequest, RestoreSummary, WorkerInfo
 from cacheflow_common.transport import frames
+from cacheflow_services.coordinator.chain_error import ChainError, checked, root_cause_first
+from cacheflow_services.coordinator.ladder import RESTORE_LADDER, Rung, climb, input_mode
 
-
-class ChainError(CacheFlowError):
-    """Stage `stage` failed (`error`: its error type, e.g. "BoundaryMissingError") or could not be
-    reached (`unreachable`), whichever stage the coordinator called; `status`: the HTTP status of the
-    answer the coordinator got (0 when it got none)."""
-
-    def __init__(self, stage: int, message: str, *, status: int = 0, error: str = "",
-                 unreachable: bool = False) -> None:
-        super().__init__(f"stage {stage}: {message}")
-        self.stage = stage
-        self.status = status
-        self.error = error
-        self.unreachable = unreachable
-
-    @property
-    def boundaries_missing(self) -> bool:
-        """The stage lacks its boundary activations: it can restore pipelined instead."""
-        return self.error == BoundaryMissingError.__name__
+__all__ = ["ChainError", "Generation", "Sampling", "StageChain"]
 
 
 @dataclass
@@ -72,6 +48,28 @@ class Generation:
     ttft_s: float  # suffix sent -> first token back
     total_s: float
     restore: list[RestoreSummary] = field(default_factory=list)  # per stage, when the prefix was restored
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What every forward of one request repeats: whose it is, how its tokens are sampled, what it may hold."""
+
+    request_id: str
+    tenant: str
+    held: int  # the most a stage may allocate for it (its grant says so)
+    reserve_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    save: bool = True
+
+    @classmethod
+    def of(cls, request_id: str, tenant: str, *, start: int, new_tokens: int, max_new_tokens: int,
+           reserve_tokens: int = 0, temperature: float = 0.0, seed: int = 0, save: bool = True) -> Sampling:
+        """The forwards' settings of a request prefilling `new_tokens` at `start`; `reserve_tokens` (0: the
+        new tokens and those to generate) is the room each stage keeps for it."""
+        reserve = reserve_tokens or new_tokens + max_new_tokens
+        return cls(request_id=request_id, tenant=tenant, held=start + new_tokens + reserve, reserve_tokens=reserve,
+                   temperature=temperature, seed=seed, save=save)
 
 
 class StageChain:
@@ -95,27 +93,27 @@ class StageChain:
     def restore(self, request_id: str, token_ids: Sequence[int], *, tenant: str, input: str = "auto",
                 reserve_tokens: int = 0, policy: str = "", arrived: float | None = None,
                 save: bool = True) -> list[RestoreSummary]:
-        """Restore the prefix on every stage at once; per-stage summaries in stage order. `arrived`: when the
-        request arrived (perf_counter), so the stages know how long it has waited; `save`: whether the
-        stages may store what they recompute (the request's grant says so)."""
-        if input == "auto":
-            try:
-                return self.restore(request_id, token_ids, tenant=tenant, input="boundary",
-                                    reserve_tokens=reserve_tokens, policy=policy, arrived=arrived, save=save)
-            except ChainError as exc:
-                if not exc.boundaries_missing:
-                    raise
-            input = "pipelined"
+        """Restore the prefix on every stage at once; per-stage summaries in stage order. `input`: a stage
+        input mode, or "auto" (`RESTORE_LADDER`); `arrived`: when the request arrived (perf_counter), so
+        the stages know how long it has waited; `save`: whether the stages may store what they recompute
+        (the request's grant says so)."""
+        ladder = RESTORE_LADDER if input == "auto" else (Rung(input_mode(input)),)
+        return climb(ladder, lambda rung: [] if rung.input is None else self.restore_as(
+            rung.input, request_id, token_ids, tenant=tenant, reserve_tokens=reserve_tokens, policy=policy,
+            arrived=arrived, save=save))
+
+    def restore_as(self, input: InputMode, request_id: str, token_ids: Sequence[int], *, tenant: str,
+                   reserve_tokens: int, policy: str, arrived: float | None, save: bool) -> list[RestoreSummary]:
+        """`restore` in one input mode, no fallback; on a failure every stage has dropped the request."""
         waited = 0.0 if arrived is None else max(0.0, time.perf_counter() - arrived)
         grant = self.issuer.issue(request_id, tenant, save=save, max_tokens=len(token_ids) + reserve_tokens)
-        body = RestoreRequest.model_validate({"request_id": request_id, "tenant": tenant, "token_ids": list(token_ids),
-                                              "input": input, "reserve_tokens": reserve_tokens, "policy": policy,
-                                              "waited_s": waited, "grant": grant})
+        body = RestoreRequest(request_id=request_id, tenant=tenant, token_ids=list(token_ids), input=input,
+                              reserve_tokens=reserve_tokens, policy=policy, waited_s=waited, grant=grant)
         outcomes = asyncio.run_coroutine_threadsafe(self._restore_all(body), self._loop).result()
         errors = [o for o in outcomes if isinstance(o, ChainError)]
         if errors:  # every stage answered (each bounded by the timeout), so none is left holding KV
             self.release(request_id)
-            raise min(errors, key=_root_cause_first)
+            raise min(errors, key=root_cause_first)
         return [o for o in outcomes if isinstance(o, RestoreSummary)]
 
     async def _restore_all(self, body: RestoreRequest) -> list[RestoreSummary | ChainError]:
@@ -128,9 +126,9 @@ class StageChain:
             try:
                 response = await http.post(self.urls[stage] + "/v1/restore", json=body.model_dump())
             except httpx.HTTPError as exc:
-                return ChainError(stage, f"unreachable ({type(exc).__name__}: {exc})", unreachable=True)
+                return ChainError.not_reached(stage, exc)
             try:
-                return RestoreSummary.model_validate(_answer(stage, response))
+                return RestoreSummary.model_validate_json(checked(stage, response).content)
             except ChainError as exc:
                 return exc
 
@@ -154,25 +152,37 @@ class StageChain:
                max_new_tokens: int, temperature: float = 0.0, seed: int = 0, save: bool = True,
                reserve_tokens: int = 0, stop_ids: frozenset[int] = frozenset()) -> Iterator[int]:
         """`generate`, one token at a time as each comes back; ends early after a token in `stop_ids`."""
-        reserve = reserve_tokens or len(new_token_ids) + max_new_tokens
-        meta = {"request_id": request_id, "tenant": tenant, "temperature": temperature, "seed": seed, "save": save,
-                "reserve_tokens": reserve}
-        held = start + len(new_token_ids) + reserve  # the most a stage may allocate for it (granted)
-        token = self._forward(meta, start, list(new_token_ids), held)
-        position = start + len(new_token_ids)
-        for produced in range(1, max_new_tokens + 1):
-            yield token
-            if produced == max_new_tokens or token in stop_ids:
-                return
-            token = self._forward(meta, position, [token], held)
-            position += 1
+        sampling = Sampling.of(request_id, tenant, start=start, new_tokens=len(new_token_ids),
+                               max_new_tokens=max_new_tokens, reserve_tokens=reserve_tokens,
+                               temperature=temperature, seed=seed, save=save)
+        first = self.prefill(sampling, new_token_ids, start=start)
+        yield first
+        yield from self.decode(sampling, first, position=start + len(new_token_ids), max_new_tokens=max_new_tokens,
+                               stop_ids=stop_ids)
 
-    def _forward(self, meta: dict[str, Any], start: int, token_ids: list[int], held: int) -> int:
-        grant = self.issuer.issue(meta["request_id"], meta["tenant"], save=meta["save"], max_tokens=held)
-        forward = ForwardMeta.model_validate({**meta, "start": start, "token_ids": token_ids, "grant": grant})
-        result = self._call(0, "POST", "/v1/forward", content=frames.pack(forward.model_dump()),
+    def prefill(self, sampling: Sampling, new_token_ids: Sequence[int], *, start: int) -> int:
+        """Forward the prompt's tokens from `start` through every stage: the first new token."""
+        return self._forward(sampling, start, list(new_token_ids))
+
+    def decode(self, sampling: Sampling, token: int, *, position: int, max_new_tokens: int,
+               stop_ids: frozenset[int] = frozenset()) -> Iterator[int]:
+        """The tokens after `token` (the prefill's, at `position`), one forward each, until there are
+        `max_new_tokens` with it or one is in `stop_ids`."""
+        for _ in range(1, max_new_tokens):
+            if token in stop_ids:
+                return
+            token = self._forward(sampling, position, [token])
+            position += 1
+            yield token
+
+    def _forward(self, sampling: Sampling, start: int, token_ids: list[int]) -> int:
+        grant = self.issuer.issue(sampling.request_id, sampling.tenant, save=sampling.save, max_tokens=sampling.held)
+        forward = ForwardMeta(request_id=sampling.request_id, start=start, token_ids=token_ids, tenant=sampling.tenant,
+                              reserve_tokens=sampling.reserve_tokens, save=sampling.save,
+                              temperature=sampling.temperature, seed=sampling.seed, grant=grant)
+        answer = self._call(0, "POST", "/v1/forward", content=frames.pack(forward.model_dump()),
                             headers={"Content-Type": frames.CONTENT_TYPE})
-        return ForwardAnswer.model_validate(result).token
+        return ForwardAnswer.model_validate_json(answer.content).token
 
     # ------------------------------------------------------------------------------------ release
     def release(self, request_id: str) -> None:
@@ -182,7 +192,8 @@ class StageChain:
                 self._call(stage, "DELETE", f"/v1/requests/{request_id}")
 
     def info(self) -> list[WorkerInfo]:
-        return [WorkerInfo.model_validate(self._call(s, "GET", "/v1/info")) for s in range(len(self.urls))]
+        return [WorkerInfo.model_validate_json(self._call(s, "GET", "/v1/info").content)
+                for s in range(len(self.urls))]
 
     def close(self) -> None:
         self._http.close()
@@ -191,25 +202,9 @@ class StageChain:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop_thread.join(timeout=10)
 
-    def _call(self, stage: int, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    def _call(self, stage: int, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             response = self._http.request(method, self.urls[stage] + path, **kwargs)
         except httpx.HTTPError as exc:
-            raise ChainError(stage, f"unreachable ({type(exc).__name__}: {exc})", unreachable=True) from exc
-        return _answer(stage, response)
-
-
-def _answer(stage: int, response: httpx.Response) -> dict[str, Any]:
-    """The JSON body of a stage's answer; ChainError naming the stage that failed (the one called, or one
-    further down that it relays) for a 4xx or 5xx."""
-    if response.status_code >= 400:
-        failed = StageError.of_response(response.status_code, response.content)
-        raise ChainError(stage + failed.hops, failed.detail, status=response.status_code, error=failed.error,
-                         unreachable=failed.unreachable)
-    result: dict[str, Any] = response.json()
-    return result
-
-
-def _root_cause_first(error: ChainError) -> tuple[int, int]:
-    """Among several stage failures, report an unreachable stage first (the others follow from it)."""
-    return (0 if error.unreachable else 1, error.stage)
+            raise ChainError.not_reached(stage, exc) from exc
+        return checked(stage, response)

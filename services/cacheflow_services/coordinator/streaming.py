@@ -24,6 +24,8 @@ import anyio.to_thread
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from cacheflow_services.coordinator.request import RequestLog
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 STOPPER_THREADS = 8
@@ -56,7 +58,7 @@ class Departure:
 
 
 def _stop_for_departure(request_id: str, stop: Callable[[], None]) -> None:
-    log.info("%s: its client went away before its answer; stopping it", request_id)
+    RequestLog(request_id, log).info("its client went away before its answer; stopping it")
     stop()
 
 
@@ -116,7 +118,7 @@ class CompletionStream(StreamingResponse):
     async def _watch(self, receive: Receive, scope: anyio.CancelScope) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        log.info("%s: its streaming client went away; stopping it", self.request_id)
+        RequestLog(self.request_id, log).info("its streaming client went away; stopping it")
         scope.cancel()
 
     async def _stream(self, send: Send) -> None:

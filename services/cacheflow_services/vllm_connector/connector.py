@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.weights import checkpoint_fingerprint
-from cacheflow_services.coordinator.prefix import cached_prefix_tokens
+from cacheflow_common.store.prefix import cached_prefix_tokens
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec, SchedulerPlan
 from cacheflow_services.vllm_connector.worker import WorkerEngine, open_store
