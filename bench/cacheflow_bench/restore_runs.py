@@ -3,8 +3,9 @@ and the checks every run's KV must pass.
 
 * compute-only: the runtime's fastest recompute of the prefix, chosen per length from a few chunkings
   (the restore's chunk, 1,024 tokens, the whole prefix in one prefill), measured.
-* load-only: the executor's, every unit read with `LOAD_ONLY_READS_IN_FLIGHT` reads outstanding, so the link
-  never waits for the landing of the previous read; the better of token and layer order.
+* load-only: the fixed-split runner's (`restore.executor`), every unit read with
+  `LOAD_ONLY_READS_IN_FLIGHT` reads outstanding, so the link never waits for the landing of the previous
+  read; the better of token and layer order.
 * the bound T*: from the unit costs of one repeat's compute-only (restore chunk) and load-only runs,
   the best split in token or layer order, or the fastest compute-only run if that is faster.
 """
@@ -65,7 +66,7 @@ def fastest_chunking(model: Transformer, job: RestoreJob, restore_chunk: int) ->
 
 
 def pipelined_load(model: Transformer, job: RestoreJob, store: ChunkStore, mode: str) -> LoadRun:
-    """Load-only as the executor runs it (`LOAD_ONLY_READS_IN_FLIGHT` reads outstanding); each unit's cost is
+    """Load-only as the fixed-split runner runs it (`LOAD_ONLY_READS_IN_FLIGHT` reads outstanding); each unit's cost is
     the time from the previous unit's completion to its own, so the costs add up to the run."""
     result = forced(model, job, store, mode, 0, reads_in_flight=LOAD_ONLY_READS_IN_FLIGHT)
     if any(source != "loaded" for source in result.sources()):

@@ -1,4 +1,4 @@
-"""Restore policies, registered once by name: the executor, the batch scheduler, the workers' engine, the
+"""Restore policies, registered once by name: the batch scheduler, the engine (`cacheflow_common.engine`), the
 simulator and the benchmarks all take them from `POLICIES`.
 
 A policy says what each side of the two pointers may do, how a request's prefix is cut into units

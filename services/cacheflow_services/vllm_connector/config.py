@@ -18,7 +18,7 @@ class ConnectorConfig:
     tenant: str  # keys are salted by tenant; the token must belong to it
     pod_token_file: str  # "tenant token" lines, as the pods read them; the line for `tenant` is used
     chunk_size: int = 256  # tokens per chunk, a multiple of vLLM's block size; equal to the cluster's to share chunks
-    policy: str = "cacheflow"  # restore policy (executor.POLICIES); "load-only" turns recomputation off
+    policy: str = "cacheflow"  # restore policy (sched.policies.POLICIES); "load-only" turns recomputation off
     profile: str = ""  # `cacheflow profile` output; without it the CacheFlow policies run as Cake (no cost model)
     link_gbps: float = 0.0  # the link the profile's costs are taken for; 0: the profile's own default
     on_miss: str = "cacheflow"  # a chunk that misses: recomputed inside the restore, or handed to vLLM ("vllm")

@@ -1,7 +1,7 @@
 """The worker side: restore a cached prefix with CacheFlow into vLLM's paged blocks, and store the chunks
 vLLM computes.
 
-Restore (before the forward pass that needs it): CacheFlow's runtime runs the restore executor against
+Restore (before the forward pass that needs it): CacheFlow's runtime runs the restore engine against
 the storage pods, so the prefix's front is recomputed while its back is loaded (`policy`); the resulting
 [L, 2, Hkv, N, D] KV is scattered into the request's blocks. The runtime is vLLM's own loaded model,
 wrapped without copying a weight (shared.py); only where the wrapper does not cover the model (or
@@ -27,8 +27,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +35,11 @@ import torch
 
 from cacheflow_common.engine import RestoreEngine, RestoreJob, RestoreResult
 from cacheflow_common.errors import ConfigError
-from cacheflow_common.kv.chunk import encode_kv_chunk
-from cacheflow_common.kv.keys import ChunkKey, chunk_keys, object_name, tenant_salt
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.model.weights import checkpoint_fingerprint
-from cacheflow_common.restore.cores import move_off_compute_cores
 from cacheflow_common.restore.profile import Profile
-from cacheflow_common.restore.save import dtype_name, make_job, save_chunks
-from cacheflow_common.restore.stages import save_boundaries
+from cacheflow_common.restore.save import make_job
 from cacheflow_common.store.placement import ClusterStore
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
 from cacheflow_common.transport.shaping import gbps
@@ -53,7 +48,8 @@ from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather
 from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
 from cacheflow_services.vllm_connector.ranks import BoundaryCapture, rank_layers
 from cacheflow_services.vllm_connector.restorer import engine_settings
-from cacheflow_services.vllm_connector.shared import Unsupported, shared_bytes, shared_runtime
+from cacheflow_services.vllm_connector.runtime import RuntimeChoice, VllmModel
+from cacheflow_services.vllm_connector.saves import ConnectorSaves
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +77,6 @@ class StatsLog:
                     f.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
 
 
-VllmModel = Callable[[], Any]  # vLLM's loaded model module, or None while it cannot be reached
-
-
 class WorkerEngine:
     def __init__(self, cfg: ConnectorConfig, *, dtype: torch.dtype, block_size: int, device: str,
                  layout: str, vllm_model: VllmModel | None = None, layers: range | None = None) -> None:
@@ -100,62 +93,36 @@ class WorkerEngine:
         self.config = ModelConfig.from_dir(cfg.model)
         self.fingerprint = checkpoint_fingerprint(Path(cfg.model), self.config, dtype)  # as the scheduler's
         self._vllm_model = vllm_model or (lambda: None)
-        self._model: Transformer | None = None  # CacheFlow's runtime, once chosen
-        self.runtime = ""  # "shared" (over vLLM's weights) or "separate" (its own copy), once chosen
         self.store = open_store(cfg)
         self.profile = Profile.load(cfg.profile) if cfg.profile else None
         self.stats = StatsLog(cfg.stats_file)
+        self._runtime = RuntimeChoice(cfg.model, self.config, share_weights=cfg.share_weights, dtype=dtype,
+                                      device=device, vllm_model=self._vllm_model, event=self.stats.event)
+        self.saves = ConnectorSaves(self.store, self.stats.event, fingerprint=self.fingerprint, dtype=dtype,
+                                    chunk_size=cfg.chunk_size, tenant=cfg.tenant)
         self.caches: list[tuple[int, torch.Tensor]] = []  # (decoder layer, its vLLM cache), by layer
         self._expected = layers  # the rank's layers vLLM's split gives, checked at `register`
         self.layers = layers or range(self.config.num_layers)  # this rank's layers [a, b), set at `register`
         self.capture = BoundaryCapture()  # the hidden state entering layer a (ranks with a > 0 that save)
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheflow-saver",
-                                         initializer=move_off_compute_cores)
+        self.policy, self.link = connector_policy(cfg, self.profile)  # the link: bytes/s, if known
         self._engine: RestoreEngine | None = None  # started at the first restore
-        self._choose_runtime(final=False)
+        self._runtime.choose(self.layers, final=False)
 
     # ------------------------------------------------------------------------------------ runtime
     @property
     def model(self) -> Transformer:
         """CacheFlow's runtime: over vLLM's weights where it can be, else its own copy (chosen once)."""
-        if self._model is None:
-            self._choose_runtime(final=True)
-        assert self._model is not None
-        return self._model
+        self._runtime.choose(self.layers, final=True)
+        assert self._runtime.model is not None
+        return self._runtime.model
 
-    def _choose_runtime(self, *, final: bool) -> None:
-        """Wrap vLLM's model if it can be reached and is covered; else, once `final` (or at once where
-        sharing cannot work), load the separate runtime, logging why."""
-        if self._model is not None:
-            return
-        if not self.cfg.share_weights:
-            self._separate("share_weights is off")
-            return
-        module = self._vllm_model()
-        if module is None:
-            if final:
-                self._separate("vLLM's loaded model could not be reached from the connector")
-            return
-        try:
-            self._model = shared_runtime(module, self.config, dtype=self.dtype, source=Path(self.cfg.model))
-        except Unsupported as exc:
-            self._separate(str(exc))
-            return
-        inside, outside = shared_bytes(self._model, module)
-        self.runtime = "shared"
-        log.info("CacheFlow recomputes with vLLM's own model (%s): no second copy of the weights",
-                 type(module).__name__)
-        self.stats.event("runtime", runtime="shared", reason="", shared_bytes=inside, own_bytes=outside)
-
-    def _separate(self, reason: str) -> None:
-        log.warning("CacheFlow recomputes with its own copy of the weights from %s: %s", self.cfg.model, reason)
-        self._model = Transformer.from_dir(self.cfg.model, dtype=self.dtype, device=self.device, layers=self.layers)
-        self.runtime = "separate"
-        own = sum(t.numel() * t.element_size() for t in self._model.weights.values())
-        self.stats.event("runtime", runtime="separate", reason=reason, shared_bytes=0, own_bytes=own)
+    @property
+    def runtime(self) -> str:
+        """"shared" (over vLLM's weights) or "separate" (its own copy), once chosen; "" before."""
+        return self._runtime.kind
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._choose_runtime(final=False)
+        self._runtime.choose(self.layers, final=False)
         c = self.config
         self.caches = sorted((layer_index(name), cache) for name, cache in kv_caches.items())
         self.layers = rank_layers([layer for layer, _ in self.caches], c.num_layers)
@@ -166,7 +133,7 @@ class WorkerEngine:
         if self.layers.start > 0:
             log.info("CacheFlow connector on a pipeline rank holding layers [%d, %d)", self.layers.start,
                      self.layers.stop)
-        self._attach_capture()
+        _attach_capture(self.capture, self._vllm_model, wanted=self.captures)
 
     # ------------------------------------------------------------------------------------ pipeline ranks
     @property
@@ -174,14 +141,11 @@ class WorkerEngine:
         """Whether this rank stores boundary activations (a rank after the first that saves)."""
         return self.layers.start > 0 and self.cfg.save
 
-    def _attach_capture(self) -> None:
-        if self.captures and not self.capture.attached and (module := self._vllm_model()) is not None:
-            self.capture.attach(module)
 
     def begin_step(self, order: Sequence[tuple[str, int, int]]) -> None:
         """The step's requests in vLLM's batch order: (request id, rows scheduled, prompt length)."""
         if self.captures:
-            self._attach_capture()
+            _attach_capture(self.capture, self._vllm_model, wanted=self.captures)
             self.capture.begin_step(order)
 
     def finished(self, req_ids: Sequence[str]) -> None:
@@ -202,7 +166,7 @@ class WorkerEngine:
             except Exception as exc:
                 failed |= self._failed_load(spec, exc)
         together = self.cfg.batch_restores and len(jobs) > 1
-        engine, policy = self._restorer(), self._policy()[0]
+        engine, policy = self._restorer(), self.policy
         outcomes = engine.restore_batch(jobs, self.store, policy) if together else {
             request_id: engine.restore_batch({request_id: job}, self.store, policy)[request_id]
             for request_id, job in jobs.items()}
@@ -219,7 +183,7 @@ class WorkerEngine:
         log.error("CacheFlow restore of %s failed (%s: %s); vLLM recomputes it", spec.req_id, type(exc).__name__, exc)
         self.stats.event("load_error", req=spec.req_id, tokens=len(spec.token_ids),
                          error=f"{type(exc).__name__}: {exc}")
-        return self._blocks(spec, spec.start)
+        return blocks_from(spec, spec.start, self.block_size)
 
     def _land(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult, *, batch: int) -> set[int]:
         """Scatter a restored prefix into the request's blocks, log it, and deal with its misses."""
@@ -229,7 +193,7 @@ class WorkerEngine:
             part = kv[layer - result.kv.layer_start, :, :, spec.start : n]  # [2, Hkv, n - start, D]
             scatter(cache, self.layout, spec.block_ids, self.block_size, spec.start, part)
         sources = result.sources()
-        self.stats.event("restore", req=spec.req_id, tokens=n, written=n - spec.start, policy=self._policy()[0],
+        self.stats.event("restore", req=spec.req_id, tokens=n, written=n - spec.start, policy=self.policy,
                          mode=result.mode, computed=sources.count("computed"),
                          loaded=sources.count("loaded"), misses=dict(result.misses),
                          bytes_loaded=result.bytes_loaded, elapsed_s=result.elapsed_s, batch=batch,
@@ -239,17 +203,9 @@ class WorkerEngine:
     def _restorer(self) -> RestoreEngine:
         """The engine every restore runs in, started at the first."""
         if self._engine is None:
-            policy, link = self._policy()
-            settings = engine_settings(self.cfg, self.layers, self.profile, link, policy)
+            settings = engine_settings(self.cfg, self.layers, self.profile, self.link, self.policy)
             self._engine = RestoreEngine(settings, self.model)
         return self._engine
-
-    def _policy(self) -> tuple[str, float | None]:
-        """The restore policy and the link its costs are for; the CacheFlow ones need a profile (else Cake)."""
-        link = gbps(self.cfg.link_gbps) if self.cfg.link_gbps else None
-        if self.cfg.policy.startswith("cacheflow") and self.profile is None:
-            return "cake", link
-        return self.cfg.policy, link
 
     def _after_misses(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult) -> set[int]:
         """Chunks that missed: stored again (CacheFlow recomputed them), or handed to vLLM to recompute."""
@@ -258,20 +214,14 @@ class WorkerEngine:
             return set()
         if self.cfg.on_miss == "vllm":
             first = job.keys[missed[0]].token_start if result.mode == "token" else 0
-            failed = self._blocks(spec, max(first, spec.start))
+            failed = blocks_from(spec, max(first, spec.start), self.block_size)
             self.stats.event("load_error", req=spec.req_id, tokens=len(spec.token_ids), first_failed=first,
                              blocks=len(failed), error="miss")
             return failed
         keys = [job.keys[i] for i in missed] if result.mode == "token" else list(job.keys)
         if self.cfg.save:
-            self._saver.submit(self._guarded, save_chunks, result.kv, job, self.store,
-                               model_fingerprint=self.fingerprint, keys=keys)
+            self.saves.store_again(spec.req_id, result.kv, job, keys)
         return set()
-
-    def _blocks(self, spec: LoadSpec, first: int) -> set[int]:
-        """The block ids holding positions [first, N) of the spec's prefix."""
-        last = -(-len(spec.token_ids) // self.block_size)
-        return set(spec.block_ids[first // self.block_size : last])
 
     # ------------------------------------------------------------------------------------ save
     def save(self, spec: SaveSpec) -> None:
@@ -283,53 +233,39 @@ class WorkerEngine:
         if self.captures:
             hidden = self.capture.take(spec.req_id, spec.start, end)  # [T, hidden] entering layer a, or None
             self.capture.release(spec.req_id, end)
-        self._saver.submit(self._guarded, self._store_chunks, spec, kv.cpu(), hidden)
-
-    def _store_chunks(self, spec: SaveSpec, kv: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
-        """Store the spec's chunks [start, end) for this rank's layers, and (rank after the first) the
-        boundary activations entering its first layer, hidden [T, hidden] for tokens [start, end)."""
-        every = tuple(chunk_keys(spec.token_ids, self.cfg.chunk_size, tenant_salt(self.fingerprint, self.cfg.tenant)))
-        keys = [k for k in every if k.token_start >= spec.start]
-        written = sum(self._put(spec, key, kv) for key in keys)
-        if self.captures and hidden is None:  # this rank cannot restore these chunks: vLLM will recompute them
-            self.stats.event("boundary_missing", req=spec.req_id, chunks=len(keys), layer=self.layers.start)
-        elif hidden is not None:
-            job = RestoreJob(token_ids=spec.token_ids, keys=every, layers=self.layers, kv_dtype=dtype_name(self.dtype))
-            written += save_boundaries(job, hidden.to(self.dtype), self.store, model_fingerprint=self.fingerprint,
-                                       keys=keys, first_row_token=spec.start)
-        self.stats.event("save", req=spec.req_id, chunks=len(keys), bytes=written, tokens_end=len(spec.token_ids))
-
-    def _put(self, spec: SaveSpec, key: ChunkKey, kv: torch.Tensor) -> int:
-        part = kv[:, :, :, key.token_start - spec.start : key.token_end - spec.start]  # [b - a, 2, Hkv, C, D]
-        obj = encode_kv_chunk(key=key, token_ids=spec.token_ids[key.token_start : key.token_end],
-                              model=self.fingerprint, layer_start=self.layers.start, kv=part,
-                              dtype=dtype_name(self.dtype))
-        self.store.put(object_name(key, "kv", self.layers.start, self.layers.stop), obj)
-        return len(obj)
-
-    def _guarded(self, fn: Any, *args: Any, **kwargs: Any) -> None:
-        """Saves run off the critical path: a failure is logged and counted (that chunk is recomputed later)."""
-        try:
-            fn(*args, **kwargs)
-        except Exception as exc:
-            log.exception("storing chunks in CacheFlow failed")
-            self.stats.event("save_error", error=f"{type(exc).__name__}: {exc}")
+        self.saves.store_new(spec, kv.cpu(), hidden, self.layers, captures=self.captures)
 
     def flush(self) -> None:
         """Wait for every queued save."""
-        try:
-            self._saver.submit(lambda: None).result()
-        except RuntimeError:  # the interpreter is exiting: its shutdown hook has run the queued saves already
-            return
+        self.saves.flush()
 
     def close(self) -> None:
         self.capture.detach()
         if self._engine is not None:
             self._engine.close()
-        self.flush()
-        self._saver.shutdown()
+        self.saves.close()
         for pod in self.store.pods.values():
             close = getattr(pod, "close", None)
             if close is not None:
                 close()
         self.store.close()
+
+
+def connector_policy(cfg: ConnectorConfig, profile: Profile | None) -> tuple[str, float | None]:
+    """The restore policy and the link its costs are for; the CacheFlow ones need a profile (else Cake)."""
+    link = gbps(cfg.link_gbps) if cfg.link_gbps else None
+    if cfg.policy.startswith("cacheflow") and profile is None:
+        return "cake", link
+    return cfg.policy, link
+
+
+def blocks_from(spec: LoadSpec, first: int, block_size: int) -> set[int]:
+    """The block ids holding positions [first, N) of the spec's prefix."""
+    last = -(-len(spec.token_ids) // block_size)
+    return set(spec.block_ids[first // block_size : last])
+
+
+def _attach_capture(capture: BoundaryCapture, vllm_model: VllmModel, *, wanted: bool) -> None:
+    """Hook the boundary capture into vLLM's model once it can be reached (ranks that store boundaries)."""
+    if wanted and not capture.attached and (module := vllm_model()) is not None:
+        capture.attach(module)

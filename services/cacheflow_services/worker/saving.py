@@ -10,10 +10,6 @@ A failed save is logged and counted; the chunk is recomputed by a later restore.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
 from cacheflow_common.engine.stage_restore import StageRestore
@@ -22,12 +18,11 @@ from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.restore.save import make_job, save_chunks
+from cacheflow_common.restore.saver_thread import SaverThread
 from cacheflow_common.restore.stages import save_boundaries
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.worker.metrics import WorkerMetrics
 from cacheflow_services.worker.requests import StageRequest
-
-log = logging.getLogger(__name__)
 
 
 class ChunkSaver:
@@ -38,7 +33,7 @@ class ChunkSaver:
         self.layers = layers
         self.chunk_size = chunk_size
         self.metrics = metrics
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saver")
+        self._thread = SaverThread(f"stage-{stage}-saver", lambda request_id, exc: metrics.save_failures.inc())
 
     def save_recomputed(self, job: RestoreJob, restore: StageRestore, store: ChunkStore) -> None:
         """Store again the chunks a restore recomputed because their load missed."""
@@ -46,8 +41,9 @@ class ChunkSaver:
         if not missed:
             return
         keys = [job.keys[i] for i in missed] if restore.spec.mode == "token" else list(job.keys)
-        self._submit(restore.request_id, lambda: save_chunks(restore.kv, job, store,
-                                                             model_fingerprint=self.model.fingerprint(), keys=keys))
+        fingerprint = self.model.fingerprint()
+        self._thread.submit(restore.request_id,
+                            lambda: save_chunks(restore.kv, job, store, model_fingerprint=fingerprint, keys=keys))
 
     def save_filled(self, request: StageRequest, store: ChunkStore) -> None:
         """Queue the whole chunks that filled up since the last save: KV, and the boundary (stage > 0)."""
@@ -61,7 +57,7 @@ class ChunkSaver:
         inputs, first, kv = request.unsaved_input, request.saved_tokens, request.kv
         request.unsaved_input = inputs[whole - first :]
         request.saved_tokens = whole
-        self._submit(request.request_id, lambda: self._store(kv, job, keys, inputs, first, store))
+        self._thread.submit(request.request_id, lambda: self._store(kv, job, keys, inputs, first, store))
 
     def save_tail(self, request: StageRequest, store: ChunkStore) -> None:
         """Queue the partial last chunk (KV and boundary) as its own object; whole chunks still come later."""
@@ -73,11 +69,11 @@ class ChunkSaver:
         if tail.token_start != request.saved_tokens:  # a restored prefix ended mid-chunk: its inputs are gone
             return
         inputs, first, kv = request.unsaved_input, request.saved_tokens, request.kv
-        self._submit(request.request_id, lambda: self._store(kv, job, [tail], inputs, first, store))
+        self._thread.submit(request.request_id, lambda: self._store(kv, job, [tail], inputs, first, store))
 
     def flush(self) -> None:
         """Wait for every queued save (tests, shutdown)."""
-        self._pool.submit(lambda: None).result()
+        self._thread.flush()
 
     def _store(self, kv: KVBuffer, job: RestoreJob, keys: list[ChunkKey], inputs: torch.Tensor, first: int,
                store: ChunkStore) -> None:
@@ -88,14 +84,3 @@ class ChunkSaver:
                                        first_row_token=first)
         self.metrics.saved_chunks.inc(len(keys))
         self.metrics.saved_bytes.inc(written)
-
-    def _submit(self, request_id: str, save: Callable[[], object]) -> None:
-        self._pool.submit(self._guarded, request_id, save)
-
-    def _guarded(self, request_id: str, save: Callable[[], object]) -> None:
-        """A failure is logged and counted (the chunk is recomputed later), never raised into the worker."""
-        try:
-            save()
-        except Exception:
-            log.exception("%s: saving its chunks on stage %d failed", request_id, self.stage)
-            self.metrics.save_failures.inc()

@@ -1,0 +1,67 @@
+"""Which model CacheFlow recomputes with inside vLLM: vLLM's own loaded model, wrapped without copying a
+weight (`shared.py`), or — where the wrapper does not cover the model, vLLM's model cannot be reached, or
+`share_weights` is off — a separate copy loaded from the model directory. Chosen once, and logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cacheflow_common.model.config import ModelConfig
+from cacheflow_common.model.transformer import Transformer
+from cacheflow_services.vllm_connector.shared import Unsupported, shared_bytes, shared_runtime
+
+log = logging.getLogger(__name__)
+
+VllmModel = Callable[[], Any]  # vLLM's loaded model module, or None while it cannot be reached
+Event = Callable[..., None]  # the connector's stats log: event(kind, **fields)
+
+
+class RuntimeChoice:
+    def __init__(self, model_dir: str, config: ModelConfig, *, share_weights: bool, dtype: torch.dtype,
+                 device: str, vllm_model: VllmModel, event: Event) -> None:
+        self.model_dir = model_dir
+        self.config = config
+        self.share_weights = share_weights
+        self.dtype = dtype
+        self.device = device
+        self.vllm_model = vllm_model
+        self.event = event
+        self.model: Transformer | None = None  # once chosen
+        self.kind = ""  # "shared" (over vLLM's weights) or "separate" (its own copy), once chosen
+
+    def choose(self, layers: range, *, final: bool) -> None:
+        """Wrap vLLM's model if it can be reached and is covered; else, once `final` (or at once where
+        sharing cannot work), load the separate runtime over `layers`, logging why."""
+        if self.model is not None:
+            return
+        if not self.share_weights:
+            self._separate(layers, "share_weights is off")
+            return
+        module = self.vllm_model()
+        if module is None:
+            if final:
+                self._separate(layers, "vLLM's loaded model could not be reached from the connector")
+            return
+        try:
+            self.model = shared_runtime(module, self.config, dtype=self.dtype, source=Path(self.model_dir))
+        except Unsupported as exc:
+            self._separate(layers, str(exc))
+            return
+        inside, outside = shared_bytes(self.model, module)
+        self.kind = "shared"
+        log.info("CacheFlow recomputes with vLLM's own model (%s): no second copy of the weights",
+                 type(module).__name__)
+        self.event("runtime", runtime="shared", reason="", shared_bytes=inside, own_bytes=outside)
+
+    def _separate(self, layers: range, reason: str) -> None:
+        log.warning("CacheFlow recomputes with its own copy of the weights from %s: %s", self.model_dir, reason)
+        self.model = Transformer.from_dir(self.model_dir, dtype=self.dtype, device=self.device, layers=layers)
+        self.kind = "separate"
+        own = sum(t.numel() * t.element_size() for t in self.model.weights.values())
+        self.event("runtime", runtime="separate", reason=reason, shared_bytes=0, own_bytes=own)

@@ -1,0 +1,70 @@
+"""Storing what vLLM computed (and what a restore recomputed), on one saver thread off vLLM's forward
+thread, with the keys and chunk format the stage workers use. A failed save is logged and counted; the
+chunk is recomputed by a later restore.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cacheflow_common.kv.chunk import encode_kv_chunk
+from cacheflow_common.kv.keys import ChunkKey, chunk_keys, object_name, tenant_salt
+from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.restore.job import RestoreJob
+from cacheflow_common.restore.save import dtype_name, save_chunks
+from cacheflow_common.restore.saver_thread import SaverThread
+from cacheflow_common.restore.stages import save_boundaries
+from cacheflow_common.store.base import ChunkStore
+from cacheflow_services.vllm_connector.plan import SaveSpec
+from cacheflow_services.vllm_connector.runtime import Event
+
+
+class ConnectorSaves:
+    def __init__(self, store: ChunkStore, event: Event, *, fingerprint: str, dtype: torch.dtype, chunk_size: int,
+                 tenant: str) -> None:
+        self.store = store
+        self.event = event
+        self.fingerprint = fingerprint
+        self.dtype = dtype
+        self.chunk_size = chunk_size
+        self.tenant = tenant
+        self._thread = SaverThread("cacheflow-saver", lambda request_id, exc: event(
+            "save_error", req=request_id, error=f"{type(exc).__name__}: {exc}"))
+
+    def store_new(self, spec: SaveSpec, kv: torch.Tensor, hidden: torch.Tensor | None, layers: range, *,
+                  captures: bool) -> None:
+        """Queue the spec's chunks [start, end): kv [b - a, 2, Hkv, T, D] for this rank's layers, and (a rank
+        that `captures`) hidden [T, hidden], the boundary activations entering its first layer."""
+        self._thread.submit(spec.req_id, lambda: self._store_new(spec, kv, hidden, layers, captures))
+
+    def store_again(self, request_id: str, kv: KVBuffer, job: RestoreJob, keys: list[ChunkKey]) -> None:
+        """Queue chunks a restore recomputed because their load missed."""
+        self._thread.submit(request_id,
+                            lambda: save_chunks(kv, job, self.store, model_fingerprint=self.fingerprint, keys=keys))
+
+    def flush(self) -> None:
+        """Wait for every queued save."""
+        self._thread.flush()
+
+    def close(self) -> None:
+        self._thread.close()
+
+    def _store_new(self, spec: SaveSpec, kv: torch.Tensor, hidden: torch.Tensor | None, layers: range,
+                   captures: bool) -> None:
+        every = tuple(chunk_keys(spec.token_ids, self.chunk_size, tenant_salt(self.fingerprint, self.tenant)))
+        keys = [k for k in every if k.token_start >= spec.start]
+        written = sum(self._put(spec, key, kv, layers) for key in keys)
+        if captures and hidden is None:  # this rank cannot restore these chunks: vLLM will recompute them
+            self.event("boundary_missing", req=spec.req_id, chunks=len(keys), layer=layers.start)
+        elif hidden is not None:
+            job = RestoreJob(token_ids=spec.token_ids, keys=every, layers=layers, kv_dtype=dtype_name(self.dtype))
+            written += save_boundaries(job, hidden.to(self.dtype), self.store, model_fingerprint=self.fingerprint,
+                                       keys=keys, first_row_token=spec.start)
+        self.event("save", req=spec.req_id, chunks=len(keys), bytes=written, tokens_end=len(spec.token_ids))
+
+    def _put(self, spec: SaveSpec, key: ChunkKey, kv: torch.Tensor, layers: range) -> int:
+        part = kv[:, :, :, key.token_start - spec.start : key.token_end - spec.start]  # [b - a, 2, Hkv, C, D]
+        obj = encode_kv_chunk(key=key, token_ids=spec.token_ids[key.token_start : key.token_end],
+                              model=self.fingerprint, layer_start=layers.start, kv=part, dtype=dtype_name(self.dtype))
+        self.store.put(object_name(key, "kv", layers.start, layers.stop), obj)
+        return len(obj)
