@@ -17,13 +17,13 @@ missing: restore pipelined instead), 502 the next stage failed, 503 pool full.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real types of the route parameters.
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from cacheflow_common.auth import Grant
 from cacheflow_common.engine.core import RestoreCancelledError
@@ -51,6 +51,8 @@ _STATUS: list[tuple[type[Exception], int]] = [
     (PoolFullError, 503), (GrantError, 403),
     (NextStageError, 502), (BadRequestError, 400),
 ]
+
+Meta = TypeVar("Meta", bound=BaseModel)  # a typed frame header: ForwardMeta, DeliverMeta
 
 
 def create_app(engine: StageEngine, *, max_body_bytes: int, trust: WorkerTrust, stores: GrantedStores) -> FastAPI:
@@ -160,7 +162,8 @@ def _handler(status: int) -> Any:
     return handle
 
 
-def _validated(model: type[Any], meta: dict[str, Any]) -> Any:
+def _validated(model: type[Meta], meta: dict[str, Any]) -> Meta:
+    """A frame's metadata (its JSON header, decoded) as the typed message, or a 400 naming the bad field."""
     try:
         return model.model_validate(meta)
     except ValidationError as exc:

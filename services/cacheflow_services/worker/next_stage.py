@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any
 
 import httpx
 import torch
 
 from cacheflow_common.errors import BadRequestError, CacheFlowError
-from cacheflow_common.stage_api import ForwardAnswer, ForwardMeta, StageError
+from cacheflow_common.stage_api import DeliverMeta, ForwardAnswer, ForwardMeta, StageError
 from cacheflow_common.transport import frames
 
 log = logging.getLogger(__name__)
@@ -41,15 +40,17 @@ class NextStage:
 
     def forward(self, meta: ForwardMeta, hidden: torch.Tensor) -> ForwardAnswer:
         """`meta` carries the coordinator's grant for the request: the next stage checks it too."""
-        return ForwardAnswer.model_validate(self._post("/v1/forward", frames.pack(meta.model_dump(), hidden)))
+        return ForwardAnswer.model_validate_json(self._post("/v1/forward", frames.pack(meta.model_dump(), hidden)))
 
     def deliver(self, request_id: str, index: int, hidden: torch.Tensor) -> None:
-        self._post("/v1/deliver", frames.pack({"request_id": request_id, "index": index}, hidden))
+        self._post("/v1/deliver", frames.pack(DeliverMeta(request_id=request_id, index=index).model_dump(), hidden))
 
     def finish(self, request_id: str, failure: str = "") -> None:
-        self._post("/v1/deliver", frames.pack({"request_id": request_id, "finished": True, "failure": failure}))
+        meta = DeliverMeta(request_id=request_id, finished=True, failure=failure)
+        self._post("/v1/deliver", frames.pack(meta.model_dump()))
 
-    def _post(self, path: str, body: bytes) -> dict[str, Any]:
+    def _post(self, path: str, body: bytes) -> bytes:
+        """The answer's body (JSON), or a typed error: the next stage unreachable, refusing, or failing."""
         try:
             response = self._http.post(self.url + path, content=body,
                                        headers={"Content-Type": frames.CONTENT_TYPE})
@@ -61,8 +62,7 @@ class NextStage:
             if response.status_code < 500:
                 raise BadRequestError(f"next stage refused: {failed.detail}")
             raise NextStageError(failed.model_copy(update={"hops": failed.hops + 1}))
-        result: dict[str, Any] = response.json()
-        return result
+        return response.content
 
     def close(self) -> None:
         self._http.close()
