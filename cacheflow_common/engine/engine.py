@@ -34,11 +34,16 @@ JOIN_S = 10.0  # longest wait for the loop and the channels at close
 
 
 class RestoreEngine:
-    """A stage's engine; threads start at construction and stop at `close` (or the end of a `with`)."""
+    """A stage's engine; threads start at construction and stop at `close` (or the end of a `with`).
+
+    `loop_thread`: the compute loop runs on a thread of its own (a stage worker: request threads only
+    submit and wait), or on the thread that calls `restore_batch` (the library, the vLLM connector: the
+    caller would only wait, and torch keeps its thread pool, warm, with the thread that runs it).
+    """
 
     def __init__(self, settings: EngineSettings, model: Transformer, *, sampler: Sampler | None = None,
                  on_step: Callable[[StepPlan, float], None] | None = None,
-                 on_load: Callable[[int, float], None] | None = None) -> None:
+                 on_load: Callable[[int, float], None] | None = None, loop_thread: bool = True) -> None:
         self.settings = settings
         self.model = model
         self.core = EngineCore(make_policy(settings.policy), stage=settings.stage)
@@ -47,7 +52,9 @@ class RestoreEngine:
                         beside_forward_tokens=settings.beside_forward_tokens, sampler=sampler or _no_sampling,
                         on_step=on_step or (lambda plan, seconds: None))
         self._loop = threading.Thread(target=self.loop.run, name=f"stage-{settings.stage}-loop", daemon=True)
-        self._loop.start()
+        self._caller_computes = not loop_thread
+        if loop_thread:
+            self._loop.start()
         self._channels = [ChannelLoader(self.core, c, on_load=on_load or (lambda channel, seconds: None)).start()
                           for c in range(len(settings.channels))]
 
@@ -73,12 +80,18 @@ class RestoreEngine:
                     arrival_s=arrival, inputs=inputs))
             except Exception as exc:  # this request's restore cannot start: the caller falls back for it
                 results[request_id] = exc
+        self.wait(list(started.values()))
         for request_id, restore in started.items():
             try:
                 results[request_id] = as_result(restore, restore.done.result())
             except Exception as exc:
                 results[request_id] = exc
         return results
+
+    def wait(self, restores: list[StageRestore]) -> None:
+        """Until every one of `restores` is answered: on the loop thread, or by running the loop here."""
+        if self._caller_computes:
+            self.loop.run(until=lambda: all(restore.done.done() for restore in restores))
 
     def cancel(self, request_id: str, error: BaseException) -> bool:
         """Stop a restore still running (its waiter gets `error`); False if none runs for the request."""
@@ -105,6 +118,8 @@ class RestoreEngine:
         with self.core.cond:
             self.core.forwards.append(item)
             self.core.cond.notify_all()
+        if self._caller_computes:
+            self.loop.run(until=item.future.done)
         return item.future.result()
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -113,7 +128,8 @@ class RestoreEngine:
         with self.core.cond:
             self.core.stopped = True
             self.core.cond.notify_all()
-        self._loop.join(JOIN_S)
+        if self._loop.is_alive():
+            self._loop.join(JOIN_S)
         for channel in self._channels:
             channel.join(JOIN_S)
 

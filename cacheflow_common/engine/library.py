@@ -46,11 +46,12 @@ def restore(job: RestoreJob, *, model: Transformer, store: ChunkStore, policy: s
     settings = EngineSettings(layers=job.layers, policy=policy, chunk_size=job.chunk_size, costs=costs,
                               l_delta=l_delta, prefill_tokens=prefill_tokens, channels=_channels(store, chosen))
     kv = kv if kv is not None else model.new_kv(job.layers, max(1, len(job.token_ids)))
-    with RestoreEngine(settings, model) as engine:
+    with RestoreEngine(settings, model, loop_thread=False) as engine:  # this thread computes
         built = engine.builder.build(REQUEST_ID, job, store, kv, policy, input_mode="boundary",
                                      arrival_s=time.perf_counter(), inputs=_as_stage_input(stage_input),
                                      on_computed=on_computed)
         done = engine.submit(built)
+        engine.wait([done])
         return as_result(done, done.done.result())
 
 

@@ -64,8 +64,10 @@ class StepLoop:
         self.sampler = sampler
         self.on_step = on_step  # metrics: told of every step and its seconds
 
-    def run(self) -> None:
-        while not self.core.stopped:
+    def run(self, until: Callable[[], bool] = lambda: False) -> None:
+        """Step until the engine stops, or `until()` holds: the body of a loop thread, or of a caller that
+        drives its own restores on its own thread."""
+        while not self.core.stopped and not until():
             try:
                 self.step()
             except Exception:  # a bug, not a bad request: keep serving, fail nothing silently

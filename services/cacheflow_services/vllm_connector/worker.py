@@ -204,7 +204,7 @@ class WorkerEngine:
         """The engine every restore runs in, started at the first."""
         if self._engine is None:
             settings = engine_settings(self.cfg, self.layers, self.profile, self.link, self.policy)
-            self._engine = RestoreEngine(settings, self.model)
+            self._engine = RestoreEngine(settings, self.model, loop_thread=False)  # vLLM's thread computes
         return self._engine
 
     def _after_misses(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult) -> set[int]:
