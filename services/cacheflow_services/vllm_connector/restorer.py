@@ -16,8 +16,13 @@ from cacheflow_services.vllm_connector.config import ConnectorConfig
 def engine_settings(cfg: ConnectorConfig, layers: range, profile: Profile | None, link: float | None,
                     policy: str) -> EngineSettings:
     """The connector's settings as a one-stage engine's over the rank's layers (stage 1 stands for any rank
-    after the first: its restores read boundary activations). `link`: bytes/s of a pod's link, if known."""
+    after the first: its restores read boundary activations). `link`: bytes/s of a pod's link, if known.
+
+    Compute-only recomputes in storage chunks, as the connector always did: with whole 2,048-token units
+    the vLLM bench's connector recompute of a 2,048-token prefix took 0.98 s, against 0.67 s in 256-token
+    chunks in the run before (2 CPU cores, vLLM's own weights)."""
     return EngineSettings(layers=layers, stage=int(layers.start > 0), policy=policy, chunk_size=cfg.chunk_size,
+                          prefill_tokens=cfg.chunk_size,
                           channels=tuple(PodAddress.parse(p).pod_id for p in cfg.pods),
                           costs=profile.cost_model(link) if profile else None,
                           l_delta=profile.l_delta_for(link) if profile else 0)
