@@ -55,6 +55,7 @@ class ChannelLoader:
         with core.cond:
             while not core.stopped:
                 task = core.scheduler.next_load(self.channel, time.perf_counter())
+                core.looked(self.channel, loading=task is not None)
                 if task is not None:
                     return task, core.restores[task.request_id]
                 core.cond.wait(timeout=IDLE_WAIT_S)
@@ -76,5 +77,6 @@ class ChannelLoader:
                 core.scheduler.load_missed(STAGE, task.request_id, task.unit, miss)
             else:
                 core.scheduler.loaded(STAGE, task.request_id, task.unit, ended)
+            core.channel_loading[self.channel] = False
             core.settle()
             core.cond.notify_all()

@@ -5,6 +5,10 @@
 * `restores` — the requests restoring here, by id; `forwards` — forward work waiting for the loop
   (suffix-prefill chunks and decode tokens), in arrival order.
 * `settle` hands every restore the scheduler finished or failed its answer.
+* Channels look first: a new restore that loads computes nothing until every channel has asked the
+  scheduler for work since it arrived (or is busy loading). Without this, the compute loop, already
+  awake, would take units before an idle channel's thread is scheduled, and the meeting point would
+  see no load in flight: a head start for compute that the scheduler (and the simulator) never meant.
 
 Every change that could give a waiting thread work notifies `cond` (`wake`).
 """
@@ -52,8 +56,10 @@ class ForwardItem:
 
 
 class EngineCore:
-    def __init__(self, policy: Policy, *, stage: int) -> None:
+    def __init__(self, policy: Policy, *, stage: int, n_channels: int) -> None:
         self.stage = stage  # the pipeline stage, for answers and errors
+        self.channel_looks = [0] * n_channels  # how often each channel has asked the scheduler for work
+        self.channel_loading = [False] * n_channels  # each channel: a load in flight
         self.cond = threading.Condition()
         self.scheduler = BatchScheduler(policy, n_stages=1)
         self.restores: dict[str, StageRestore] = {}
@@ -68,9 +74,26 @@ class EngineCore:
     def admit(self, restore: StageRestore) -> None:
         with self.cond:
             self.restores[restore.request_id] = restore
+            restore.looks_at_admit = tuple(self.channel_looks)
             self.scheduler.arrive(restore.plan, restore.spec.policy)
             self.settle()  # an empty prefix is done on arrival
             self.cond.notify_all()
+
+    def looked(self, channel: int, *, loading: bool) -> None:
+        """A channel asked the scheduler for work (the caller holds `cond`)."""
+        self.channel_looks[channel] += 1
+        self.channel_loading[channel] = loading
+        if any(not r.seen_by_channels for r in self.restores.values()):
+            self.cond.notify_all()  # the compute loop may be waiting for this look
+
+    def seen_by_channels(self, restore: StageRestore) -> bool:
+        """Whether every channel has looked since `restore` arrived, or is busy loading (the caller holds
+        `cond`); a restore that loads nothing needs no look."""
+        if not restore.seen_by_channels:
+            looks = zip(self.channel_looks, restore.looks_at_admit, self.channel_loading, strict=True)
+            restore.seen_by_channels = not restore.spec.policy.loads or all(
+                now > then or loading for now, then, loading in looks)
+        return restore.seen_by_channels
 
     def fail(self, request_id: str, error: BaseException) -> None:
         """Stop a restore with `error` (the caller holds `cond`)."""

@@ -46,7 +46,7 @@ class RestoreEngine:
                  on_load: Callable[[int, float], None] | None = None, loop_thread: bool = True) -> None:
         self.settings = settings
         self.model = model
-        self.core = EngineCore(make_policy(settings.policy), stage=settings.stage)
+        self.core = EngineCore(make_policy(settings.policy), stage=settings.stage, n_channels=len(settings.channels))
         self.builder = RestoreBuilder(settings, model, on_input=self.core.wake)
         self.loop = StepLoop(self.core, model, settings.layers, step_tokens=settings.step_tokens,
                         beside_forward_tokens=settings.beside_forward_tokens, sampler=sampler or _no_sampling,

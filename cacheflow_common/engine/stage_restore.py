@@ -76,6 +76,8 @@ class StageRestore:
         self.on_computed = on_computed
         self.records = [UnitRecord() for _ in unit_tokens]
         self.done: Future[RestoreSummary] = Future()
+        self.looks_at_admit: tuple[int, ...] = ()  # each channel's looks when it arrived (EngineCore)
+        self.seen_by_channels = False  # every channel has looked since: compute may start
         self.started = time.perf_counter()
         self._closers = closers
         self._hidden: torch.Tensor | None = None  # layer mode: [N, hidden] entering the next layer to compute

@@ -120,7 +120,9 @@ class StepLoop:
         return slices
 
     def _ready(self, request_id: str, unit: int) -> bool:
-        return self.core.restores[request_id].ready(unit)
+        """Compute may take `unit` now: its input is here and the channels have looked at its request."""
+        restore = self.core.restores[request_id]
+        return self.core.seen_by_channels(restore) and restore.ready(unit)
 
     # -- run ------------------------------------------------------------------------------------
     def _run(self, plan: StepPlan) -> tuple[list[torch.Tensor], dict[str, BaseException]]:
