@@ -25,7 +25,7 @@ from cacheflow_common.engine.stage_restore import StageInput, StageRestore
 from cacheflow_common.engine.step_loop import Sampler, StepLoop, StepPlan
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
-from cacheflow_common.restore.job import RestoreJob, RestoreResult
+from cacheflow_common.restore.job import ChunkComputed, RestoreJob, RestoreResult
 from cacheflow_common.sched.policies import make_policy
 from cacheflow_common.stage_api import RestoreSummary
 from cacheflow_common.store.base import ChunkStore
@@ -51,9 +51,9 @@ class RestoreEngine:
         self.loop = StepLoop(self.core, model, settings.layers, step_tokens=settings.step_tokens,
                         beside_forward_tokens=settings.beside_forward_tokens, sampler=sampler or _no_sampling,
                         on_step=on_step or (lambda plan, seconds: None))
-        self._loop = threading.Thread(target=self.loop.run, name=f"stage-{settings.stage}-loop", daemon=True)
-        self._caller_computes = not loop_thread
-        if loop_thread:
+        self._loop = threading.Thread(target=self.loop.run, name=f"stage-{settings.stage}-loop",
+                                      daemon=True) if loop_thread else None  # None: the caller computes
+        if self._loop is not None:
             self._loop.start()
         self._channels = [ChannelLoader(self.core, c, on_load=on_load or (lambda channel, seconds: None)).start()
                           for c in range(len(settings.channels))]
@@ -66,9 +66,11 @@ class RestoreEngine:
 
     def restore_batch(self, jobs: Mapping[str, RestoreJob], store: ChunkStore, policy: str = "", *,
                       kvs: Mapping[str, KVBuffer] | None = None, inputs: StageInput | None = None,
-                      input_mode: str = "boundary") -> dict[str, RestoreResult | Exception]:
+                      input_mode: str = "boundary",
+                      on_computed: ChunkComputed | None = None) -> dict[str, RestoreResult | Exception]:
         """Restore every job at once (into `kvs[request]`, or a new buffer each); by request id, its result,
-        or the error that stopped it (a restore that cannot start or fails does not stop the others)."""
+        or the error that stopped it (a restore that cannot start or fails does not stop the others).
+        `inputs` and `on_computed` (see `RestoreBuilder.build`) serve every job: a batch of one's."""
         arrival = time.perf_counter()
         results: dict[str, RestoreResult | Exception] = {}
         started: dict[str, StageRestore] = {}
@@ -77,7 +79,7 @@ class RestoreEngine:
             try:
                 started[request_id] = self.submit(self.builder.build(
                     request_id, job, store, kv, policy or self.settings.policy, input_mode=input_mode,
-                    arrival_s=arrival, inputs=inputs))
+                    arrival_s=arrival, inputs=inputs, on_computed=on_computed))
             except Exception as exc:  # this request's restore cannot start: the caller falls back for it
                 results[request_id] = exc
         self.wait(list(started.values()))
@@ -90,7 +92,7 @@ class RestoreEngine:
 
     def wait(self, restores: list[StageRestore]) -> None:
         """Until every one of `restores` is answered: on the loop thread, or by running the loop here."""
-        if self._caller_computes:
+        if self._loop is None:
             self.loop.run(until=lambda: all(restore.done.done() for restore in restores))
 
     def cancel(self, request_id: str, error: BaseException) -> bool:
@@ -118,7 +120,7 @@ class RestoreEngine:
         with self.core.cond:
             self.core.forwards.append(item)
             self.core.cond.notify_all()
-        if self._caller_computes:
+        if self._loop is None:
             self.loop.run(until=item.future.done)
         return item.future.result()
 
@@ -128,7 +130,7 @@ class RestoreEngine:
         with self.core.cond:
             self.core.stopped = True
             self.core.cond.notify_all()
-        if self._loop.is_alive():
+        if self._loop is not None:
             self._loop.join(JOIN_S)
         for channel in self._channels:
             channel.join(JOIN_S)

@@ -8,12 +8,11 @@ link: the baseline at its strongest). Misses (absent or corrupt chunks) are reco
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
-from cacheflow_common.engine.engine import RestoreEngine, as_result
+from cacheflow_common.engine.engine import RestoreEngine
 from cacheflow_common.engine.settings import EngineSettings
 from cacheflow_common.engine.stage_restore import StageInput
 from cacheflow_common.errors import ConfigError
@@ -45,14 +44,13 @@ def restore(job: RestoreJob, *, model: Transformer, store: ChunkStore, policy: s
         raise ConfigError(f"policy {policy!r} needs a cost model: run `cacheflow profile` and pass its costs")
     settings = EngineSettings(layers=job.layers, policy=policy, chunk_size=job.chunk_size, costs=costs,
                               l_delta=l_delta, prefill_tokens=prefill_tokens, channels=_channels(store, chosen))
-    kv = kv if kv is not None else model.new_kv(job.layers, max(1, len(job.token_ids)))
     with RestoreEngine(settings, model, loop_thread=False) as engine:  # this thread computes
-        built = engine.builder.build(REQUEST_ID, job, store, kv, policy, input_mode="boundary",
-                                     arrival_s=time.perf_counter(), inputs=_as_stage_input(stage_input),
-                                     on_computed=on_computed)
-        done = engine.submit(built)
-        engine.wait([done])
-        return as_result(done, done.done.result())
+        kvs = {REQUEST_ID: kv} if kv is not None else None
+        result = engine.restore_batch({REQUEST_ID: job}, store, policy, kvs=kvs, inputs=_as_stage_input(stage_input),
+                                      on_computed=on_computed)[REQUEST_ID]
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 def _channels(store: ChunkStore, policy: Policy) -> tuple[str, ...]:
