@@ -116,11 +116,10 @@ def profile_machine(workdir: Path, chunk_size: int, max_tokens: int) -> Profile:
 
 
 # -- the real cluster ---------------------------------------------------------------------------------
-def start(workdir: Path, args: argparse.Namespace, profile_path: Path, rate_gbps: float) -> LocalCluster:
-    spec = ClusterSpec(model=MODEL, stages=N_STAGES, pods=N_PODS, chunk_size=args.chunk_size, dtype="float32",
+def start(workdir: Path, chunk_size: int, max_batch: int, profile_path: Path, rate_gbps: float) -> LocalCluster:
+    spec = ClusterSpec(model=MODEL, stages=N_STAGES, pods=N_PODS, chunk_size=chunk_size, dtype="float32",
                        policy="cake", profile=str(profile_path), rate_gbps=rate_gbps, transport="tcp", port=0,
-                       threads_per_stage=1, stage_cpus=stage_cpus(), max_batch=max(args.batch_sizes),
-                       directory=str(workdir))
+                       threads_per_stage=1, stage_cpus=stage_cpus(), max_batch=max_batch, directory=str(workdir))
     return start_cluster(spec, workdir)
 
 
@@ -166,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest], link: float, profile: Profile,
               shape: ModelShape) -> tuple[list[dict[str, Any]], Calibration]:
-    cluster = start(work, args, work / "profile.json", link)
+    cluster = start(work, args.chunk_size, max(args.batch_sizes), work / "profile.json", link)
     runs = []
     try:
         coordinators = {b: coordinator_for(cluster, work, b) for b in args.batch_sizes}

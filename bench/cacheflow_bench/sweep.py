@@ -1,33 +1,38 @@
 """Trace sweep: disjoint windows of the shipped Mooncake trace at three load levels, every policy on the same
-requests, against the batch bound (`cacheflow_common.sched.bound`).
+requests, against Cake and the batch bound (`cacheflow_common.sched.bound`).
 
-    cacheflow bench sweep --sim-only [--windows 6] [--profile PROFILE.json]
+    cacheflow bench sweep [--windows 6] [--rounds 2]                  # the local cluster (~40 min, 2 cores)
+    cacheflow bench sweep --sim-only [--profile PROFILE.json]        # the simulator only (seconds)
 
-Simulated (`--sim-only`, the mode there is so far): the batch benchmark's cluster and settings (tiny
-model, 2 stages, 2 pods, links balanced by a 1,024-token restore, chunk 64, batch 8, the engines'
-token budgets, the coordinator's batch window), the simulator uncalibrated (the profile's costs, compute
-and I/O on separate hardware). Each window is the next `--requests` requests of the trace that qualify
-as in the batch benchmark (lengths / 8, at most 2,048 tokens, at least half cached), starting at line
-`--start`; windows never share a line. Load levels stretch or compress the trace's own arrival times:
-light x0.2, medium x0.05 (the batch benchmark's), overload x0.01 (its cluster-scale replay). The bound
-is solved per window and level, its grid ending at the best policy's last first token.
+Each window is the next `--requests` requests of the trace that qualify as in the batch benchmark
+(lengths / 8, at most 2,048 tokens, at least half cached), starting at line `--start`; windows never
+share a line. Load levels stretch or compress the trace's own arrival times: light x0.2 (requests
+rarely overlap), medium x0.05 (the batch benchmark's), overload x0.01 (the queue grows). The bound is
+solved per window and level, its grid ending at the best policy's last first token.
 
-Writes bench/results/sweep_sim.{json,md,png}.
+On the cluster (`sweep_cluster.py`) the batch benchmark's cluster replays every cell, policies
+interleaved; the bound and the simulator's predictions use the cost model calibrated in the same run.
+Writes bench/results/sweep.{json,md,png} and the sweep's summary keys into batch.json. With
+`--sim-only`, the batch benchmark's cluster simulated with the profile's costs, uncalibrated (compute
+and I/O on separate hardware): bench/results/sweep_sim.{json,md,png}.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from cacheflow_bench.batch_sim import N_PODS, N_STAGES, model_shape, sim_config
 from cacheflow_bench.common import TRACE, add_out_option, provenance, results_dir, write_json
+from cacheflow_bench.sweep_report import report, summary_keys, write_plot
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.sim import SimConfig, percentile, simulate
 from cacheflow_common.sim.bound_input import trace_bound
@@ -36,27 +41,35 @@ from cacheflow_common.sim.replay import ReplayRequest, read_records, select_requ
 from cacheflow_common.sim.trace import TraceRequest
 
 LEVELS = {"light": 0.2, "medium": 0.05, "overload": 0.01}  # arrival time scales
-POLICIES = ("cake", "cacheflow-srpt", "cacheflow-saving", "cacheflow-hrrn", "cacheflow-progress")
+POLICIES = ("cake", "cacheflow", "cacheflow-srpt", "cacheflow-saving", "cacheflow-hrrn", "cacheflow-progress")
+CLUSTER_POLICIES = ("cake", "cacheflow", "cacheflow-srpt")  # on the cluster: CacheFlow, the rule it replaced
 BATCH, CHUNK, TOKEN_SCALE, MAX_TOKENS = 8, 64, 8, 2048
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cacheflow bench sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sim-only", action="store_true", required=True,
-                   help="simulate only (the real-cluster sweep is not written yet)")
+    p.add_argument("--sim-only", action="store_true", help="simulate only (seconds; no cluster)")
     p.add_argument("--trace", default=str(TRACE))
     p.add_argument("--start", type=int, default=3000, help="first trace line of the first window")
     p.add_argument("--windows", type=int, default=6)
     p.add_argument("--requests", type=int, default=20, help="requests per window")
-    p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--profile", default="", help="a `cacheflow profile` of the tiny model (default: profile now)")
+    p.add_argument("--policies", default="", help="comma-separated (default: every ranking simulated; "
+                   f"on the cluster {', '.join(CLUSTER_POLICIES)})")
+    p.add_argument("--rounds", type=int, default=2, help="on the cluster: replays per policy and cell, interleaved")
+    p.add_argument("--profile", default="", help="--sim-only: a `cacheflow profile` of the tiny model "
+                   "(default: profile now)")
     p.add_argument("--slots", type=int, default=40, help="time slots of the bound's grid (mean)")
     add_out_option(p)
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 windows of 6 requests")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 windows of 6 requests (1 round)")
     args = p.parse_args(argv)
     if args.quick:
-        args.windows, args.requests = 2, 6
+        args.windows, args.requests, args.rounds = 2, 6, 1
+    args.policy_names = (args.policies.split(",") if args.policies
+                         else list(POLICIES if args.sim_only else CLUSTER_POLICIES))
+    if "cake" not in args.policy_names:
+        p.error("the sweep compares with cake: keep it in --policies")
+    args.batch, args.chunk_size, args.max_tokens = BATCH, CHUNK, MAX_TOKENS
     return args
 
 
@@ -74,8 +87,6 @@ def windows(path: Path, start: int, count: int, size: int) -> list[list[ReplayRe
 
 
 def scaled(window: list[ReplayRequest], scale: float) -> list[TraceRequest]:
-    from dataclasses import replace
-
     return [replace(r.trace, arrival_s=r.trace.arrival_s * scale) for r in window]
 
 
@@ -84,19 +95,75 @@ def stats(ttft: list[float]) -> dict[str, float]:
     return {"mean_s": sum(s) / len(s), "p50_s": percentile(s, 50), "p99_s": percentile(s, 99), "max_s": s[-1]}
 
 
-def cell(trace: list[TraceRequest], configs: dict[str, SimConfig], slots: int) -> dict[str, Any]:
-    """Every policy on one window at one load level, and the bound."""
+def with_bound(out: dict[str, Any], trace: list[TraceRequest], config: SimConfig, policies: list[str],
+               slots: int) -> dict[str, Any]:
+    """`out` (per policy: TTFT statistics) with the batch bound of `trace` on the cluster `config` models, its
+    grid ending at the best policy's last first token."""
+    horizon = min(max(r.arrival_s + t for r, t in zip(trace, out[p]["ttft_s"], strict=True)) for p in policies)
+    began = time.perf_counter()
+    bound = trace_bound(trace, config, horizon_s=horizon, slots=slots)
+    return out | {"bound": {"mean_s": bound.mean_ttft_s, "max_s": bound.max_ttft_s,
+                            "solve_s": time.perf_counter() - began}}
+
+
+def sim_cell(trace: list[TraceRequest], configs: dict[str, SimConfig], slots: int) -> dict[str, Any]:
+    """Every policy simulated on one window at one load level, and the bound."""
     out: dict[str, Any] = {}
-    horizon = float("inf")
     for policy, config in configs.items():
         result = simulate(trace, config)
-        out[policy] = stats([r.ttft_s for r in result.requests]) | {
-            "computed_fraction": result.summary()["computed_fraction"]}
-        horizon = min(horizon, max(r.arrival_s + r.ttft_s for r in result.requests))
-    began = time.perf_counter()
-    bound = trace_bound(trace, next(iter(configs.values())), horizon_s=horizon, slots=slots)
-    out["bound"] = {"mean_s": bound.mean_ttft_s, "max_s": bound.max_ttft_s, "solve_s": time.perf_counter() - began}
-    return out
+        ttft = [r.ttft_s for r in result.requests]
+        out[policy] = stats(ttft) | {"ttft_s": ttft, "computed_fraction": result.summary()["computed_fraction"]}
+    return with_bound(out, trace, next(iter(configs.values())), list(configs), slots)
+
+
+def sim_rows(args: argparse.Namespace, wins: list[list[ReplayRequest]]) -> tuple[list[dict[str, Any]], float]:
+    shape = model_shape()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.profile:
+            profile = Profile.load(Path(args.profile))
+        else:
+            from cacheflow_bench.batch import profile_machine
+
+            profile = profile_machine(Path(tmp), CHUNK, MAX_TOKENS)
+    link = balanced_link_gbps(profile.costs, shape, n_stages=N_STAGES, n_channels=N_PODS, tokens=1024)
+    configs = {p: sim_config(profile, shape, policy=p, batch=BATCH, n_stages=N_STAGES, n_channels=N_PODS,
+                             link_gbps=link, chunk_size=CHUNK) for p in args.policy_names}
+    rows = []
+    for w, window in enumerate(wins):
+        for level, scale in LEVELS.items():
+            rows.append({"level": level, "window": w, **sim_cell(scaled(window, scale), configs, args.slots)})
+            _print_row(rows[-1], args.policy_names)
+    return rows, link
+
+
+def cluster_rows(args: argparse.Namespace, wins: list[list[ReplayRequest]]
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from cacheflow_bench.sweep_cluster import cluster_cells  # the cluster's services, only when they run
+
+    cells, run = cluster_cells(args, wins, LEVELS, args.policy_names)
+    rows = []
+    for cell in cells:
+        trace = scaled(wins[cell["window"]], LEVELS[cell["level"]])
+        config = sim_config(run["profile"], run["shape"], policy="cacheflow", batch=BATCH, n_stages=N_STAGES,
+                            n_channels=N_PODS, link_gbps=run["link_gbps_per_pod"], chunk_size=CHUNK,
+                            calibration=run["calibration"])
+        out = {p: stats(cell[p]["ttft_s"]) | cell[p] | _sim_error(cell[p]) for p in args.policy_names}
+        rows.append({"level": cell["level"], "window": cell["window"], "failed_first_try": cell["failed_first_try"],
+                     **with_bound(out, trace, config, args.policy_names, args.slots)})
+        _print_row(rows[-1], args.policy_names)
+    return rows, {"link_gbps_per_pod": run["link_gbps_per_pod"], "calibration": vars(run["calibration"])}
+
+
+def _sim_error(policy_cell: dict[str, Any]) -> dict[str, float]:
+    """The calibrated simulator's mean TTFT and its relative error against the measured mean."""
+    real, sim = statistics.fmean(policy_cell["ttft_s"]), statistics.fmean(policy_cell["sim_ttft_s"])
+    return {"sim_mean_s": sim, "sim_mean_rel_error": abs(sim - real) / real}
+
+
+def _print_row(row: dict[str, Any], policies: list[str]) -> None:
+    print(f"window {row['window']} {row['level']:>8}: "
+          + ", ".join(f"{p} {row[p]['mean_s']:.3f}/{row[p]['max_s']:.3f}" for p in policies)
+          + f", bound {row['bound']['mean_s']:.3f}/{row['bound']['max_s']:.3f} s", flush=True)
 
 
 def summarize(rows: list[dict[str, Any]], policies: list[str]) -> dict[str, Any]:
@@ -117,90 +184,35 @@ def summarize(rows: list[dict[str, Any]], policies: list[str]) -> dict[str, Any]
     return out
 
 
-def report(body: dict[str, Any]) -> str:
-    policies = body["policies"]
-    about = " ".join((__doc__ or "").split(chr(10) * 2)[2].split())
-    lines = [f"# Trace sweep (simulated)\n\nCommand: `{body['command']}`. {about}"
-             f"\n\nWindows: {body['windows']} of {body['requests']} requests (trace lines "
-             f"{body['lines'][0]}..{body['lines'][1]}). Ratios per window; worst (max) and median over windows.\n"]
-    for level, per in body["summary"].items():
-        lines.append(f"\n## {level} (arrivals x{LEVELS[level]})\n")
-        lines.append("| policy | mean/Cake worst | mean/Cake median | slowest/Cake worst | slowest/Cake median | "
-                     "mean/bound median | slowest/bound median |")
-        lines.append("|---|---|---|---|---|---|---|")
-        for p in policies:
-            s = per[p]
-            lines.append(f"| {p} | {s['mean_vs_cake_max']:.3f} | {s['mean_vs_cake_median']:.3f} | "
-                         f"{s['max_vs_cake_max']:.3f} | {s['max_vs_cake_median']:.3f} | "
-                         f"{s['mean_vs_bound_median']:.3f} | {s['max_vs_bound_median']:.3f} |")
-    lines.append("\n## Per window\n")
-    lines.append("| level | window | " + " | ".join(f"{p} mean / P50 / P99 / max (s)" for p in policies)
-                 + " | bound mean / max (s) |")
-    lines.append("|---|---|" + "---|" * (len(policies) + 1))
-    for r in body["rows"]:
-        cells = [f"{r[p]['mean_s']:.3f} / {r[p]['p50_s']:.3f} / {r[p]['p99_s']:.3f} / {r[p]['max_s']:.3f}"
-                 for p in policies]
-        lines.append(f"| {r['level']} | {r['window']} | " + " | ".join(cells)
-                     + f" | {r['bound']['mean_s']:.3f} / {r['bound']['max_s']:.3f} |")
-    return "\n".join(lines) + "\n"
-
-
-def write_plot(path: Path, body: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    levels = list(LEVELS)
-    for ax, key, title in ((axes[0], "mean_s", "mean TTFT"), (axes[1], "max_s", "slowest request's TTFT")):
-        for name in [*body["policies"], "bound"]:
-            ys = [statistics.median(r[name][key] / r["cake"][key] for r in body["rows"] if r["level"] == lv)
-                  for lv in levels]
-            ax.plot(levels, ys, marker="o", label=name, linestyle="--" if name == "bound" else "-")
-        ax.set_title(f"{title} / Cake's (median over windows)")
-        ax.axhline(1.0, color="grey", linewidth=0.5)
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    policies = args.policies.split(",")
-    if "cake" not in policies:
-        raise SystemExit("the sweep compares with cake: keep it in --policies")
-    shape = model_shape()
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.profile:
-            profile = Profile.load(Path(args.profile))
-        else:
-            from cacheflow_bench.batch import profile_machine
-
-            profile = profile_machine(Path(tmp), CHUNK, MAX_TOKENS)
-    link = balanced_link_gbps(profile.costs, shape, n_stages=N_STAGES, n_channels=N_PODS, tokens=1024)
-    configs = {p: sim_config(profile, shape, policy=p, batch=BATCH, n_stages=N_STAGES, n_channels=N_PODS,
-                             link_gbps=link, chunk_size=CHUNK) for p in policies}
     wins = windows(Path(args.trace), args.start, args.windows, args.requests)
-    rows = []
-    for w, window in enumerate(wins):
-        for level, scale in LEVELS.items():
-            rows.append({"level": level, "window": w, **cell(scaled(window, scale), configs, args.slots)})
-            r = rows[-1]
-            print(f"window {w} {level:>8}: " + ", ".join(f"{p} {r[p]['mean_s']:.3f}/{r[p]['max_s']:.3f}"
-                                                        for p in policies)
-                  + f", bound {r['bound']['mean_s']:.3f}/{r['bound']['max_s']:.3f} s", flush=True)
+    if args.sim_only:
+        rows, link = sim_rows(args, wins)
+        run: dict[str, Any] = {"link_gbps_per_pod": link}
+    else:
+        rows, run = cluster_rows(args, wins)
     lines = (int(wins[0][0].trace.request_id), int(wins[-1][-1].trace.request_id)) if wins else (0, 0)
-    body = {**provenance(args.quick), "policies": policies, "windows": len(wins), "requests": args.requests,
-            "lines": lines, "link_gbps_per_pod": link, "levels": LEVELS, "summary": summarize(rows, policies),
-            "rows": rows}
+    body = {**provenance(args.quick), "simulated": args.sim_only, "policies": args.policy_names,
+            "windows": len(wins), "requests": args.requests, "rounds": None if args.sim_only else args.rounds,
+            "lines": lines, **run, "levels": LEVELS, "headline": summary_keys(rows, LEVELS),
+            "summary": summarize(rows, args.policy_names), "rows": rows}
     out = results_dir(args)
-    write_json(out / "sweep_sim.json", body)
-    (out / "sweep_sim.md").write_text(report(body))
-    write_plot(out / "sweep_sim.png", body)
-    print(report(body))
+    name = "sweep_sim" if args.sim_only else "sweep"
+    write_json(out / f"{name}.json", body)
+    (out / f"{name}.md").write_text(report(body, __doc__ or ""))
+    write_plot(out / f"{name}.png", body)
+    if not args.sim_only:
+        merge_into_batch(out / "batch.json", body["headline"])
+    print(report(body, __doc__ or ""))
     return 0
+
+
+def merge_into_batch(path: Path, headline: dict[str, float]) -> None:
+    """The sweep's summary keys beside the batch benchmark's (its targets are read there)."""
+    body = json.loads(path.read_text()) if path.exists() else {"summary": {}}
+    body["summary"] = {k: v for k, v in body["summary"].items() if not k.startswith("sweep_")} | headline
+    write_json(path, body)
 
 
 if __name__ == "__main__":

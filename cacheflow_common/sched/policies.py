@@ -2,41 +2,50 @@
 simulator and the benchmarks all take them from `POLICIES`.
 
 A policy says what each side of the two pointers may do, how a request's prefix is cut into units
-(token chunks or layers), how the meeting point is found, and which request a free I/O channel serves:
+(token chunks or layers), how the meeting point is found, which requests a compute step advances, and
+which request a free I/O channel serves:
 
-| policy               | mode          | meeting point          | channels serve first                           |
-|----------------------|---------------|------------------------|------------------------------------------------|
-| `compute-only`       | token         | everything computed    | nobody (vLLM on a miss)                        |
-| `load-only`          | token         | everything loaded      | the oldest request (LMCache)                   |
-| `cake`               | token         | where they meet        | the oldest request (per-request Cake)          |
-| `cacheflow`          | N >= L_delta  | planned, batch-aware   | the least remaining recomputation (SRPT)       |
-| `cacheflow-alg1`     | N >= L_delta  | planned, batch-aware   | the largest remaining recomputation (Alg. 1)   |
-| `cacheflow-srpt`     | N >= L_delta  | planned, batch-aware   | the least remaining recomputation (as above)   |
-| `cacheflow-progress` | N >= L_delta  | planned, batch-aware   | the largest share of its own work done         |
-| `cacheflow-saving`   | N >= L_delta  | planned, batch-aware   | the unit saving most compute per link-second   |
-| `cacheflow-token`    | token         | planned, batch-aware   | as `cacheflow`                                 |
-| `cacheflow-layer`    | layer         | planned, batch-aware   | as `cacheflow`                                 |
+| policy               | mode         | meeting point | a step computes for | channels serve first          |
+|----------------------|--------------|---------------|---------------------|-------------------------------|
+| `compute-only`       | token        | all computed  | every request       | nobody (vLLM on a miss)       |
+| `load-only`          | token        | all loaded    | every request       | the oldest (LMCache)          |
+| `cake`               | token        | where they meet | every request     | the oldest (per-request Cake) |
+| `cacheflow`          | N >= L_delta | planned       | shortest and oldest | the oldest                    |
+| `cacheflow-srpt`     | N >= L_delta | planned       | every request       | least remaining recomputation |
+| `cacheflow-alg1`     | N >= L_delta | planned       | every request       | most remaining (Algorithm 1)  |
+| `cacheflow-progress` | N >= L_delta | planned       | every request       | largest share of its work done |
+| `cacheflow-hrrn`     | N >= L_delta | planned       | every request       | highest response ratio        |
+| `cacheflow-saving`   | N >= L_delta | planned       | every request       | most compute saved per link-s |
+| `cacheflow-token`    | token        | planned       | as `cacheflow`      | as `cacheflow`                |
+| `cacheflow-layer`    | layer        | planned       | as `cacheflow`      | as `cacheflow`                |
 
-"Remaining recomputation" (Algorithm 1 of the paper) is the predicted compute time of the request's
-units that nobody has restored or claimed yet, over all its stages; it is re-evaluated at every
-decision, so a request that has been served falls behind one that has not. Which ranking is
-`cacheflow`'s default is measured, not assumed: `bench/results/sched_ranking.md` (simulator) and
-`bench/results/batch.md` (the real engine) compare them. The least remaining recomputation first
-measured best on both (9 of 9 simulated cells better than first come, up to 0.69x its mean TTFT; the
-lowest mean restore time of the rankings on the local cluster), and Algorithm 1's the worst on both:
-serving the longest restore first keeps every short one waiting behind it.
-`saving` decides the other question, where a second of link saves the most compute: a free channel
-takes, across the whole batch, the I/O-pointer unit (each request's and stage's highest pending unit on
-that channel) whose predicted compute seconds per predicted load second are largest; late chunks of
-long prefixes (attention over a long context) come first, the cheap early chunks are left to compute.
-Measured (`cacheflow bench sweep --sim-only`, bench/results/sweep_sim.md: 6 trace windows x 3 load
-levels), `saving` loses to least-remaining and to Cake on the mean at every level (median 1.07-1.16x
-Cake's) and only matches them on the slowest request: in the engine's batched steps a request's chain
-pays a whole step per computed unit whatever the chunk, so a load saves about the same step for any
-compute-bound request, and what the mean rewards is finishing requests (leaving the batch, freeing a
-slot), which least-remaining does and a batch-wide compute-per-link-second rule does not. It stays
-selectable; `cacheflow` keeps least-remaining.
-When policies are mixed on one stage, requests of planned (CacheFlow) policies are served first.
+"Planned" meeting points are batch-aware (`meeting.py`).
+
+`cacheflow` makes the batch's two decisions by two rules. The mean rewards finishing short requests
+early, so each compute step advances the request with the least remaining recomputation (every one
+that ties: equal prefixes go together); the slowest request must not pay for that, so the same step
+also advances the oldest request, and the channels serve the oldest requests first, each from its top
+unit down (the late chunks, the costliest to recompute). I/O thus flows to the requests that have
+waited longest, short requests finish by compute before any load for them would land, and each
+request's meeting point follows from both (`meeting.py`). The rules it replaced (every request in every step,
+the channels to the least remaining recomputation: `cacheflow-srpt`) and the other rankings stay
+selectable and are measured beside it (`cacheflow bench sweep`, `cacheflow bench batch`).
+
+Why these rules, measured. "Remaining recomputation" (Algorithm 1 of the paper) is the predicted
+compute time of the request's units that nobody has restored or claimed yet, over all its stages,
+re-evaluated at every decision. Ranking the channels by it, least first (`cacheflow-srpt`, the default
+until the trace sweep), beat first-come channels on the mean (`bench/results/sched_ranking.md`) but
+starved the long requests of I/O: their slowest request reached 1.28x Cake's in the sweep. Algorithm
+1's most-remaining-first is worst on the mean: the longest restore keeps every short one waiting.
+`saving` (a free channel takes, across the batch, the I/O-pointer unit with the most predicted compute
+seconds per load second: the late chunks of long prefixes) lost on the mean at every load level (median
+1.07-1.16x Cake's), because a load saves about one step of its request's chain whatever the chunk, and
+the mean rewards finishing requests. What finishes short requests early is the compute loop: a request
+computes one unit per step, and a step over 8 requests costs each of them the whole batch's time, so
+advancing only the shortest (and the oldest) lets short requests leave in a few cheap steps while the
+channels restore the old ones (`bench/results/sweep_sim.md`).
+When policies are mixed on one stage, every-request policies compute in every step, and the channels
+rank requests of planned (CacheFlow) policies that rank by size before first-come ones.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from cacheflow_common.errors import ConfigError
 
 MODES = ("adaptive", "token", "layer")
 PLANNERS = ("compute", "load", "greedy", "planned")  # fixed split at n, fixed split at 0, Cake's, CacheFlow's
+COMPUTE_RULES = ("every-request", "shortest-and-oldest")  # which requests a compute step advances
 RANKINGS = ("arrival", "most-remaining", "least-remaining", "most-done", "response-ratio", "saving")
 SAVING_TIES = 1e-9  # savings per link-second this close are equal: the least remaining recomputation goes first
 
@@ -75,10 +85,12 @@ class Policy:
     planner: str  # how the meeting point is found (PLANNERS)
     ranking: str  # which request a free channel serves (RANKINGS)
     summary: str  # one line for help texts and reports
+    compute: str = "every-request"  # which requests a compute step advances (COMPUTE_RULES)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES or self.planner not in PLANNERS or self.ranking not in RANKINGS:
-            raise ConfigError(f"policy {self.name!r}: bad mode, planner or ranking")
+        if (self.mode not in MODES or self.planner not in PLANNERS or self.ranking not in RANKINGS
+                or self.compute not in COMPUTE_RULES):
+            raise ConfigError(f"policy {self.name!r}: bad mode, planner, ranking or compute rule")
 
     @property
     def loads(self) -> bool:
@@ -93,6 +105,11 @@ class Policy:
     @property
     def adaptive_mode(self) -> bool:
         return self.mode == "adaptive"
+
+    @property
+    def advances_few(self) -> bool:
+        """A compute step advances only this policy's shortest and oldest requests, not all of them."""
+        return self.compute == "shortest-and-oldest"
 
     @property
     def ranks_units(self) -> bool:
@@ -136,21 +153,22 @@ _ALL = (
            summary="load the whole prefix; compute only misses (LMCache)"),
     Policy(name="cake", mode="token", planner="greedy", ranking="arrival",
            summary="Cake: token-wise two pointers per request, channels in arrival order"),
-    Policy(name="cacheflow", mode="adaptive", planner="planned", ranking="least-remaining",
-           summary="CacheFlow: adaptive mode, batch-aware meeting points, channels to the least recomputation left"),
+    Policy(name="cacheflow", mode="adaptive", planner="planned", ranking="arrival", compute="shortest-and-oldest",
+           summary="CacheFlow: adaptive mode, batch-aware meeting points, compute to the shortest and oldest "
+                   "requests, channels to the oldest"),
     Policy(name="cacheflow-alg1", mode="adaptive", planner="planned", ranking="most-remaining",
            summary="CacheFlow with Algorithm 1's ranking: channels to the largest remaining recomputation"),
     Policy(name="cacheflow-srpt", mode="adaptive", planner="planned", ranking="least-remaining",
-           summary="CacheFlow with channels to the least remaining recomputation"),
+           summary="CacheFlow with every request in every step, channels to the least remaining recomputation"),
     Policy(name="cacheflow-progress", mode="adaptive", planner="planned", ranking="most-done",
            summary="CacheFlow with channels to the request with the largest share of its own work done"),
     Policy(name="cacheflow-hrrn", mode="adaptive", planner="planned", ranking="response-ratio",
            summary="CacheFlow with channels to the highest response ratio: (waited + remaining) / remaining"),
     Policy(name="cacheflow-saving", mode="adaptive", planner="planned", ranking="saving",
            summary="CacheFlow with channels to the unit saving the most recomputation per link-second, batch-wide"),
-    Policy(name="cacheflow-token", mode="token", planner="planned", ranking="least-remaining",
+    Policy(name="cacheflow-token", mode="token", planner="planned", ranking="arrival", compute="shortest-and-oldest",
            summary="CacheFlow, token-wise only"),
-    Policy(name="cacheflow-layer", mode="layer", planner="planned", ranking="least-remaining",
+    Policy(name="cacheflow-layer", mode="layer", planner="planned", ranking="arrival", compute="shortest-and-oldest",
            summary="CacheFlow, layer-wise only"),
 )
 POLICIES: dict[str, Policy] = {p.name: p for p in _ALL}

@@ -11,9 +11,12 @@ stage worker's engine or the simulator — asks for decisions and reports what h
     finished(), failed()                               step_done(stage, seconds)
                                                        channel_lost(channel), stage_lost(stage)
 
-* Compute advances every active request: a stage's batch holds the next compute unit of each request
+* Compute advances the active requests: a stage's batch holds the next compute unit of each request
   on that stage (oldest first, capped in tokens; the oldest is always included), unless its unit is
-  not `ready` (its input has not arrived) or its policy would rather leave it to storage.
+  not `ready` (its input has not arrived) or its policy would rather leave it to storage. Of the
+  requests whose policy advances few (`cacheflow`), only these take part: the one with the least
+  remaining recomputation (all that tie), so short requests leave the batch after a few cheap steps,
+  and the oldest, so the slowest request keeps moving.
 * Each I/O channel (storage pod) serves the request its policy ranks highest among those with a
   pending unit stored on it, re-evaluated at every decision; within it the stage with the most open
   work, at that stage's highest pending unit on the channel (the I/O pointer, walking down). A
@@ -70,9 +73,12 @@ class BatchScheduler(SchedulerEvents):
         """Claim the next compute unit of every active request on `stage` that should compute one now."""
         if stage in self._lost_stages:
             return []
+        chosen = self._chosen_few(stage, now, ready)
         batch: list[ComputeTask] = []
         tokens = 0
         for request in self._active.values():
+            if request.policy.advances_few and request.request_id not in chosen:
+                continue
             unit = self._unit_to_compute(request, stage, now, ready)
             if unit is None:
                 continue
@@ -98,6 +104,17 @@ class BatchScheduler(SchedulerEvents):
         task = LoadTask(request.request_id, stage, unit)
         self._loads.start(task, InFlightLoad(channel, now, self._calibration.load_s(work, unit)))
         return task
+
+    def _chosen_few(self, stage: int, now: float, ready: Ready | None) -> set[str]:
+        """Of the requests whose policy advances few, those this step advances on `stage`: among the ones
+        with a unit to compute now, those with the least remaining recomputation (all that tie: equal
+        prefixes) and the oldest."""
+        able = [r for r in self._active.values()
+                if r.policy.advances_few and self._unit_to_compute(r, stage, now, ready) is not None]
+        if not able:
+            return set()
+        least = min(r.remaining_s for r in able)
+        return {r.request_id for r in able if r.remaining_s <= least} | {able[0].request_id}
 
     def _unit_to_compute(self, request: RequestWork, stage: int, now: float, ready: Ready | None) -> int | None:
         """The unit `request` should compute on `stage` now: its compute pointer's, if its input is `ready`

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,6 +24,17 @@ def test_the_shipped_slice_keeps_what_the_trace_cached():
     assert len(records) == 100 and records[0].request.request_id == "3000"
     assert any(r.request.cached_tokens > 0 for r in records)  # the cache lines 0-2999 left
     assert all(r.request.cached_tokens <= r.request.input_length for r in records)
+
+
+def test_the_demo_takes_a_window_of_another_trace_where_asked():
+    trace = Path(__file__).resolve().parents[2] / "bench" / "traces" / "mooncake_conversation_trace.jsonl.gz"
+    args = argparse.Namespace(trace=str(trace), start=5000, requests=4, token_scale=8, max_tokens=1536,
+                              time_scale=0.01, chunk_size=128)
+    chosen = demo_run.choose_requests(args)
+    assert len(chosen) == 4 and all(int(r.trace.request_id) >= 5000 for r in chosen)
+    assert chosen[0].trace.arrival_s == 0.0 and all(r.trace.cached_tokens >= 256 for r in chosen)
+    shipped = demo_run.choose_requests(argparse.Namespace(**{**vars(args), "trace": ""}))
+    assert int(shipped[0].trace.request_id) < 3100  # the shipped slice: lines 3000-3099
 
 
 def test_demo_replays_every_policy_and_writes_its_report(tmp_path, monkeypatch, capsys):

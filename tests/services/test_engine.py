@@ -106,7 +106,8 @@ def _saved_store(model: Transformer, prompts: list[list[int]]) -> ShapedStore:
     return ShapedStore(inner, TokenBucket(LOAD_BYTES_PER_S))
 
 
-@pytest.mark.parametrize("policy", ["cacheflow", "cake", "load-only", "compute-only", "cacheflow-layer"])
+@pytest.mark.parametrize("policy", ["cacheflow", "cacheflow-srpt", "cake", "load-only", "compute-only",
+                                    "cacheflow-layer"])
 def test_concurrent_restores_each_equal_their_own_prefill(model, engines, policy):
     prompts = _prompts(4)
     engine = _engine(model, _saved_store(model, prompts), policy=policy)
@@ -123,7 +124,7 @@ def test_concurrent_restores_each_equal_their_own_prefill(model, engines, policy
         assert all(c == 0 for c, _ in totals)
     if policy == "compute-only":
         assert all(loaded == 0 for _, loaded in totals)
-    if policy in ("cacheflow", "cake"):  # the two pointers met inside the batch's prefixes
+    if policy in ("cacheflow", "cacheflow-srpt", "cake"):  # the two pointers met inside the batch's prefixes
         assert sum(c for c, _ in totals) > 0 and sum(loaded for _, loaded in totals) > 0
 
 

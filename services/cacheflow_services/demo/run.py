@@ -31,7 +31,7 @@ from cacheflow_common.restore.profile import Profile
 from cacheflow_common.sched.policies import POLICIES as POLICY_NAMES
 from cacheflow_common.sim import ModelShape
 from cacheflow_common.sim.config import balanced_link_gbps
-from cacheflow_common.sim.replay import ReplayRequest, load_slice, select_requests
+from cacheflow_common.sim.replay import ReplayRequest, load_slice, read_records, select_requests
 from cacheflow_services.demo.report import print_key, print_table, write_report
 from cacheflow_services.local_cluster import LOCK_FILE, ClusterSpec, LocalCluster, hold_workdir, start_cluster
 from cacheflow_services.local_process import Stopped, exit_on_signals, print_ready, reporting_ready
@@ -58,8 +58,10 @@ def step(what: str, logs: Path) -> Iterator[None]:
 
 
 def choose_requests(args: argparse.Namespace) -> list[ReplayRequest]:
-    """The shipped slice, scaled to this CPU; only requests with at least two chunks cached."""
-    requests = select_requests(load_slice(SLICE), count=args.requests, token_scale=args.token_scale,
+    """The shipped slice (or a window of `--trace` from line `--start`), scaled to this CPU; only requests with
+    at least two chunks cached."""
+    records = read_records(Path(args.trace), start=args.start, scan=2000) if args.trace else load_slice(SLICE)
+    requests = select_requests(records, count=args.requests, token_scale=args.token_scale,
                                max_tokens=args.max_tokens, time_scale=args.time_scale, min_cached=2 * args.chunk_size)
     if not requests:
         raise SystemExit("cacheflow demo: no request of the slice fits these settings")
@@ -199,6 +201,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="replay a trace slice on a local cluster per restore policy; TTFT report")
     demo.add_argument("--model", default="smollm2", help="tiny | smollm2 | a model directory")
     demo.add_argument("--requests", type=int, default=8, help="trace requests replayed per policy and round")
+    demo.add_argument("--trace", default="", help="a Mooncake trace (JSONL, or .jsonl.gz) to take the requests "
+                      "from instead of the shipped slice, from line --start")
+    demo.add_argument("--start", type=int, default=0, help="with --trace: the first trace line considered")
     demo.add_argument("--rounds", type=int, default=2,
                       help="replays per policy, interleaved (the order rotated each round), after one warm-up")
     demo.add_argument("--token-scale", type=int, default=8, help="trace lengths are divided by this")
