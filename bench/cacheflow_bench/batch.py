@@ -29,6 +29,7 @@ Writes bench/results/batch.{json,md,png}; the JSON's `summary` holds the issue's
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -70,8 +71,8 @@ from cacheflow_services.replay import ReplayError, replay, ttft_stats, warm_up
 from cacheflow_services.worker.launch import LocalWorker
 
 POLICIES = ("compute-only", "load-only", "cake", "cacheflow")
-# CacheFlow's other channel rankings, replayed at the largest batch
-RANKINGS = ("cacheflow-alg1", "cacheflow-progress", "cacheflow-hrrn")
+# CacheFlow's other rules (the one it replaced first), replayed at the largest batch
+RANKINGS = ("cacheflow-srpt", "cacheflow-alg1", "cacheflow-progress", "cacheflow-hrrn")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -263,8 +264,8 @@ def report(args: argparse.Namespace, requests: list[ReplayRequest], link: float,
            speedup: float) -> None:
     from cacheflow_bench.batch_report import summary_of, write_markdown, write_plot
 
-    summary = summary_of(runs, errors) | {"batched_forward_speedup": speedup}
     out = results_dir(args)
+    summary = summary_of(runs, errors) | {"batched_forward_speedup": speedup} | sweep_keys(out / "batch.json")
     body = {"summary": summary, "machine": machine_facts(), "command": command_line(), "quick": args.quick,
             "link_gbps_per_pod": link,
             "link": {"emulated": True, "gbps_per_pod": link,
@@ -279,6 +280,13 @@ def report(args: argparse.Namespace, requests: list[ReplayRequest], link: float,
     write_markdown(out / "batch.md", body, markdown_table)
     write_plot(out / "batch.png", runs, scale)
     print(f"summary: {summary}")
+
+
+def sweep_keys(path: Path) -> dict[str, Any]:
+    """The trace sweep's keys already in `path` (`cacheflow bench sweep` writes them there): kept."""
+    if not path.exists():
+        return {}
+    return {k: v for k, v in json.loads(path.read_text()).get("summary", {}).items() if k.startswith("sweep_")}
 
 
 if __name__ == "__main__":

@@ -102,8 +102,10 @@ BASELINES = [
     "its own transfer, and an idle link credits up to 256 KiB (about 20 ms at these rates) of the gap between "
     "one read and the next.",
     "- **Cake** runs its per-request token-wise two pointers, the channels serving requests in arrival order.",
-    "- **CacheFlow** ranks requests for the channels by the least recomputation left (SRPT); the other rankings "
-    "are rows of their own at the largest batch.",
+    "- **CacheFlow** advances, in each compute step, the requests with the least recomputation left and the "
+    "oldest, and its channels serve the oldest request (`sched/policies.py`); the rule it replaced "
+    "(`cacheflow-srpt`: every request in every step, channels to the least recomputation left) and the other "
+    "rankings are rows of their own at the largest batch.",
 ]
 
 

@@ -13,9 +13,11 @@ POLICIES = ("compute-only", "load-only", "cake", "cacheflow")
 def test_batch_benchmark_quick_run(tmp_path):
     # the demo's shipped slice: quicker to read than the whole trace in bench/traces
     args = ["--quick", "--trace", str(SLICE), "--policies", ",".join(POLICIES), "--out", str(tmp_path)]
+    (tmp_path / "batch.json").write_text(json.dumps({"summary": {"sweep_worst_mean_ratio_vs_cake": 0.5, "batch": 2}}))
     assert batch.main(args) == 0
     body = json.loads((tmp_path / "batch.json").read_text())
     summary = body["summary"]
+    assert summary["sweep_worst_mean_ratio_vs_cake"] == 0.5  # the trace sweep's keys are kept, the rest rewritten
     assert summary["batch"] == 8
     assert summary["p99_ratio_vs_cake_b8"] > 0 and summary["mean_speedup_vs_compute_only_b8"] > 0
     assert summary["mean_ratio_vs_best_baseline_b8"] > 0 and summary["batched_forward_speedup"] > 0
