@@ -35,7 +35,7 @@ from cacheflow_bench.batch_report import target_rows
 from cacheflow_bench.common import RESULTS_DIR, SCRATCH_DIR, machine_facts, markdown_table, results_dir
 from cacheflow_bench.readme_table import commit_of, commit_problems
 
-SUITE = ("restore_single", "storage", "stages", "batch", "chaos", "vllm", "vllm_memory")
+SUITE = ("restore_single", "storage", "stages", "batch", "sweep", "chaos", "vllm", "vllm_memory")
 Section = Callable[[dict[str, dict[str, Any]], Path, bool], list[str]]
 
 
@@ -179,14 +179,17 @@ def single_rows(s: dict[str, Any]) -> list[list[Any]]:
 def other_sections(results: dict[str, dict[str, Any]], out: Path, mixed: bool) -> list[str]:
     lines = []
     for name, title in (("storage", "Storage data plane"), ("stages", "Parallel stages from boundary activations"),
+                        ("sweep", "Trace sweep: the batch scheduler over windows and load levels"),
                         ("chaos", "Kills and abuse (chaos)"), ("vllm", "vLLM connector"),
                         ("vllm_memory", "vLLM memory with the connector")):
         body = results.get(name)
         if body is None:
             continue
-        rows = [[k, v] for k, v in body["summary"].items() if not isinstance(v, dict | list)]
+        summary = body.get("headline", body["summary"])  # the sweep's summary is per level; its headline is flat
+        rows = [[k, v] for k, v in summary.items() if not isinstance(v, dict | list)]
+        plot = [f"![{name}]({name}.png)", ""] if name == "sweep" else []
         lines += [heading(title, body, mixed), "", provenance(body), "", markdown_table(["summary", "value"], rows),
-                  "", f"Details: [{name}.md]({name}.md).", ""]
+                  "", *plot, f"Details: [{name}.md]({name}.md).", ""]
     return lines
 
 

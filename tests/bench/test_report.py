@@ -25,7 +25,7 @@ def test_report_from_the_committed_results_has_every_figure(tmp_path):
         assert f"({fig}.png)" in text
         assert (tmp_path / f"{fig}.png").stat().st_size > 0
     assert "Missing" not in text
-    for title in ("Storage data plane", "Parallel stages", "Kills and abuse (chaos)", "vLLM connector"):
+    for title in ("Storage data plane", "Parallel stages", "Trace sweep", "Kills and abuse (chaos)", "vLLM connector"):
         assert f"## {title}" in text
 
 
