@@ -47,6 +47,7 @@ from cacheflow_bench.batch_sim import (
     N_PODS,
     N_STAGES,
     Calibration,
+    batch_bounds,
     calibrate,
     cluster_scale,
     model_shape,
@@ -155,12 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"link {link:.4f} Gbit/s per pod (Tio/Tcomp = 1); starting the cluster ...", flush=True)
         runs, calibration = real_runs(work, args, requests, link, profile, shape)
     errors = sim_errors(profile, shape, requests, runs, link, args.chunk_size, calibration)
+    print("the batch bound of each batch size ...", flush=True)
+    bounds = batch_bounds(profile, shape, requests, runs, link, args.chunk_size, calibration)
     dense = select_requests(records, count=args.cluster_requests, token_scale=args.token_scale,
                             max_tokens=args.max_tokens, time_scale=args.cluster_time_scale)
     scale = cluster_scale(profile, shape, dense, args.policy_names, args.chunk_size)
     print("batched forward: one step over 8 requests vs 8 single-request steps ...", flush=True)
     speedup = batched_forward_speedup()
-    report(args, requests, link, runs, errors, scale, calibration, speedup)
+    report(args, requests, link, runs, errors, scale, calibration, speedup, bounds)
     return 0
 
 
@@ -261,11 +264,12 @@ def replay_retried(url: str, token: str, requests: list[ReplayRequest], policy: 
 
 def report(args: argparse.Namespace, requests: list[ReplayRequest], link: float, runs: list[dict[str, Any]],
            errors: list[dict[str, Any]], scale: list[dict[str, Any]], calibration: Calibration,
-           speedup: float) -> None:
+           speedup: float, bounds: list[dict[str, Any]]) -> None:
     from cacheflow_bench.batch_report import summary_of, write_markdown, write_plot
 
     out = results_dir(args)
-    summary = summary_of(runs, errors) | {"batched_forward_speedup": speedup} | sweep_keys(out / "batch.json")
+    summary = (summary_of(runs, errors) | bound_keys(bounds) | {"batched_forward_speedup": speedup}
+               | sweep_keys(out / "batch.json"))
     body = {"summary": summary, "machine": machine_facts(), "command": command_line(), "quick": args.quick,
             "link_gbps_per_pod": link,
             "link": {"emulated": True, "gbps_per_pod": link,
@@ -275,11 +279,21 @@ def report(args: argparse.Namespace, requests: list[ReplayRequest], link: float,
             "calibration": asdict(calibration),
             "requests": [{"id": r.trace.request_id, "arrival_s": r.trace.arrival_s, "tokens": r.trace.input_length,
                           "cached": r.trace.cached_tokens} for r in requests],
-            "runs": runs, "sim_validation": errors, "cluster_scale": scale}
+            "runs": runs, "sim_validation": errors, "bounds": bounds, "cluster_scale": scale}
     write_json(out / "batch.json", body)
     write_markdown(out / "batch.md", body, markdown_table)
     write_plot(out / "batch.png", runs, scale)
     print(f"summary: {summary}")
+
+
+def bound_keys(bounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """CacheFlow's and Cake's mean and slowest TTFT over the batch bound at the largest batch."""
+    if not bounds:
+        return {}
+    largest = max(bounds, key=lambda b: b["batch"])["policies"]
+    return {f"{key}_over_bound_{name}_b8": largest[policy][f"{key}_over_bound"]
+            for policy, name in (("cacheflow", "cacheflow"), ("cake", "cake")) if policy in largest
+            for key in ("mean", "max")}
 
 
 def sweep_keys(path: Path) -> dict[str, Any]:

@@ -89,6 +89,10 @@ def target_rows(s: dict[str, Any]) -> list[list[Any]]:
          s.get("batched_forward_speedup"), ">= 1.3"],
         ["one run vs the median of its repeats, per request: worst / median (the machine's own noise)",
          f"{s['run_max_rel_spread']:.3f} / {s['run_median_rel_spread']:.3f}", ""],
+        *([[f"mean / slowest-request TTFT over the batch bound, batch {s['batch']}: CacheFlow; Cake",
+            f"{_num(s['mean_over_bound_cacheflow_b8'])} / {_num(s['max_over_bound_cacheflow_b8'])}; "
+            f"{_num(s.get('mean_over_bound_cake_b8'))} / {_num(s.get('max_over_bound_cake_b8'))}", ""]]
+          if "mean_over_bound_cacheflow_b8" in s else []),
     ]
 
 
@@ -132,7 +136,8 @@ def write_markdown(path: Path, body: dict[str, Any], table: Callable[..., str]) 
                      f"{r['p99_s']:.3f} ({r['p99_s_min']:.3f}-{r['p99_s_max']:.3f})",
                      f"{_num(r.get('compute_busy_share'))} / {_num(r.get('io_busy_share'))}"]
                     for r in aggregate(body["runs"])]),
-             "", "## Simulator vs measured restore time (per request, the median of its repeated runs)", "",
+             "", *_bound_section(body.get("bounds", []), table),
+             "## Simulator vs measured restore time (per request, the median of its repeated runs)", "",
              table(["batch", "policy", "mean real (s)", "mean sim (s)", "error of mean", "median error",
                     "worst error", "one run vs median: median / worst"],
                    [[e["batch"], e["policy"], e["mean_restore_real_s"], e["mean_restore_sim_s"], e["mean_rel_error"],
@@ -145,6 +150,18 @@ def write_markdown(path: Path, body: dict[str, Any], table: Callable[..., str]) 
                    [[r["tio_over_tcomp"], r["batch"], r["policy"], r["mean_s"], r["p50_s"], r["p90_s"], r["p99_s"]]
                     for r in body["cluster_scale"]]), ""]
     path.write_text("\n".join(lines))
+
+
+def _bound_section(bounds: list[dict[str, Any]], table: Callable[..., str]) -> list[str]:
+    """Each policy's mean and slowest-request TTFT over the batch bound (the calibrated cost model's)."""
+    if not bounds:
+        return []
+    rows = [[b["batch"], policy, f"{b['bound_mean_s']:.3f} / {b['bound_max_s']:.3f}", v["mean_over_bound"],
+             v["max_over_bound"]] for b in bounds for policy, v in b["policies"].items()]
+    return ["## Against the batch bound (`cacheflow_common/sched/bound.py`, on the calibrated cost model)", "",
+            "No schedule of these requests can beat the bound: a linear relaxation solved exactly, loose where it "
+            "drops the order of units, step granularity and the CPU loads take from the compute loops.", "",
+            table(["batch", "policy", "bound mean / slowest (s)", "mean / bound", "slowest / bound"], rows), ""]
 
 
 def _num(value: float | None) -> str:

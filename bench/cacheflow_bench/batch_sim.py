@@ -11,6 +11,7 @@ from typing import Any
 from cacheflow_bench.batch_report import by_batch_and_policy
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.sim import ModelShape, SimConfig, simulate
+from cacheflow_common.sim.bound_input import trace_bound
 from cacheflow_common.sim.config import balanced_link_gbps
 from cacheflow_common.sim.replay import ReplayRequest
 from cacheflow_common.sim.trace import TraceRequest
@@ -164,3 +165,29 @@ def _median_request(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """One request's measurements over repeated runs: the median restore time and lookup (tokens: the first run's)."""
     return {**samples[0], "restore_s": statistics.median(m["restore_s"] for m in samples),
             "lookup_s": statistics.median(m["lookup_s"] for m in samples)}
+
+
+def batch_bounds(profile: Profile, shape: ModelShape, requests: list[ReplayRequest], runs: list[dict[str, Any]],
+                 link: float, chunk_size: int, calibration: Calibration, slots: int = 40) -> list[dict[str, Any]]:
+    """Per batch size: the batch bound (`sched.bound`) of the requests on the calibrated cost model, and each
+    policy's mean and slowest-request TTFT (medians over its runs) over it. The bound's grid ends at the
+    earliest last first token any run measured."""
+    trace = [r.trace for r in requests]
+    out = []
+    for batch in sorted({run["batch"] for run in runs}):
+        mine = [run for run in runs if run["batch"] == batch]
+        horizon = min(max(t.arrival_s + q["ttft_s"] for t, q in zip(trace, run["requests"], strict=True))
+                      for run in mine)
+        config = sim_config(profile, shape, policy="cacheflow", batch=batch, n_stages=N_STAGES, n_channels=N_PODS,
+                            link_gbps=link, chunk_size=chunk_size, calibration=calibration)
+        bound = trace_bound(trace, config, horizon_s=horizon, slots=slots)
+        policies = {}
+        for policy in sorted({run["policy"] for run in mine}):
+            theirs = [run for run in mine if run["policy"] == policy]
+            mean = statistics.median(run["mean_s"] for run in theirs)
+            slowest = statistics.median(max(q["ttft_s"] for q in run["requests"]) for run in theirs)
+            policies[policy] = {"mean_s": mean, "max_s": slowest, "mean_over_bound": mean / bound.mean_ttft_s,
+                                "max_over_bound": slowest / bound.max_ttft_s}
+        out.append({"batch": batch, "bound_mean_s": bound.mean_ttft_s, "bound_max_s": bound.max_ttft_s,
+                    "policies": policies})
+    return out

@@ -33,8 +33,14 @@ def test_batch_benchmark_quick_run(tmp_path):
         if run["policy"] == "load-only":  # storage holds every chunk: nothing is recomputed
             assert all(sum(r["units_computed"]) == 0 < sum(r["units_loaded"]) for r in run["requests"])
     assert body["calibration"]["slowdown"] >= 1
+    assert [b["batch"] for b in body["bounds"]] == [2, 8]
+    for bound in body["bounds"]:
+        assert bound["bound_mean_s"] > 0 and bound["bound_max_s"] > 0
+        assert set(bound["policies"]) == {p for b, p in ((r["batch"], r["policy"]) for r in body["runs"])
+                                          if b == bound["batch"]}
+    assert summary["mean_over_bound_cacheflow_b8"] > 0 and summary["max_over_bound_cake_b8"] > 0
     assert {r["tio_over_tcomp"] for r in body["cluster_scale"]} == {2.0, 1.0, 0.5}
     assert body["link"]["emulated"] is True
     md = (tmp_path / "batch.md").read_text()
-    assert md.startswith("# Batch restore") and "emulated" in md and "Baselines" in md
+    assert md.startswith("# Batch restore") and "emulated" in md and "Baselines" in md and "batch bound" in md
     assert (tmp_path / "batch.png").stat().st_size > 0

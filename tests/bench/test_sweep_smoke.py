@@ -40,7 +40,7 @@ def test_cluster_sweep_replays_every_cell_and_joins_the_batch_results(tmp_path: 
             cell = row[policy]
             assert len(cell["ttft_s"]) == len(cell["sim_ttft_s"]) == 6 and min(cell["ttft_s"]) > 0
             assert cell["sim_mean_rel_error"] >= 0 and cell["max_s"] >= cell["mean_s"]
-        assert 0 < row["bound"]["mean_s"] <= row["bound"]["max_s"]
+        assert row["bound"]["mean_s"] > 0 and row["bound"]["max_s"] > 0
     merged = json.loads((tmp_path / "batch.json").read_text())["summary"]
     assert merged["batch"] == 8 and "sweep_stale" not in merged
     assert merged["sweep_worst_max_ratio_vs_cake"] == body["headline"]["sweep_worst_max_ratio_vs_cake"]

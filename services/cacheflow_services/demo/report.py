@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from cacheflow_bench.common import command_line, machine_facts, markdown_table, write_json
+from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.sim.replay import ReplayRequest
 from cacheflow_services.local_cluster import ClusterSpec
 
@@ -16,7 +17,10 @@ POLICY_KEY = {  # what each policy stands for, in the report and on the terminal
     "load-only": "loads the whole prefix's KV from storage: what LMCache does",
     "cake": "Cake, CacheFlow's token-wise predecessor: compute from the front, load from the back, claimed greedily",
     "cacheflow": "CacheFlow: the same two pointers, planned to meet where compute and I/O actually meet, "
-                 "token-wise or layer-wise by the profiled L_delta",
+                 "token-wise or layer-wise by the profiled L_delta; each compute step advances the shortest and "
+                 "the oldest requests, the channels serve the oldest",
+    "cacheflow-srpt": "CacheFlow with the rule it replaced: every request in every step, the channels to the "
+                      "least recomputation left",
     "cacheflow-token": "CacheFlow, token-wise only",
     "cacheflow-layer": "CacheFlow, layer-wise only (the front layers recomputed, the back ones loaded)",
 }
@@ -30,7 +34,7 @@ def table_rows(runs: list[dict[str, Any]]) -> list[list[Any]]:
 
 
 def key_lines(runs: list[dict[str, Any]]) -> list[str]:
-    return [f"{r['policy']}: {POLICY_KEY.get(r['policy'], 'a restore policy')}" for r in runs]
+    return [f"{r['policy']}: {POLICY_KEY.get(r['policy']) or POLICIES[r['policy']].summary}" for r in runs]
 
 
 def print_key(runs: list[dict[str, Any]]) -> None:
