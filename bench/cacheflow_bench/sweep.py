@@ -86,8 +86,14 @@ def windows(path: Path, start: int, count: int, size: int) -> list[list[ReplayRe
     return out
 
 
+def at_level(window: list[ReplayRequest], scale: float) -> list[ReplayRequest]:
+    """The window with its arrival times multiplied by `scale`."""
+    return [replace(r, trace=replace(r.trace, arrival_s=r.trace.arrival_s * scale)) for r in window]
+
+
 def scaled(window: list[ReplayRequest], scale: float) -> list[TraceRequest]:
-    return [replace(r.trace, arrival_s=r.trace.arrival_s * scale) for r in window]
+    """The window's trace requests at a load level (arrival times multiplied by `scale`)."""
+    return [r.trace for r in at_level(window, scale)]
 
 
 def stats(ttft: list[float]) -> dict[str, float]:
@@ -141,12 +147,12 @@ def cluster_rows(args: argparse.Namespace, wins: list[list[ReplayRequest]]
     from cacheflow_bench.sweep_cluster import cluster_cells  # the cluster's services, only when they run
 
     cells, run = cluster_cells(args, wins, LEVELS, args.policy_names)
+    config = sim_config(run["profile"], run["shape"], policy="cacheflow", batch=BATCH, n_stages=N_STAGES,
+                        n_channels=N_PODS, link_gbps=run["link_gbps_per_pod"], chunk_size=CHUNK,
+                        calibration=run["calibration"])  # the bound's cost model (its policy plays no part)
     rows = []
     for cell in cells:
         trace = scaled(wins[cell["window"]], LEVELS[cell["level"]])
-        config = sim_config(run["profile"], run["shape"], policy="cacheflow", batch=BATCH, n_stages=N_STAGES,
-                            n_channels=N_PODS, link_gbps=run["link_gbps_per_pod"], chunk_size=CHUNK,
-                            calibration=run["calibration"])
         out = {p: stats(cell[p]["ttft_s"]) | cell[p] | _sim_error(cell[p]) for p in args.policy_names}
         rows.append({"level": cell["level"], "window": cell["window"], "failed_first_try": cell["failed_first_try"],
                      **with_bound(out, trace, config, args.policy_names, args.slots)})
@@ -195,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = (int(wins[0][0].trace.request_id), int(wins[-1][-1].trace.request_id)) if wins else (0, 0)
     body = {**provenance(args.quick), "simulated": args.sim_only, "policies": args.policy_names,
             "windows": len(wins), "requests": args.requests, "rounds": None if args.sim_only else args.rounds,
-            "lines": lines, **run, "levels": LEVELS, "headline": summary_keys(rows, LEVELS),
+            "lines": lines, **run, "levels": LEVELS, "headline": summary_keys(rows, args.policy_names),
             "summary": summarize(rows, args.policy_names), "rows": rows}
     out = results_dir(args)
     name = "sweep_sim" if args.sim_only else "sweep"

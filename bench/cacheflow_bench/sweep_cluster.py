@@ -16,14 +16,22 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from cacheflow_bench.batch import coordinator_for, profile_machine, replay_retried, start
-from cacheflow_bench.batch_sim import N_PODS, N_STAGES, Calibration, calibrate, model_shape, sim_config
+from cacheflow_bench.batch_sim import (
+    N_PODS,
+    N_STAGES,
+    Calibration,
+    calibrate,
+    model_shape,
+    sim_config,
+    simulated,
+)
+from cacheflow_bench.sweep import at_level
 from cacheflow_common.restore.profile import Profile
-from cacheflow_common.sim import ModelShape, simulate
+from cacheflow_common.sim import ModelShape
 from cacheflow_common.sim.config import balanced_link_gbps
 from cacheflow_common.sim.replay import ReplayRequest
 from cacheflow_services.demo.run import round_orders
@@ -32,17 +40,11 @@ from cacheflow_services.replay import warm_up
 MODEL = "tiny"
 
 
-def at_level(window: list[ReplayRequest], scale: float) -> list[ReplayRequest]:
-    """The window with its arrival times multiplied by `scale`."""
-    return [replace(r, trace=replace(r.trace, arrival_s=r.trace.arrival_s * scale)) for r in window]
-
-
 def cluster_cells(args: argparse.Namespace, windows: list[list[ReplayRequest]], levels: dict[str, float],
                   policies: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every window at every level on the local cluster: per cell, each policy's per-request TTFTs (mean over
     the rounds) and the simulator's prediction of its mean; and the run's calibration and link."""
     shape = model_shape()
-    every = [r for window in windows for r in window]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         print(f"{len(windows)} windows of {len(windows[0])} requests; profiling ...", flush=True)
@@ -55,7 +57,7 @@ def cluster_cells(args: argparse.Namespace, windows: list[list[ReplayRequest]], 
                 url, token = coordinator.url, cluster.token
                 print("storing the first window's prefixes; calibrating ...", flush=True)
                 warm_up(url, token, MODEL, windows[0], cluster.workers)
-                calibration = calibrate(url, token, every[: len(windows[0])], profile, shape, link, args.chunk_size)
+                calibration = calibrate(url, token, windows[0], profile, shape, link, args.chunk_size)
                 print(f"calibration (measured / profiled, one request alone): {calibration}", flush=True)
                 replay_retried(url, token, at_level(windows[0], levels["medium"]), policies[-1])  # warm-up
                 cells = []
@@ -101,9 +103,6 @@ def _add_prediction(cell: dict[str, Any], window: list[ReplayRequest], scale: fl
     """The calibrated simulator's TTFTs of each policy in `cell`, with the prefixes and lookups the real run had."""
     requests = at_level(window, scale)
     for policy in policies:
-        measured = cell[policy].pop("measured")
-        trace = [replace(r.trace, cached_tokens=m["restored"], arrival_s=r.trace.arrival_s + m["lookup_s"])
-                 for r, m in zip(requests, measured, strict=True)]
         config = sim_config(profile, shape, policy=policy, batch=args.batch, n_stages=N_STAGES, n_channels=N_PODS,
                             link_gbps=link, chunk_size=args.chunk_size, calibration=calibration)
-        cell[policy]["sim_ttft_s"] = [r.ttft_s for r in simulate(trace, config).requests]
+        cell[policy]["sim_ttft_s"] = simulated(config, requests, cell[policy].pop("measured"), "ttft_s")

@@ -10,7 +10,7 @@ from typing import Any
 LOADED = ("medium", "overload")  # the levels where requests overlap enough to schedule
 
 
-def summary_keys(rows: list[dict[str, Any]], levels: dict[str, float]) -> dict[str, float]:
+def summary_keys(rows: list[dict[str, Any]], policies: list[str]) -> dict[str, float]:
     """CacheFlow against Cake and the bound, over windows: worst at the loaded levels, worst at light, median at
     overload; and the calibrated simulator's error, where the rows have one (the cluster sweep)."""
     def ratios(level_names: tuple[str, ...], key: str, against: str = "cake") -> list[float]:
@@ -23,8 +23,7 @@ def summary_keys(rows: list[dict[str, Any]], levels: dict[str, float]) -> dict[s
         "sweep_overload_median_mean_ratio_vs_cake": statistics.median(ratios(("overload",), "mean_s")),
         "sweep_overload_median_mean_ratio_vs_bound": statistics.median(ratios(("overload",), "mean_s", "bound")),
     }
-    errors = [cell["sim_mean_rel_error"] for r in rows for cell in r.values()
-              if isinstance(cell, dict) and "sim_mean_rel_error" in cell]
+    errors = [r[p]["sim_mean_rel_error"] for r in rows for p in policies if "sim_mean_rel_error" in r[p]]
     if errors:
         out |= {"sweep_sim_mean_rel_error": statistics.fmean(errors), "sweep_sim_max_rel_error": max(errors)}
     return out
