@@ -161,6 +161,17 @@ def test_the_readme_table_says_n_a_for_keys_an_older_result_lacks_and_when_cache
         readme_table.block({"vllm": vllm})
 
 
+def test_the_readme_batch_row_carries_the_trace_sweep_only_where_batch_json_has_its_keys():
+    body = {"summary": {"batch": 8}, "runs": [], "machine": {"git": "abc1234"}}
+    assert "Trace sweep" not in readme_table.block({"batch": body})
+    keys = {"sweep_worst_mean_ratio_vs_cake": 1.05, "sweep_worst_max_ratio_vs_cake": 1.06,
+            "sweep_light_worst_mean_ratio_vs_cake": 1.03, "sweep_overload_median_mean_ratio_vs_cake": 0.95,
+            "sweep_overload_median_mean_ratio_vs_bound": 3.4, "sweep_sim_mean_rel_error": 0.4}
+    row = readme_table.block({"batch": {**body, "summary": {"batch": 8, **keys}}})
+    assert "CacheFlow / Cake worst mean 1.05× and worst slowest request 1.06×" in row
+    assert "overload median ≤ 0.85× and ≤ 1.15× the bound" in row
+
+
 def test_the_readme_is_left_alone_for_results_outside_the_committed_folder(tmp_path, monkeypatch):
     fake_results(tmp_path, {"storage": "abc1234"})
     monkeypatch.setattr(readme_table, "README", tmp_path / "missing-README.md")  # touching it would fail
