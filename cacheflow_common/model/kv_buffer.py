@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from cacheflow_common.model.config import ModelConfig
+from cacheflow_common.model.layers import attention
 
 
 class KVBuffer:
@@ -27,6 +28,24 @@ class KVBuffer:
                   device: torch.device | str = "cpu") -> KVBuffer:
         return cls(layer_start=layers.start, layer_end=layers.stop, num_kv_heads=config.num_kv_heads,
                    head_dim=config.head_dim, capacity=capacity, dtype=dtype, device=device)
+
+    def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write one layer's K/V of positions [start, start + T), then attend over [0, start + T) causally:
+        q [H, T, D], k/v [Hkv, T, D] -> [H, T, D]. (Subclasses attend with another kernel over the same KV.)"""
+        end = self.write(layer, start, k, v)
+        buf = self.layer(layer)  # [2, Hkv, capacity, D]
+        keys, values = buf[0, :, :end].to(q.dtype), buf[1, :, :end].to(q.dtype)  # [Hkv, end, D]
+        return attention(q, keys, values, start)
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Store k/v [Hkv, T, D] at positions [start, start + T) of absolute `layer`; returns start + T."""
+        end = start + k.shape[1]
+        if end > self.capacity:
+            raise ValueError(f"positions up to {end} exceed the KV buffer's capacity {self.capacity}")
+        buf = self.layer(layer)  # [2, Hkv, capacity, D]
+        buf[0, :, start:end] = k
+        buf[1, :, start:end] = v
+        return end
 
     def layer(self, layer: int) -> torch.Tensor:
         """[2, Hkv, capacity, D] view of absolute layer `layer`."""

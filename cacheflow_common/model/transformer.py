@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.kv_buffer import KVBuffer
-from cacheflow_common.model.layers import Weights, attention, dense_mlp, linear, moe_mlp, rms_norm
+from cacheflow_common.model.layers import Weights, dense_mlp, linear, moe_mlp, rms_norm
 from cacheflow_common.model.rope import RotaryTable, apply_rope
 from cacheflow_common.model.weights import (
     checkpoint_fingerprint,
@@ -161,13 +161,7 @@ class Transformer:
             kh = rms_norm(kh, w[p + "k_norm.weight"], c.rms_norm_eps)
         cos, sin = self._rope.at(start, end, q.dtype)  # [T, D] each
         qh, kh = apply_rope(qh, cos, sin), apply_rope(kh, cos, sin)
-        if end > span.kv.capacity:
-            raise ValueError(f"positions up to {end} exceed the KV buffer's capacity {span.kv.capacity}")
-        buf = span.kv.layer(layer)  # [2, Hkv, capacity, D]
-        buf[0, :, start:end] = kh
-        buf[1, :, start:end] = vh
-        keys, values = buf[0, :, :end].to(q.dtype), buf[1, :, :end].to(q.dtype)  # [Hkv, end, D]
-        o = attention(qh, keys, values, start)  # [H, T, D]
+        o = span.kv.attend(layer, start, qh, kh, vh)  # [H, T, D]
         return o.transpose(0, 1).reshape(t, c.num_heads * c.head_dim)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from cacheflow_common.errors import ConfigError
 from cacheflow_common.sched.policies import POLICIES
 
 ON_MISS = ("cacheflow", "vllm")
+ATTENTION = ("vllm", "cacheflow")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +29,9 @@ class ConnectorConfig:
     model: str = ""  # the model's directory (config.json + safetensors); default: the directory vLLM serves
     share_weights: bool = True  # recompute with vLLM's loaded model; off (or not covered): a copy from `model`
     batch_restores: bool = True  # a step's loads restored together by the batch engine; off: one after another
+    async_loads: bool = True  # restore in the background while vLLM steps the rest of the batch; off: in the step
+    restore_timeout_s: float = 60.0  # a background restore still running after this is cancelled: vLLM recomputes
+    attention: str = "vllm"  # the compute pointer's attention: vLLM's CPU kernel over the blocks, or CacheFlow's
     stats_file: str = ""  # append one JSON line per restore / save / load error (tests, benchmarks)
 
     def __post_init__(self) -> None:
@@ -39,6 +43,10 @@ class ConnectorConfig:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.on_miss not in ON_MISS:
             raise ConfigError(f"on_miss must be one of {ON_MISS}, got {self.on_miss!r}")
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
+        if self.restore_timeout_s <= 0:
+            raise ConfigError(f"restore_timeout_s must be positive, got {self.restore_timeout_s}")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], *, served_model: str) -> ConnectorConfig:

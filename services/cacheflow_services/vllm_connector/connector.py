@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class CacheFlowMetadata(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)  # restored in the step, before its forward
+    background_loads: list[LoadSpec] = field(default_factory=list)  # started now, reported by get_finished
     saves: list[SaveSpec] = field(default_factory=list)
     scheduled: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (rows this step, prompt length)
     finished: list[str] = field(default_factory=list)
@@ -85,19 +86,27 @@ class CacheFlowConnector(KVConnectorBase_V1):
             self._plan = _scheduler_plan(self.cfg, block_size, dtype, pp_size)
         else:
             device = "cpu" if vllm_config.device_config.device_type == "cpu" else "cuda"
-            layout = _paged_layout(vllm_config) if device == "cpu" else "split"
+            isa = _cpu_attention_isa(vllm_config) if device == "cpu" else ""
+            layout = _paged_layout(isa) if device == "cpu" else "split"
             self._engine = WorkerEngine(self.cfg, dtype=dtype, block_size=block_size, device=device, layout=layout,
                                         vllm_model=lambda: find_vllm_model(vllm_config),
-                                        layers=_rank_layers(self.cfg, vllm_config))
+                                        layers=_rank_layers(self.cfg, vllm_config), attention_isa=isa)
 
     # ------------------------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The tokens CacheFlow can restore past vLLM's own hit, and whether it restores them in the background
+        (`async_loads`: the request waits in WAITING_FOR_REMOTE_KVS while the batch goes on)."""
         assert self._plan is not None
-        return self._plan.matched(request.request_id, list(request.prompt_token_ids or ()), num_computed_tokens), False
+        matched = self._plan.matched(request.request_id, list(request.prompt_token_ids or ()), num_computed_tokens)
+        return matched, matched > 0 and self.cfg.async_loads
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._plan is not None
-        self._plan.allocated(request.request_id, num_external_tokens)
+        if self.cfg.async_loads:
+            self._plan.allocated_in_background(request.request_id, list(request.prompt_token_ids or ()),
+                                               blocks.get_block_ids()[0], num_external_tokens)
+        else:
+            self._plan.allocated(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         plan, meta = self._plan, CacheFlowMetadata()
@@ -118,6 +127,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
         for req_id in scheduler_output.finished_req_ids:
             plan.finished(req_id)
             self._prompt_lens.pop(req_id, None)
+        meta.background_loads = plan.take_background_loads()
         meta.scheduled = {r: (n, self._prompt_lens.get(r, 0)) for r, n in scheduled.items()}
         meta.finished = list(scheduler_output.finished_req_ids)
         return meta
@@ -140,6 +150,8 @@ class CacheFlowConnector(KVConnectorBase_V1):
             self._engine.begin_step([(r, *meta.scheduled[r]) for r in order if r in meta.scheduled])
         if meta.loads:
             self._load_errors |= self._engine.load_step(meta.loads)
+        if meta.background_loads:
+            self._engine.start_loads(meta.background_loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv restores every layer before the forward pass starts
@@ -154,6 +166,16 @@ class CacheFlowConnector(KVConnectorBase_V1):
         for spec in meta.saves:
             self._engine.save(spec)
         self._engine.finished(meta.finished)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(None: saves never hold blocks, the background restores that ended): vLLM schedules those
+        requests next; the blocks any of them failed to restore go out with this same pass's load errors."""
+        assert self._engine is not None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, CacheFlowMetadata) and not meta.scheduled
+        done, failed = self._engine.finished_loads(finished_req_ids, idle=idle)
+        self._load_errors |= failed
+        return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -176,12 +198,16 @@ def _add(meta: CacheFlowMetadata, load: LoadSpec | None, save: SaveSpec | None) 
         meta.saves.append(save)
 
 
-def _paged_layout(vllm_config: VllmConfig) -> str:
-    """How vLLM's CPU attention kernel arranges K and V in a block: it depends on its ISA (paged.py)."""
+def _cpu_attention_isa(vllm_config: VllmConfig) -> str:
+    """The kernel vLLM's CPU attention backend runs for this model and cache (vec, vec16, amx, ...)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # the backend's own choice, private in 0.32
 
     model, cache = vllm_config.model_config, vllm_config.cache_config
-    isa = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+    return str(_get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype))
+
+
+def _paged_layout(isa: str) -> str:
+    """How vLLM's CPU attention kernel arranges K and V in a block: it depends on its ISA (paged.py)."""
     layouts = {"vec": "cpu-vec", "vec16": "cpu-vec", "amx": "cpu-plain"}  # measured on x86 (paged.py)
     if isa not in layouts:
         raise ConfigError(f"the CacheFlow connector does not know the KV layout of vLLM's CPU attention ISA {isa!r} "

@@ -53,6 +53,7 @@ class SchedulerPlan:
         self._cached: dict[str, int] = {}  # request -> cached prefix tokens, from its lookup
         self._loads: dict[str, int] = {}  # request -> first position to load (vLLM holds the ones before)
         self._tracked: dict[str, _Tracked] = {}
+        self._background: list[LoadSpec] = []  # loads to start in the background, at the next step
 
     def matched(self, req_id: str, prompt: Sequence[int], num_computed: int) -> int:
         """Tokens past vLLM's own `num_computed` that CacheFlow can provide (at least one prompt token is
@@ -65,9 +66,28 @@ class SchedulerPlan:
         if num_external > 0:
             self._loads[req_id] = self._cached[req_id] - num_external
 
+    def allocated_in_background(self, req_id: str, prompt: Sequence[int], block_ids: Sequence[int],
+                                num_external: int) -> None:
+        """vLLM allocated blocks for a load that runs in the background while the request waits (it is
+        scheduled only once the load finished); the load starts with the next step."""
+        if num_external <= 0:
+            return
+        cached = self._cached.pop(req_id)
+        tracked = _Tracked(tuple(prompt), list(block_ids), saved=cached)
+        self._tracked[req_id] = tracked
+        self._background.append(LoadSpec(req_id, tracked.prompt[:cached], tuple(block_ids), cached - num_external))
+
+    def take_background_loads(self) -> list[LoadSpec]:
+        loads, self._background = self._background, []
+        return loads
+
     def new_request(self, req_id: str, prompt: Sequence[int], block_ids: Sequence[int], computed_after: int
                     ) -> tuple[LoadSpec | None, SaveSpec | None]:
         """A request scheduled for the first time; `computed_after`: its tokens with KV after this step."""
+        tracked = self._tracked.get(req_id)
+        if tracked is not None:  # its prefix was restored in the background before this first schedule
+            tracked.block_ids = list(block_ids)
+            return None, self._save(req_id, tracked, computed_after)
         cached = self._cached.pop(req_id, 0)
         tracked = _Tracked(tuple(prompt), list(block_ids), saved=cached)
         self._tracked[req_id] = tracked

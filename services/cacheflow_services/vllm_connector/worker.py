@@ -36,6 +36,7 @@ import torch
 from cacheflow_common.engine import RestoreEngine, RestoreJob, RestoreResult
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
+from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.model.weights import checkpoint_fingerprint
 from cacheflow_common.restore.profile import Profile
@@ -43,8 +44,10 @@ from cacheflow_common.restore.save import make_job
 from cacheflow_common.store.placement import ClusterStore
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
 from cacheflow_common.transport.shaping import gbps
+from cacheflow_services.vllm_connector.async_loads import AsyncLoads
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather, layer_index, scatter
+from cacheflow_services.vllm_connector.paged_attention import PagedKV
 from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
 from cacheflow_services.vllm_connector.ranks import BoundaryCapture, rank_layers
 from cacheflow_services.vllm_connector.restorer import engine_settings
@@ -79,10 +82,12 @@ class StatsLog:
 
 class WorkerEngine:
     def __init__(self, cfg: ConnectorConfig, *, dtype: torch.dtype, block_size: int, device: str,
-                 layout: str, vllm_model: VllmModel | None = None, layers: range | None = None) -> None:
+                 layout: str, vllm_model: VllmModel | None = None, layers: range | None = None,
+                 attention_isa: str = "") -> None:
         """`vllm_model` finds vLLM's loaded model module (None while it cannot); it is asked now, and if it
         has no answer yet, again at `register` and at the first load, before falling back to a copy.
-        `layers`: this pipeline rank's layers, where known before `register` (its copy then loads only them)."""
+        `layers`: this pipeline rank's layers, where known before `register` (its copy then loads only them).
+        `attention_isa`: vLLM's CPU attention kernel, where restores attend with it (`PagedKV`); "": CacheFlow's."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown paged KV layout {layout!r}; known: {LAYOUTS}")
         self.cfg = cfg
@@ -105,7 +110,9 @@ class WorkerEngine:
         self.layers = layers or range(self.config.num_layers)  # this rank's layers [a, b), set at `register`
         self.capture = BoundaryCapture()  # the hidden state entering layer a (ranks with a > 0 that save)
         self.policy, self.link = connector_policy(cfg, self.profile)  # the link: bytes/s, if known
+        self.attention_isa = attention_isa if cfg.attention == "vllm" else ""
         self._engine: RestoreEngine | None = None  # started at the first restore
+        self._async = AsyncLoads(self, timeout_s=cfg.restore_timeout_s) if cfg.async_loads else None
         self._runtime.choose(self.layers, final=False)
 
     # ------------------------------------------------------------------------------------ runtime
@@ -159,52 +166,86 @@ class WorkerEngine:
         recompute (those of every restore that failed outright, and of misses with `on_miss="vllm"`)."""
         failed: set[int] = set()
         jobs: dict[str, RestoreJob] = {}
+        kvs: dict[str, KVBuffer] = {}
         for spec in specs:
             try:
-                jobs[spec.req_id] = make_job(self.model, spec.token_ids, tenant=self.cfg.tenant,
-                                             chunk_size=self.cfg.chunk_size, layers=self.layers)
+                jobs[spec.req_id] = self.job(spec)
+                kvs[spec.req_id] = self.buffer(spec, jobs[spec.req_id])
             except Exception as exc:
-                failed |= self._failed_load(spec, exc)
+                failed |= self.failed_load(spec, exc)
         together = self.cfg.batch_restores and len(jobs) > 1
-        engine, policy = self._restorer(), self.policy
-        outcomes = engine.restore_batch(jobs, self.store, policy) if together else {
-            request_id: engine.restore_batch({request_id: job}, self.store, policy)[request_id]
+        engine, policy = self.engine(), self.policy
+        outcomes = engine.restore_batch(jobs, self.store, policy, kvs=kvs) if together else {
+            request_id: engine.restore_batch({request_id: job}, self.store, policy, kvs=kvs)[request_id]
             for request_id, job in jobs.items()}
         for spec in specs:
             outcome = outcomes.get(spec.req_id)
             if isinstance(outcome, Exception):
-                failed |= self._failed_load(spec, outcome)
+                failed |= self.failed_load(spec, outcome)
             elif outcome is not None:
-                failed |= self._land(spec, jobs[spec.req_id], outcome, batch=len(jobs) if together else 1)
+                failed |= self.land(spec, jobs[spec.req_id], outcome, batch=len(jobs) if together else 1)
         return failed
 
-    def _failed_load(self, spec: LoadSpec, exc: Exception) -> set[int]:
+    def start_loads(self, specs: Sequence[LoadSpec]) -> None:
+        """Restore prefixes in the background (`async_loads`); `finished_loads` reports them."""
+        assert self._async is not None, "start_loads needs async_loads"
+        self._async.start(specs)
+
+    def finished_loads(self, finished_requests: Sequence[str] | set[str], *, idle: bool) -> tuple[set[str], set[int]]:
+        """Background restores that ended since the last call, and the block ids vLLM must recompute."""
+        if self._async is None:
+            return set(), set()
+        return self._async.collect(finished_requests, idle=idle)
+
+    def job(self, spec: LoadSpec) -> RestoreJob:
+        return make_job(self.model, spec.token_ids, tenant=self.cfg.tenant, chunk_size=self.cfg.chunk_size,
+                        layers=self.layers)
+
+    def buffer(self, spec: LoadSpec, job: RestoreJob) -> KVBuffer:
+        """The restore's KV: also written into the request's blocks and attended over there with vLLM's CPU
+        kernel where it runs (`attention_isa`), else CacheFlow's own buffer and attention."""
+        n = max(1, len(job.token_ids))
+        if not self.attention_isa:
+            return self.model.new_kv(job.layers, n)
+        return PagedKV(self.config, layers=job.layers, capacity=n, dtype=self.model.dtype,
+                       caches=dict(self.caches), block_ids=spec.block_ids, block_size=self.block_size,
+                       isa=self.attention_isa, first_writable=spec.start)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self.stats.event(kind, **fields)
+
+    def failed_load(self, spec: LoadSpec, exc: BaseException) -> set[int]:
         """A failed restore is a failed load: vLLM recomputes the prefix."""
         log.error("CacheFlow restore of %s failed (%s: %s); vLLM recomputes it", spec.req_id, type(exc).__name__, exc)
         self.stats.event("load_error", req=spec.req_id, tokens=len(spec.token_ids),
                          error=f"{type(exc).__name__}: {exc}")
         return blocks_from(spec, spec.start, self.block_size)
 
-    def _land(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult, *, batch: int) -> set[int]:
-        """Scatter a restored prefix into the request's blocks, log it, and deal with its misses."""
+    def land(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult, *, batch: int) -> set[int]:
+        """Put a restored prefix into the request's blocks, log it, and deal with its misses."""
         n = len(spec.token_ids)
-        kv = result.kv.data  # [b - a, 2, Hkv, N, D]: this rank's layers
-        for layer, cache in self.caches:
-            part = kv[layer - result.kv.layer_start, :, :, spec.start : n]  # [2, Hkv, n - start, D]
-            scatter(cache, self.layout, spec.block_ids, self.block_size, spec.start, part)
+        if isinstance(result.kv, PagedKV):  # what it computed is there already: the loaded positions
+            result.kv.fill_all(n)
+        else:
+            kv = result.kv.data  # [b - a, 2, Hkv, N, D]: this rank's layers
+            for layer, cache in self.caches:
+                part = kv[layer - result.kv.layer_start, :, :, spec.start : n]  # [2, Hkv, n - start, D]
+                scatter(cache, self.layout, spec.block_ids, self.block_size, spec.start, part)
         sources = result.sources()
         self.stats.event("restore", req=spec.req_id, tokens=n, written=n - spec.start, policy=self.policy,
                          mode=result.mode, computed=sources.count("computed"),
                          loaded=sources.count("loaded"), misses=dict(result.misses),
                          bytes_loaded=result.bytes_loaded, elapsed_s=result.elapsed_s, batch=batch,
-                         runtime=self.runtime)
+                         runtime=self.runtime, asynchronous=self._async is not None,
+                         attention="vllm" if isinstance(result.kv, PagedKV) else "cacheflow")
         return self._after_misses(spec, job, result)
 
-    def _restorer(self) -> RestoreEngine:
-        """The engine every restore runs in, started at the first."""
+    def engine(self) -> RestoreEngine:
+        """The engine every restore runs in, started at the first: its compute loop on a thread of its own
+        for background restores, else on vLLM's thread (a restore in the step)."""
         if self._engine is None:
             settings = engine_settings(self.cfg, self.layers, self.profile, self.link, self.policy)
-            self._engine = RestoreEngine(settings, self.model, loop_thread=False)  # vLLM's thread computes
+            self._engine = RestoreEngine(settings, self.model, loop_thread=self._async is not None)
         return self._engine
 
     def _after_misses(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult) -> set[int]:
@@ -241,6 +282,8 @@ class WorkerEngine:
 
     def close(self) -> None:
         self.capture.detach()
+        if self._async is not None:
+            self._async.close()
         if self._engine is not None:
             self._engine.close()
         self.saves.close()

@@ -1,0 +1,182 @@
+"""Restores that never hold vLLM's batch back (`async_loads`, the default).
+
+vLLM's scheduler parks a request whose prefix CacheFlow holds in WAITING_FOR_REMOTE_KVS, its blocks
+allocated, and keeps stepping the rest of the batch. The worker side hands each such load to the restore
+engine, whose compute loop runs on a thread of its own: requests waiting at the same time restore
+together in the one batch scheduler (the stage workers' own), and a request arriving later joins the
+batch in flight. As each restore finishes, a background thread lands it in the request's blocks, and the
+next `get_finished` returns the request, with the blocks vLLM must recompute (a restore that failed, was
+cancelled or timed out, or chunks missed with `on_miss="vllm"`) reported through vLLM's load-error path
+in the same pass. Every load is reported exactly once, whatever happens to it: vLLM frees a waiting
+request's blocks only then.
+
+On one thread: building a restore (its chunk lookups) and landing it; vLLM's forward thread only queues
+loads and collects what finished. When a step schedules no tokens (every request is waiting for its
+restore), `collect` waits up to `IDLE_WAIT_S` for one to finish rather than have vLLM's engine spin a
+core the restores need.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+from cacheflow_common.engine import RestoreEngine, RestoreJob, RestoreResult
+from cacheflow_common.engine.engine import as_result
+from cacheflow_common.engine.stage_restore import StageRestore
+from cacheflow_common.errors import CacheFlowError
+from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.stage_api import RestoreSummary
+from cacheflow_common.store.base import ChunkStore
+from cacheflow_services.vllm_connector.plan import LoadSpec
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.02  # longest wait in an idle step: bounds how late a new request is seen meanwhile
+JOIN_S = 10.0
+
+
+class Restorer(Protocol):
+    """What the worker engine lends the background loads."""
+
+    @property
+    def store(self) -> ChunkStore: ...
+    @property
+    def policy(self) -> str: ...
+
+    def engine(self) -> RestoreEngine: ...
+    def job(self, spec: LoadSpec) -> RestoreJob: ...
+    def buffer(self, spec: LoadSpec, job: RestoreJob) -> KVBuffer: ...
+    def land(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult, *, batch: int) -> set[int]: ...
+    def failed_load(self, spec: LoadSpec, exc: BaseException) -> set[int]: ...
+    def event(self, kind: str, **fields: object) -> None: ...
+
+
+class RequestFinished(CacheFlowError):
+    """vLLM finished (aborted) the request while its prefix was being restored."""
+
+
+@dataclass
+class _Pending:
+    spec: LoadSpec
+    started_s: float
+    batch: int  # loads in flight when it started: its own step's and those before
+    restore: StageRestore | None = None
+    error: BaseException | None = None  # why it was cancelled: vLLM finished the request, or it timed out
+
+    @property
+    def aborted(self) -> bool:
+        return isinstance(self.error, RequestFinished)
+
+
+class AsyncLoads:
+    def __init__(self, restorer: Restorer, *, timeout_s: float) -> None:
+        self.restorer = restorer
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._pending: dict[str, _Pending] = {}
+        self._finished: dict[str, set[int]] = {}  # request -> the blocks vLLM must recompute
+        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="cacheflow-async-loads", daemon=True)
+        self._thread.start()
+
+    def start(self, specs: Iterable[LoadSpec]) -> None:
+        """Queue restores; returns at once (vLLM's forward thread)."""
+        now = time.perf_counter()
+        specs = list(specs)
+        with self._cond:
+            in_flight = len(self._pending) + len(specs)
+            for spec in specs:
+                self._pending[spec.req_id] = _Pending(spec, now, batch=in_flight)
+                self._tasks.put(lambda spec=spec: self._begin(spec))  # type: ignore[misc]
+
+    def collect(self, finished_requests: Iterable[str], *, idle: bool) -> tuple[set[str], set[int]]:
+        """The requests whose restore ended since the last call, and the blocks vLLM must recompute.
+        `finished_requests`: requests vLLM finished (their restores are cancelled); `idle`: this step
+        scheduled no tokens."""
+        now = time.perf_counter()
+        with self._cond:
+            for request_id in set(finished_requests) & set(self._pending):
+                self._cancel(self._pending[request_id], RequestFinished(f"vLLM finished request {request_id}"))
+            for pending in list(self._pending.values()):
+                if pending.error is None and now - pending.started_s > self.timeout_s:
+                    self._cancel(pending, TimeoutError(f"the restore ran past restore_timeout_s={self.timeout_s}"))
+            if idle and self._pending and not self._finished:
+                self._cond.wait(IDLE_WAIT_S)
+            finished, self._finished = self._finished, {}
+        return set(finished), set().union(*finished.values())
+
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def close(self) -> None:
+        self._tasks.put(None)
+        self._thread.join(JOIN_S)
+
+    # -- on the background thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            try:
+                task()
+            except Exception:  # a bug here must not stop every later load
+                log.exception("CacheFlow background load task failed")
+
+    def _begin(self, spec: LoadSpec) -> None:
+        r = self.restorer
+        with self._cond:
+            pending = self._pending.get(spec.req_id)
+        if pending is None or pending.aborted:
+            self._complete(spec.req_id, set())
+            return
+        if pending.error is not None:
+            self._complete(spec.req_id, r.failed_load(spec, pending.error))
+            return
+        try:
+            job = r.job(spec)
+            engine = r.engine()
+            restore = engine.builder.build(spec.req_id, job, r.store, r.buffer(spec, job), r.policy,
+                                           input_mode="boundary", arrival_s=pending.started_s)
+        except Exception as exc:
+            self._complete(spec.req_id, r.failed_load(spec, exc))
+            return
+        with self._cond:
+            pending.restore = restore
+        r.event("load_started", req=spec.req_id, tokens=len(spec.token_ids), in_flight=pending.batch)
+        restore.done.add_done_callback(  # runs under the engine's lock: only queue the landing
+            lambda done: self._tasks.put(lambda: self._land(pending, job, restore, done)))
+        engine.submit(restore)
+        with self._cond:
+            if pending.error is not None:  # cancelled while it was being built
+                engine.cancel(spec.req_id, pending.error)
+
+    def _land(self, pending: _Pending, job: RestoreJob, restore: StageRestore,
+              done: Future[RestoreSummary]) -> None:
+        spec, r = pending.spec, self.restorer
+        if pending.aborted:  # nobody reads the blocks: report the load, land nothing
+            self._complete(spec.req_id, set())
+            return
+        try:
+            failed = r.land(spec, job, as_result(restore, done.result()), batch=pending.batch)
+        except Exception as exc:
+            failed = r.failed_load(spec, exc)
+        self._complete(spec.req_id, failed)
+
+    def _complete(self, request_id: str, failed: set[int]) -> None:
+        with self._cond:
+            self._pending.pop(request_id, None)
+            self._finished[request_id] = failed
+            self._cond.notify_all()
+
+    def _cancel(self, pending: _Pending, error: BaseException) -> None:
+        """Stop a restore (the caller holds `_cond`); one not submitted yet is stopped when its turn comes."""
+        pending.error = pending.error or error
+        if pending.restore is not None:
+            self.restorer.engine().cancel(pending.spec.req_id, error)
