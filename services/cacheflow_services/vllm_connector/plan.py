@@ -54,10 +54,14 @@ class SchedulerPlan:
         self._loads: dict[str, int] = {}  # request -> first position to load (vLLM holds the ones before)
         self._tracked: dict[str, _Tracked] = {}
         self._background: list[LoadSpec] = []  # loads to start in the background, at the next step
+        self._loaded_in_background: set[str] = set()  # requests offered their one background load
 
     def matched(self, req_id: str, prompt: Sequence[int], num_computed: int) -> int:
         """Tokens past vLLM's own `num_computed` that CacheFlow can provide (at least one prompt token is
-        left for vLLM to compute: it needs the last one's logits)."""
+        left for vLLM to compute: it needs the last one's logits). A request whose background load has run is
+        offered nothing more: vLLM asks again after that load failed (and recomputes), or after a preemption."""
+        if req_id in self._loaded_in_background:
+            return 0
         if req_id not in self._cached:
             self._cached[req_id] = self.lookup(prompt, len(prompt) - 1)
         return max(0, self._cached[req_id] - num_computed)
@@ -73,6 +77,7 @@ class SchedulerPlan:
         if num_external <= 0:
             return
         cached = self._cached.pop(req_id)
+        self._loaded_in_background.add(req_id)
         tracked = _Tracked(tuple(prompt), list(block_ids), saved=cached)
         self._tracked[req_id] = tracked
         self._background.append(LoadSpec(req_id, tracked.prompt[:cached], tuple(block_ids), cached - num_external))
@@ -107,6 +112,7 @@ class SchedulerPlan:
         return self._load(req_id, tracked, cached), self._save(req_id, tracked, computed_after)
 
     def finished(self, req_id: str) -> None:
+        self._loaded_in_background.discard(req_id)
         self._cached.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._tracked.pop(req_id, None)
