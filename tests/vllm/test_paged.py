@@ -94,8 +94,8 @@ def test_a_background_load_is_offered_once_and_the_request_then_runs_without_one
     plan = _plan_with_stored(prompt, stored_chunks=2)
     assert plan.matched("r", prompt, 0) == 16
     plan.allocated_in_background("r", prompt, [5, 6, 7, 8], 16)
-    [load] = plan.take_background_loads()
-    assert (load.start, load.token_ids, load.block_ids) == (0, tuple(prompt[:16]), (5, 6, 7, 8))
+    [background] = plan.take_background_loads()
+    assert (background.start, background.token_ids, background.block_ids) == (0, tuple(prompt[:16]), (5, 6, 7, 8))
     assert plan.take_background_loads() == []
     assert plan.matched("r", prompt, 0) == 0  # asked again after a failure: vLLM recomputes
     load, save = plan.new_request("r", prompt, [5, 6, 7, 8, 9, 10, 11, 12], computed_after=30)
