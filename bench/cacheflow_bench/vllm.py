@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(json.dumps(batch["summary"]), flush=True)
     trace = None
     if args.trace_requests:
-        trace = vllm_trace.run_trace(bench, vllm_trace.trace_requests(args.trace_requests), tcomp, kv_bytes)
+        trace = vllm_trace.run_trace(bench, vllm_trace.trace_requests(args.trace_requests), tcomp, kv_bytes,
+                                     {load: vllm_trace.LOADS[load] for load in args.loads})
         print(json.dumps(trace["summary"]), flush=True)
     assert bench.pod is not None
     bench.pod.stop()
@@ -205,7 +206,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-prefixes", default=",".join(map(str, vllm_batch.BATCH_PREFIXES)),
                         help="batch mode: cached prefix lengths of the requests sent together ('' for none)")
     parser.add_argument("--trace-requests", type=int, default=24,
-                        help="trace mode: Mooncake requests replayed through vLLM's OpenAI server (0 for none)")
+                        help="serving mode: Mooncake requests replayed through vLLM's OpenAI server (0 for none)")
+    parser.add_argument("--loads", default=",".join(vllm_trace.LOADS),
+                        help=f"serving mode: the request rates, of {', '.join(vllm_trace.LOADS)}")
     parser.add_argument("--quick", action="store_true",
                         help="lengths 1024,2048 only; a batch of 2 short prefixes; 4 trace requests")
     parser.add_argument("--workdir", default=str(SCRATCH_DIR / "vllm"), help="working folder")
@@ -218,6 +221,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick and args.trace_requests == parser.get_default("trace_requests"):
         args.trace_requests = 4
     args.batch_prefixes = tuple(int(x) for x in args.batch_prefixes.split(",") if x)
+    args.loads = [x for x in args.loads.split(",") if x]
+    if unknown := set(args.loads) - set(vllm_trace.LOADS):
+        parser.error(f"unknown --loads {sorted(unknown)}; choose from {', '.join(vllm_trace.LOADS)}")
     require_vllm(parser)
     return args
 
@@ -238,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     body = {**provenance(args.quick), "model": MODEL, "chunk_size": CHUNK, "summary": summary, **result}
     out = results_dir(args)
     write_json(out / "vllm.json", body)
+    if result["trace"] is not None:
+        vllm_trace.write_plot(result["trace"], out / "vllm_rates.png")
     (out / "vllm.md").write_text(report(body))
     print(json.dumps(body["summary"]))
     return 0

@@ -52,7 +52,7 @@ def run_recompute(bench: Bench, lengths: Sequence[int], fresh: dict[int, list[in
                         "ratio_cacheflow_attention": runs["attention-cacheflow"][n]["connector"]
                         / runs["attention-cacheflow"][n]["vllm"]}
     return {"lengths": list(lengths), "repeats": repeats, "runs": runs, "by_length": by_length,
-            "restores_counted": restores, "summary": summarize(by_length, restores, len(lengths) * repeats)}
+            "restores_counted": restores, "summary": summarize(by_length, restores, 1 + len(lengths) * repeats)}
 
 
 def _restore_count(bench: Bench) -> int:
@@ -60,6 +60,7 @@ def _restore_count(bench: Bench) -> int:
 
 
 def summarize(by_length: dict[int, dict[str, Any]], restores: dict[str, int], expected: int) -> dict[str, Any]:
+    """`expected`: restores per process (the warm-up's and every stored prompt's)."""
     ratios = [row["ratio"] for row in by_length.values()]
     return {"connector_recompute_vs_vllm_prefill_max": max(ratios),
             "connector_recompute_vs_vllm_prefill": {str(n): row["ratio"] for n, row in by_length.items()},

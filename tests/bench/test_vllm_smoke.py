@@ -1,6 +1,7 @@
 """The vLLM benchmark end to end on real vLLM (CPU) processes, one short prefix at one ratio, checked by
 invariants: every column measured, the greedy next token of every connector policy equals vLLM's own
-recompute, load-only computed nothing, compute-only loaded nothing, and no restore missed. No timings."""
+recompute, every connector column restored (load-only computed nothing, compute-only loaded nothing), and
+no restore missed. No timings."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vll
 
 def test_vllm_bench_invariants(tmp_path):
     assert vllm.main(["--lengths", "512", "--ratios", "1", "--batch-prefixes", "256,512", "--trace-requests", "2",
-                      "--out", str(tmp_path),
+                      "--loads", "medium", "--out", str(tmp_path),
                       "--workdir", str(tmp_path / "work")]) == 0
     body = json.loads((tmp_path / "vllm.json").read_text())
     [row] = body["rows"]
@@ -29,10 +30,17 @@ def test_vllm_bench_invariants(tmp_path):
     for name, column in batch["columns"].items():
         assert len(column["ttft_s"]) == batch["repeats"] and all(len(r) == 2 for r in column["ttft_s"]), name
     assert body["summary"]["vllm_batch_next_token_matches"] is True
+    recompute = body["recompute"]
+    assert set(recompute["runs"]) == {"budget-default", "budget-16384", "attention-cacheflow"}
+    assert body["summary"]["connector_recompute_restores_happened"] is True
     trace = body["trace"]
     assert set(trace["columns"]) == set(vllm_trace.COLUMNS) and len(trace["requests"]) == 2
-    assert all(len(c["ttft_s"]) == 2 and min(c["ttft_s"]) > 0 for c in trace["columns"].values())
-    assert body["summary"]["vllm_trace_next_token_matches"] is True
+    assert all(list(c["by_rate"]) == ["medium"] for c in trace["columns"].values())
+    assert all(len(r["ttft_s"]) == 2 and min(r["ttft_s"]) > 0 and r["throughput_rps"] > 0
+               for c in trace["columns"].values() for r in c["by_rate"].values())
+    assert body["summary"]["vllm_rate_sweep_next_token_matches"] is True
+    assert body["summary"]["vllm_rate_sweep_restores_happened"] is True
+    assert (tmp_path / "vllm_rates.png").stat().st_size > 0
     restores = body["restores"]
     assert {r["policy"] for r in restores} == {"compute-only", *vllm.POLICIES}
     batched = [r for r in restores if r["batch"] > 1]  # the batch columns' restores, two at a time
@@ -45,4 +53,5 @@ def test_vllm_bench_invariants(tmp_path):
         if r["policy"] == "compute-only":
             assert r["loaded"] == 0 and r["bytes_loaded"] == 0, r
     md = (tmp_path / "vllm.md").read_text()
-    assert "CacheFlow / Cake" in md and "emulated" in md and "## Batch" in md and "## Trace" in md
+    assert "CacheFlow / Cake" in md and "emulated" in md and all(
+        f"## {mode}" in md for mode in ("Recompute", "Batch", "Serving"))
