@@ -62,8 +62,8 @@ class RestoreEngine:
                           for c in range(len(settings.channels))]
 
     def _run_loop(self, threads: int) -> None:
-        if threads > 0:
-            torch.set_num_threads(threads)
+        if threads > 0:  # torch's own setter: a host may have replaced torch.set_num_threads (vLLM's CPU worker
+            torch._C.set_num_threads(threads)  # makes it a no-op once it has bound its threads to cores)
         self.loop.run()
 
     # -- restores -----------------------------------------------------------------------------

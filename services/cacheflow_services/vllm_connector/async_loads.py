@@ -34,6 +34,7 @@ from cacheflow_common.errors import CacheFlowError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.stage_api import RestoreSummary
 from cacheflow_common.store.base import ChunkStore
+from cacheflow_services.vllm_connector.paged_attention import PagedKV
 from cacheflow_services.vllm_connector.plan import LoadSpec
 
 log = logging.getLogger(__name__)
@@ -140,19 +141,23 @@ class AsyncLoads:
             self._complete(spec.req_id, r.failed_load(spec, pending.error))
             return
         try:
-            job = r.job(spec)
-            engine = r.engine()
-            restore = engine.builder.build(spec.req_id, job, r.store, r.buffer(spec, job), r.policy,
-                                           input_mode="boundary", arrival_s=pending.started_s)
-        except Exception as exc:
+            self._submit(pending)
+        except Exception as exc:  # it never started: vLLM recomputes it
             self._complete(spec.req_id, r.failed_load(spec, exc))
-            return
-        with self._cond:
-            pending.restore = restore
-        r.event("load_started", req=spec.req_id, tokens=len(spec.token_ids), in_flight=pending.batch)
+
+    def _submit(self, pending: _Pending) -> None:
+        """Build the restore (its chunk lookups), hand it to the engine, and land it when it is done."""
+        spec, r = pending.spec, self.restorer
+        job = r.job(spec)
+        engine = r.engine()
+        restore = engine.builder.build(spec.req_id, job, r.store, r.buffer(spec, job), r.policy,
+                                       input_mode="boundary", arrival_s=pending.started_s)
         restore.done.add_done_callback(  # runs under the engine's lock: only queue the landing
             lambda done: self._tasks.put(lambda: self._land(pending, job, restore, done)))
-        engine.submit(restore)
+        r.event("load_started", req=spec.req_id, tokens=len(spec.token_ids), in_flight=pending.batch)
+        with self._cond:
+            pending.restore = restore
+        engine.submit(restore)  # nothing after this may fail: the restore now owns the request's blocks
         with self._cond:
             if pending.error is not None:  # cancelled while it was being built
                 engine.cancel(spec.req_id, pending.error)
@@ -160,6 +165,8 @@ class AsyncLoads:
     def _land(self, pending: _Pending, job: RestoreJob, restore: StageRestore,
               done: Future[RestoreSummary]) -> None:
         spec, r = pending.spec, self.restorer
+        if done.exception() is not None and isinstance(restore.kv, PagedKV):
+            restore.kv.close()  # a step of it may still be running: it must not write the blocks vLLM gets back
         if pending.aborted:  # nobody reads the blocks: report the load, land nothing
             self._complete(spec.req_id, set())
             return
@@ -170,10 +177,11 @@ class AsyncLoads:
         self._complete(spec.req_id, failed)
 
     def _complete(self, request_id: str, failed: set[int]) -> None:
+        """Report a load, once: vLLM schedules the request (or frees its blocks) when it reads it."""
         with self._cond:
-            self._pending.pop(request_id, None)
-            self._finished[request_id] = failed
-            self._cond.notify_all()
+            if self._pending.pop(request_id, None) is not None:
+                self._finished[request_id] = failed
+                self._cond.notify_all()
 
     def _cancel(self, pending: _Pending, error: BaseException) -> None:
         """Stop a restore (the caller holds `_cond`); one not submitted yet is stopped when its turn comes."""

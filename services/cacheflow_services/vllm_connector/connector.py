@@ -7,12 +7,15 @@
                                                          "pod_token_file": "/etc/cacheflow/tokens"}}'
 
 The protocol, as vLLM drives it (`vllm/distributed/kv_transfer/kv_connector/v1/base.py`):
-  scheduler: get_num_new_matched_tokens -> update_state_after_alloc -> build_connector_meta (per step)
-             -> request_finished
-  worker:    start_load_kv (before the forward; synchronous: the restore lands before attention reads it)
-             -> forward -> wait_for_save (copy the finished chunks out, store them in the background)
-             -> get_block_ids_with_load_errors (vLLM recomputes those blocks)
-Only this module imports vLLM; the logic lives in `plan.py` (scheduler) and `worker.py` (worker).
+  scheduler: get_num_new_matched_tokens (a hit, loaded asynchronously by default: the request waits in
+             WAITING_FOR_REMOTE_KVS) -> update_state_after_alloc (its blocks) -> build_connector_meta (per
+             step: the loads to start) -> request_finished
+  worker:    start_load_kv (starts background restores; with `async_loads: false`, restores in the step,
+             before the forward) -> forward -> wait_for_save (copy the finished chunks out, store them in
+             the background) -> get_finished (the background restores that ended: vLLM schedules those
+             requests) -> get_block_ids_with_load_errors (vLLM recomputes those blocks)
+Only this module imports vLLM's Python API (`paged_attention.py` calls its compiled CPU attention ops);
+the logic lives in `plan.py` (scheduler), `worker.py` and `async_loads.py` (worker).
 
 Pipeline parallelism (`--pipeline-parallel-size N`): every rank's worker connector holds that rank's layers,
 a CacheFlow stage (worker.py, ranks.py); the scheduler looks prefixes up for the ranks' split, and each step

@@ -1,9 +1,11 @@
 """The worker side: restore a cached prefix with CacheFlow into vLLM's paged blocks, and store the chunks
 vLLM computes.
 
-Restore (before the forward pass that needs it): CacheFlow's runtime runs the restore engine against
-the storage pods, so the prefix's front is recomputed while its back is loaded (`policy`); the resulting
-[L, 2, Hkv, N, D] KV is scattered into the request's blocks. The runtime is vLLM's own loaded model,
+Restore (in the background while the request waits, `async_loads.py`; or in vLLM's step, before the
+forward pass that needs it): CacheFlow's runtime runs the restore engine against the storage pods, so the
+prefix's front is recomputed while its back is loaded (`policy`); the resulting [L, 2, Hkv, N, D] KV ends
+up in the request's blocks (written there as it is computed, with vLLM's CPU attention kernel attending
+over them: `paged_attention.py`; else scattered there at the end). The runtime is vLLM's own loaded model,
 wrapped without copying a weight (shared.py); only where the wrapper does not cover the model (or
 `share_weights` is off) does CacheFlow load a second copy of the weights from the model directory.
 A chunk that misses is recomputed inside the restore (`on_miss="cacheflow"`) or reported to vLLM as a
