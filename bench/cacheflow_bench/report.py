@@ -187,7 +187,8 @@ def other_sections(results: dict[str, dict[str, Any]], out: Path, mixed: bool) -
             continue
         summary = body.get("headline", body["summary"])  # the sweep's summary is per level; its headline is flat
         rows = [[k, v] for k, v in summary.items() if not isinstance(v, dict | list)]
-        plot = [f"![{name}]({name}.png)", ""] if name == "sweep" else []
+        figure = {"sweep": "sweep.png", "vllm": "vllm_rates.png"}.get(name)
+        plot = [f"![{name}]({figure})", ""] if figure and (out / figure).exists() else []
         lines += [heading(title, body, mixed), "", provenance(body), "", markdown_table(["summary", "value"], rows),
                   "", *plot, f"Details: [{name}.md]({name}.md).", ""]
     return lines

@@ -39,14 +39,11 @@ class RestoreEngine:
     `loop_thread`: the compute loop runs on a thread of its own (a stage worker: request threads only
     submit and wait), or on the thread that calls `restore_batch` (the library, the vLLM connector: the
     caller would only wait, and torch keeps its thread pool, warm, with the thread that runs it).
-    `loop_threads`: torch's intra-op threads on the loop thread (0: torch's default for a new thread), e.g.
-    those of the process it shares cores with (vLLM's forward thread, beside which background restores run).
     """
 
     def __init__(self, settings: EngineSettings, model: Transformer, *, sampler: Sampler | None = None,
                  on_step: Callable[[StepPlan, float], None] | None = None,
-                 on_load: Callable[[int, float], None] | None = None, loop_thread: bool = True,
-                 loop_threads: int = 0) -> None:
+                 on_load: Callable[[int, float], None] | None = None, loop_thread: bool = True) -> None:
         self.settings = settings
         self.model = model
         self.core = EngineCore(make_policy(settings.policy), stage=settings.stage, n_channels=len(settings.channels))
@@ -54,17 +51,12 @@ class RestoreEngine:
         self.loop = StepLoop(self.core, model, settings.layers, step_tokens=settings.step_tokens,
                         beside_forward_tokens=settings.beside_forward_tokens, sampler=sampler or _no_sampling,
                         on_step=on_step or (lambda plan, seconds: None))
-        self._loop = threading.Thread(target=self._run_loop, args=(loop_threads,), name=f"stage-{settings.stage}-loop",
+        self._loop = threading.Thread(target=self.loop.run, name=f"stage-{settings.stage}-loop",
                                       daemon=True) if loop_thread else None  # None: the caller computes
         if self._loop is not None:
             self._loop.start()
         self._channels = [ChannelLoader(self.core, c, on_load=on_load or (lambda channel, seconds: None)).start()
                           for c in range(len(settings.channels))]
-
-    def _run_loop(self, threads: int) -> None:
-        if threads > 0:  # torch's own setter: a host may have replaced torch.set_num_threads (vLLM's CPU worker
-            torch._C.set_num_threads(threads)  # makes it a no-op once it has bound its threads to cores)
-        self.loop.run()
 
     # -- restores -----------------------------------------------------------------------------
     def submit(self, restore: StageRestore) -> StageRestore:

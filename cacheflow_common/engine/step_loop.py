@@ -73,9 +73,9 @@ class StepLoop:
             except Exception:  # a bug, not a bad request: keep serving, fail nothing silently
                 log.exception("compute step failed")
 
-    def step(self) -> bool:
-        """One step; False when there was nothing to do (after waiting a little for work)."""
-        plan = self._schedule()
+    def step(self, *, wait: bool = True) -> bool:
+        """One step; False when there was nothing to do (after waiting a little for work, if `wait`)."""
+        plan = self._schedule(wait)
         if plan is None:
             return False
         started = time.perf_counter()
@@ -91,7 +91,7 @@ class StepLoop:
         return True
 
     # -- schedule -------------------------------------------------------------------------------
-    def _schedule(self) -> StepPlan | None:
+    def _schedule(self, wait: bool) -> StepPlan | None:
         core = self.core
         with core.cond:
             forwards = self._forward_slices()
@@ -100,7 +100,8 @@ class StepLoop:
                 room = min(room, self.beside_forward_tokens)
             tasks = core.scheduler.next_compute_batch(STAGE, room, now=time.perf_counter(), ready=self._ready)
             if not forwards and not tasks:
-                core.cond.wait(timeout=IDLE_WAIT_S)
+                if wait:
+                    core.cond.wait(timeout=IDLE_WAIT_S)
                 return None
             modes = {t.request_id: core.restores[t.request_id].spec.mode for t in tasks}
         token_units = [t for t in tasks if modes[t.request_id] == "token"]

@@ -56,7 +56,7 @@ class Restorer:
         if self._engine is None:
             settings = EngineSettings(layers=range(self.model.config.num_layers), policy=self.policy,
                                       chunk_size=CHUNK)
-            self._engine = RestoreEngine(settings, self.model, loop_thread=True)
+            self._engine = RestoreEngine(settings, self.model, loop_thread=False)  # collect computes
         return self._engine
 
     def job(self, spec: LoadSpec) -> RestoreJob:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -177,17 +178,29 @@ def test_both_ranks_save_and_restore_at_once_as_a_stage_split(ranks: Ranks):
 
     # Fresh ranks restore at once, each its own layers: compute-only (rank 1 entirely from its boundary
     # activations), load-only (exact), and CacheFlow's default policy; one request (the two-pointer
-    # executor) or two in the step (the batch engine).
-    runs = [("compute-only", 1), ("load-only", 1), ("cacheflow", 1), ("compute-only", 2), ("cacheflow", 2)]
-    for policy, n_requests in runs:
+    # executor) or two (the batch engine), in the step or in the background.
+    runs = [("compute-only", 1, False), ("load-only", 1, False), ("cacheflow", 1, False), ("compute-only", 2, False),
+            ("cacheflow", 2, False), ("cacheflow", 2, True)]
+    for policy, n_requests, background in runs:
         engines = [ranks.engine(layers, policy=policy) for layers in ranks.split]
         failed: list[set[int]] = [set(), set()]
+        reported: list[list[str]] = [[], []]  # background loads each rank reported
         specs = [LoadSpec("r", tuple(prompt[:CACHED]), BLOCK_IDS, 0),
                  LoadSpec("r2", tuple(prompt[:CACHED]), OTHER_BLOCK_IDS, 0)][:n_requests]
 
         def load(rank: int, engines: list[Any] = engines, specs: list[LoadSpec] = specs,
-                 failed: list[set[int]] = failed) -> None:
-            failed[rank] = engines[rank][0].load_step(specs)
+                 failed: list[set[int]] = failed, reported: list[list[str]] = reported,
+                 background: bool = background) -> None:
+            engine = engines[rank][0]
+            if not background:
+                failed[rank] = engine.load_step(specs)
+                return
+            engine.start_loads(specs)
+            deadline = time.monotonic() + 60
+            while len(reported[rank]) < len(specs) and time.monotonic() < deadline:
+                done, blocks = engine.finished_loads(set(), idle=True)
+                reported[rank] += done
+                failed[rank] |= blocks
 
         threads = [threading.Thread(target=load, args=(rank,)) for rank in range(2)]
         for thread in threads:
@@ -196,7 +209,8 @@ def test_both_ranks_save_and_restore_at_once_as_a_stage_split(ranks: Ranks):
             thread.join()
         for rank, (engine, caches) in enumerate(engines):
             engine.close()
-            assert failed[rank] == set(), (policy, rank)
+            assert failed[rank] == set(), (policy, rank, background)
+            assert sorted(reported[rank]) == (sorted(spec.req_id for spec in specs) if background else [])
             want = kv[ranks.split[rank].start : ranks.split[rank].stop, :, :, :CACHED]
             for spec in specs:
                 got = read_blocks(caches, CACHED, spec.block_ids)

@@ -2,18 +2,23 @@
 
 vLLM's scheduler parks a request whose prefix CacheFlow holds in WAITING_FOR_REMOTE_KVS, its blocks
 allocated, and keeps stepping the rest of the batch. The worker side hands each such load to the restore
-engine, whose compute loop runs on a thread of its own: requests waiting at the same time restore
-together in the one batch scheduler (the stage workers' own), and a request arriving later joins the
-batch in flight. As each restore finishes, a background thread lands it in the request's blocks, and the
-next `get_finished` returns the request, with the blocks vLLM must recompute (a restore that failed, was
-cancelled or timed out, or chunks missed with `on_miss="vllm"`) reported through vLLM's load-error path
-in the same pass. Every load is reported exactly once, whatever happens to it: vLLM frees a waiting
-request's blocks only then.
+engine: requests waiting at the same time restore together in the one batch scheduler (the stage
+workers' own), and a request arriving later joins the batch in flight. Its loads run on the engine's
+channel threads all the time; its compute steps run on vLLM's own thread, between vLLM's steps:
 
-On one thread: building a restore (its chunk lookups) and landing it; vLLM's forward thread only queues
-loads and collects what finished. When a step schedules no tokens (every request is waiting for its
-restore), `collect` waits up to `IDLE_WAIT_S` for one to finish rather than have vLLM's engine spin a
-core the restores need.
+* a step that scheduled no tokens (every request is waiting for its restore) drives the restores until
+  one finishes (or `IDLE_SLICE_S` passes, so that a new request is seen);
+* a step with work of vLLM's own runs one restore step after it, if one is ready: the batch goes on, and
+  the restores with it.
+
+Not a thread of its own: vLLM's CPU kernels (its attention, and the oneDNN GEMMs the shared runtime calls)
+keep process-wide scratch buffers, and computing beside vLLM's forward from a second thread corrupted
+memory (a batch of 8 restores aborted with "double free or corruption"). A background thread only builds
+each restore (its chunk lookups) and submits it. As a restore finishes, vLLM's thread lands it in the
+request's blocks and the next `get_finished` returns the request, with the blocks vLLM must recompute (a
+restore that failed, was cancelled or timed out, or chunks missed with `on_miss="vllm"`) reported through
+vLLM's load-error path in the same pass. Every load is reported exactly once, whatever happens to it:
+vLLM frees a waiting request's blocks only then.
 """
 
 from __future__ import annotations
@@ -34,12 +39,11 @@ from cacheflow_common.errors import CacheFlowError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.stage_api import RestoreSummary
 from cacheflow_common.store.base import ChunkStore
-from cacheflow_services.vllm_connector.paged_attention import PagedKV
 from cacheflow_services.vllm_connector.plan import LoadSpec
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.02  # longest wait in an idle step: bounds how late a new request is seen meanwhile
+IDLE_SLICE_S = 0.05  # longest an idle step drives the restores: bounds how late a new request is seen
 JOIN_S = 10.0
 
 
@@ -68,7 +72,8 @@ class _Pending:
     spec: LoadSpec
     started_s: float
     batch: int  # loads in flight when it started: its own step's and those before
-    restore: StageRestore | None = None
+    restore: StageRestore | None = None  # once submitted
+    job: RestoreJob | None = None
     error: BaseException | None = None  # why it was cancelled: vLLM finished the request, or it timed out
 
     @property
@@ -91,6 +96,7 @@ class AsyncLoads:
         """Queue restores; returns at once (vLLM's forward thread)."""
         now = time.perf_counter()
         specs = list(specs)
+        self.restorer.engine()  # started here, on vLLM's thread: its runtime is found on this thread's stack
         with self._cond:
             in_flight = len(self._pending) + len(specs)
             for spec in specs:
@@ -98,20 +104,42 @@ class AsyncLoads:
                 self._tasks.put(lambda spec=spec: self._begin(spec))  # type: ignore[misc]
 
     def collect(self, finished_requests: Iterable[str], *, idle: bool) -> tuple[set[str], set[int]]:
-        """The requests whose restore ended since the last call, and the blocks vLLM must recompute.
-        `finished_requests`: requests vLLM finished (their restores are cancelled); `idle`: this step
-        scheduled no tokens."""
+        """On vLLM's thread, after its step: compute the restores (until one finishes when `idle`, the step
+        having scheduled no tokens; else one restore step), land the finished ones, and return the
+        requests whose restore ended since the last call with the blocks vLLM must recompute.
+        `finished_requests`: requests vLLM finished (their restores are cancelled)."""
+        self._cancel_finished_and_late(set(finished_requests))
+        if self._pending:
+            engine = self.restorer.engine()
+            if idle:
+                deadline = time.perf_counter() + IDLE_SLICE_S
+                engine.loop.run(until=lambda: self._any_done() or time.perf_counter() > deadline)
+            else:
+                engine.loop.step(wait=False)
+        for pending, done in self._done():
+            self._land(pending, done)
+        with self._cond:
+            finished, self._finished = self._finished, {}
+        return set(finished), set().union(*finished.values())
+
+    def _cancel_finished_and_late(self, finished_requests: set[str]) -> None:
         now = time.perf_counter()
         with self._cond:
-            for request_id in set(finished_requests) & set(self._pending):
+            for request_id in finished_requests & set(self._pending):
                 self._cancel(self._pending[request_id], RequestFinished(f"vLLM finished request {request_id}"))
             for pending in list(self._pending.values()):
                 if pending.error is None and now - pending.started_s > self.timeout_s:
                     self._cancel(pending, TimeoutError(f"the restore ran past restore_timeout_s={self.timeout_s}"))
-            if idle and self._pending and not self._finished:
-                self._cond.wait(IDLE_WAIT_S)
-            finished, self._finished = self._finished, {}
-        return set(finished), set().union(*finished.values())
+
+    def _any_done(self) -> bool:
+        with self._cond:
+            return bool(self._finished) or any(p.restore is not None and p.restore.done.done()
+                                               for p in self._pending.values())
+
+    def _done(self) -> list[tuple[_Pending, Future[RestoreSummary]]]:
+        with self._cond:
+            return [(p, p.restore.done) for p in self._pending.values()
+                    if p.restore is not None and p.restore.done.done()]
 
     @property
     def in_flight(self) -> int:
@@ -122,7 +150,7 @@ class AsyncLoads:
         self._tasks.put(None)
         self._thread.join(JOIN_S)
 
-    # -- on the background thread ---------------------------------------------------------------------
+    # -- building, on the background thread ------------------------------------------------------------
     def _run(self) -> None:
         while (task := self._tasks.get()) is not None:
             try:
@@ -146,14 +174,13 @@ class AsyncLoads:
             self._complete(spec.req_id, r.failed_load(spec, exc))
 
     def _submit(self, pending: _Pending) -> None:
-        """Build the restore (its chunk lookups), hand it to the engine, and land it when it is done."""
+        """Build the restore (its chunk lookups) and hand it to the engine; vLLM's thread computes and lands it."""
         spec, r = pending.spec, self.restorer
         job = r.job(spec)
         engine = r.engine()
         restore = engine.builder.build(spec.req_id, job, r.store, r.buffer(spec, job), r.policy,
                                        input_mode="boundary", arrival_s=pending.started_s)
-        restore.done.add_done_callback(  # runs under the engine's lock: only queue the landing
-            lambda done: self._tasks.put(lambda: self._land(pending, job, restore, done)))
+        pending.job = job
         r.event("load_started", req=spec.req_id, tokens=len(spec.token_ids), in_flight=pending.batch)
         with self._cond:
             pending.restore = restore
@@ -162,11 +189,10 @@ class AsyncLoads:
             if pending.error is not None:  # cancelled while it was being built
                 engine.cancel(spec.req_id, pending.error)
 
-    def _land(self, pending: _Pending, job: RestoreJob, restore: StageRestore,
-              done: Future[RestoreSummary]) -> None:
-        spec, r = pending.spec, self.restorer
-        if done.exception() is not None and isinstance(restore.kv, PagedKV):
-            restore.kv.close()  # a step of it may still be running: it must not write the blocks vLLM gets back
+    def _land(self, pending: _Pending, done: Future[RestoreSummary]) -> None:
+        """A finished restore into the request's blocks (on vLLM's thread: landing calls vLLM's kernels)."""
+        spec, r, restore, job = pending.spec, self.restorer, pending.restore, pending.job
+        assert restore is not None and job is not None
         if pending.aborted:  # nobody reads the blocks: report the load, land nothing
             self._complete(spec.req_id, set())
             return

@@ -10,14 +10,12 @@ table) instead of torch's SDPA with an explicit mask. On 2 CPU cores, at 8,192 t
 that is 0.18 s per layer against 0.46 s (head dim 64, fp32).
 
 Positions before `first_writable` are vLLM's own prefix-cache hit: its blocks hold them already (and may be
-shared with other requests), so they are read, never written. A restore that fails or is cancelled is
-`close`d before vLLM hears of it: its compute step may still be running, and nothing it does afterwards
-reaches the blocks vLLM then recomputes or hands to another request.
+shared with other requests), so they are read, never written. Called on vLLM's thread only (the
+connector computes there: `async_loads.py` says why).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -46,8 +44,6 @@ class PagedKV(KVBuffer):
         self.slots = blocks[positions // block_size] * block_size + positions % block_size  # [capacity]
         self.in_blocks = torch.zeros(self.layer_end - self.layer_start, self.capacity, dtype=torch.bool)
         self.in_blocks[:, :first_writable] = True  # [n_layers, capacity]: vLLM's blocks hold these positions
-        self._writes = threading.Lock()
-        self.closed = False  # once closed, the blocks are vLLM's again: nothing more is written
 
     def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [H, T, D], k/v [Hkv, T, D] -> [H, T, D], attending over the blocks' positions [0, start + T)."""
@@ -76,21 +72,14 @@ class PagedKV(KVBuffer):
         from vllm import _custom_ops as ops
 
         i = layer - self.layer_start
-        with self._writes:
-            missing = (~self.in_blocks[i, :end]).nonzero().flatten()  # [P] positions
-            if self.closed or not len(missing):
-                return
-            kv = self.data[i][:, :, missing].transpose(1, 2)  # [2, P, Hkv, D]
-            key_cache, value_cache = self.caches[layer]
-            ops.cpu_attn_reshape_and_cache(kv[0].contiguous(), kv[1].contiguous(), key_cache, value_cache,
-                                           self.slots[missing], self.isa)
-            self.in_blocks[i, missing] = True
-
-    def close(self) -> None:
-        """No more writes into the blocks: a cancelled or failed restore's step may still be running, and
-        vLLM reuses the blocks once it hears of the failure. Returns after any write in progress."""
-        with self._writes:
-            self.closed = True
+        missing = (~self.in_blocks[i, :end]).nonzero().flatten()  # [P] positions
+        if not len(missing):
+            return
+        kv = self.data[i][:, :, missing].transpose(1, 2)  # [2, P, Hkv, D]
+        key_cache, value_cache = self.caches[layer]
+        ops.cpu_attn_reshape_and_cache(kv[0].contiguous(), kv[1].contiguous(), key_cache, value_cache,
+                                       self.slots[missing], self.isa)
+        self.in_blocks[i, missing] = True
 
     def fill_all(self, end: int) -> None:
         """Every layer's positions [0, end) into the blocks: the restore's result, where vLLM reads it."""

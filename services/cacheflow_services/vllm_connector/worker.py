@@ -113,7 +113,6 @@ class WorkerEngine:
         self.capture = BoundaryCapture()  # the hidden state entering layer a (ranks with a > 0 that save)
         self.policy, self.link = connector_policy(cfg, self.profile)  # the link: bytes/s, if known
         self.attention_isa = attention_isa if cfg.attention == "vllm" else ""
-        self.forward_threads = torch.get_num_threads()  # vLLM's forward thread's, read again at `register`
         self._engine: RestoreEngine | None = None  # started at the first restore
         self._async = AsyncLoads(self, timeout_s=cfg.restore_timeout_s) if cfg.async_loads else None
         self._runtime.choose(self.layers, final=False)
@@ -133,7 +132,6 @@ class WorkerEngine:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._runtime.choose(self.layers, final=False)
-        self.forward_threads = torch.get_num_threads()  # on vLLM's forward thread, after its thread setup
         c = self.config
         self.caches = sorted((layer_index(name), cache) for name, cache in kv_caches.items())
         self.layers = rank_layers([layer for layer, _ in self.caches], c.num_layers)
@@ -245,13 +243,12 @@ class WorkerEngine:
         return self._after_misses(spec, job, result)
 
     def engine(self) -> RestoreEngine:
-        """The engine every restore runs in, started at the first: its compute loop on a thread of its own
-        for background restores, else on vLLM's thread (a restore in the step)."""
+        """The engine every restore runs in, started at the first; its compute loop runs on vLLM's thread
+        (in the step, or between steps for background restores: `async_loads.py` says why)."""
         if self._engine is None:
             settings = engine_settings(self.cfg, self.layers, self.profile, self.link, self.policy,
                                        paged_attention=bool(self.attention_isa))
-            self._engine = RestoreEngine(settings, self.model, loop_thread=self._async is not None,
-                                         loop_threads=self.forward_threads)
+            self._engine = RestoreEngine(settings, self.model, loop_thread=False)
         return self._engine
 
     def _after_misses(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult) -> set[int]:
