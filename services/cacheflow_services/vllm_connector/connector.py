@@ -145,12 +145,19 @@ class CacheFlowConnector(KVConnectorBase_V1):
         assert self._engine is not None
         self._engine.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward (vLLM 0.32 calls `start_load_kv` after it when the step loads nothing
+        in it): a rank that captures boundary activations learns the step's rows, in the batch order of
+        the model runner on the stack."""
+        super().bind_connector_metadata(connector_metadata)
+        meta = connector_metadata
+        if self._engine is not None and self._engine.captures and isinstance(meta, CacheFlowMetadata):
+            order = _batch_order()
+            self._engine.begin_step([(r, *meta.scheduled[r]) for r in order if r in meta.scheduled])
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, CacheFlowMetadata) and self._engine is not None
-        if self._engine.captures:  # the step's rows, in the batch order of the model runner on the stack
-            order = _batch_order()
-            self._engine.begin_step([(r, *meta.scheduled[r]) for r in order if r in meta.scheduled])
         if meta.loads:
             self._load_errors |= self._engine.load_step(meta.loads)
         if meta.background_loads:
