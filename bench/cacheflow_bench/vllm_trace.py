@@ -214,8 +214,10 @@ def summarize(columns: dict[str, Any], loads: Sequence[str]) -> dict[str, Any]:
                 load: stat["cacheflow"][load]["mean_s"] / stat["cacheflow-sync"][load]["mean_s"] for load in loads},
             "vllm_rate_sweep_next_token_matches": all(
                 stat[name][load]["next_tokens"] == reference[load] for name in stat for load in loads),
+            # every connector column restored (a short prefix may be all loads, its meeting point at 0), and
+            # load-only computed nothing
             "vllm_rate_sweep_restores_happened": all(
-                u["restores"] > 0 and u["loaded"] > 0 and (u["computed"] > 0) == (name != "load-only")
+                u["restores"] > 0 and u["loaded"] + u["computed"] > 0 and (name != "load-only" or not u["computed"])
                 for name, u in restored.items()),
             "targets": {"vllm_rate_sweep_worst_mean_ratio_vs_best_baseline": 0.90,
                         "vllm_rate_sweep_worst_p99_ratio_vs_best_baseline": 1.00}}
@@ -246,7 +248,7 @@ def report_lines(trace: dict[str, Any]) -> list[str]:
         + "; background / in-step restores (mean): "
         + ", ".join(f"{load} {v:.3f}" for load, v in s["vllm_rate_sweep_async_vs_sync_mean"].items())
         + f". Greedy next tokens equal vLLM's own in every column: {s['vllm_rate_sweep_next_token_matches']}; "
-        f"restores loaded and computed units in every connector column: {s['vllm_rate_sweep_restores_happened']}.",
+        f"every connector column restored (units loaded or computed): {s['vllm_rate_sweep_restores_happened']}.",
         ""]
 
 
