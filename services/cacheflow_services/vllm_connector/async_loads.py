@@ -133,8 +133,8 @@ class AsyncLoads:
 
     def _any_done(self) -> bool:
         with self._cond:
-            return bool(self._finished) or any(p.restore is not None and p.restore.done.done()
-                                               for p in self._pending.values())
+            finished = bool(self._finished)
+        return finished or bool(self._done())
 
     def _done(self) -> list[tuple[_Pending, Future[RestoreSummary]]]:
         with self._cond:
