@@ -14,6 +14,7 @@ import httpx
 
 from cacheflow_common.sim import percentile
 from cacheflow_common.sim.replay import ReplayRequest
+from cacheflow_services.http_server import http_client
 
 if TYPE_CHECKING:
     from cacheflow_services.worker.launch import LocalWorker
@@ -24,7 +25,7 @@ TIMEOUT_S = 600.0
 def warm_up(url: str, token: str, model: str, requests: list[ReplayRequest], workers: Sequence[LocalWorker],
             on_done: Callable[[], None] | None = None) -> None:
     """Store every request's cached prefix (prefill it once), then wait until the workers stored it all."""
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT_S) as client:
+    with http_client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT_S) as client:
         for r in requests:
             prefix = r.token_ids[: r.trace.cached_tokens + 1]
             client.post("/v1/completions", json={"model": model, "prompt": prefix, "max_tokens": 1}).raise_for_status()
@@ -39,7 +40,7 @@ def restore_alone(url: str, token: str, request: ReplayRequest, policy: str) -> 
     prefix restored on every stage and held, then released). A completion under compute-only restores
     nothing (it prefills its whole prompt, as vLLM does on a miss); this measures the restore path."""
     prefix = request.token_ids[: request.trace.cached_tokens]
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT_S) as client:
+    with http_client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT_S) as client:
         started = client.post("/v1/restore", json={"token_ids": prefix, "policy": policy})
         started.raise_for_status()
         rid = started.json()["id"]

@@ -19,10 +19,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
-
 from cacheflow_common.errors import CacheFlowError
 from cacheflow_services import scrape_config
+from cacheflow_services.http_server import http_client
 from cacheflow_services.local_cluster import ClusterSpec, LocalCluster, hold_workdir, preflight, start_cluster
 from cacheflow_services.local_process import Stopped, exit_on_signals, print_ready, raise_if_stopped, reporting_ready
 from cacheflow_services.profiling import ensure_quick_profile
@@ -55,7 +54,7 @@ def describe(cluster: LocalCluster, workdir: Path, model: str) -> str:
 def demo(cluster: LocalCluster, model: str, prompt_tokens: int, workdir: Path) -> None:
     """The same long prompt twice: prefilled (and stored), then restored."""
     headers = {"Authorization": f"Bearer {cluster.token}"}
-    with httpx.Client(base_url=cluster.coordinator.url, headers=headers, timeout=600) as client:
+    with http_client(base_url=cluster.coordinator.url, headers=headers, timeout=600) as client:
         prompt: str | list[int] = (DEMO_TEXT * (prompt_tokens // 20 + 1))
         if model == "tiny":  # no tokenizer: token ids
             prompt = [(7 * i + 3) % 1000 for i in range(prompt_tokens)]

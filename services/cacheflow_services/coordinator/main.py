@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
-
-import uvicorn
 
 from cacheflow_services.coordinator.app import create_app
 from cacheflow_services.coordinator.cluster import Cluster
 from cacheflow_services.coordinator.config import CoordinatorConfig
 from cacheflow_services.coordinator.service import Coordinator
 from cacheflow_services.coordinator.tokenizer import TextCodec
+from cacheflow_services.http_server import http_server, listen
 
 log = logging.getLogger(__name__)
 SPARE_THREADS = 32  # beyond the queue and the running batch: health, metrics, status calls
@@ -26,8 +24,8 @@ def serve(config: CoordinatorConfig, *, connect_wait_s: float = 180.0) -> None:
     # every waiting request holds a worker thread: make room for a full queue and the running batch
     app = create_app(coordinator, codec, threads=config.max_queue + config.max_batch + SPARE_THREADS)
 
-    http = socket.create_server((config.host, config.http_port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    http = listen(config.host, config.http_port)
+    server = http_server(app)
     ready = {"event": "ready", "http_port": http.getsockname()[1], "stages": len(config.stages),
              "chunk_size": model.chunk_size, "model": config.model_name}
     print(json.dumps(ready), flush=True)  # one line that launchers and tests wait for

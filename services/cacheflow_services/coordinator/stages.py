@@ -38,6 +38,7 @@ from cacheflow_common.stage_api import ForwardAnswer, ForwardMeta, InputMode, Re
 from cacheflow_common.transport import frames
 from cacheflow_services.coordinator.chain_error import ChainError, checked, root_cause_first
 from cacheflow_services.coordinator.ladder import RESTORE_LADDER, Rung, climb, input_mode
+from cacheflow_services.http_server import async_http_client, http_client
 
 __all__ = ["ChainError", "Generation", "Sampling", "StageChain"]
 
@@ -82,7 +83,7 @@ class StageChain:
         calls = max(1, len(self.urls)) * max(1, max_requests)  # every request's restore on every stage at once
         self.timeout_s = timeout_s
         self._limits = httpx.Limits(max_connections=calls, max_keepalive_connections=calls)
-        self._http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=max(1, max_requests) * 2),
+        self._http = http_client(timeout=timeout_s, limits=httpx.Limits(max_connections=max(1, max_requests) * 2),
                                   headers=issuer.headers)
         self._loop = asyncio.new_event_loop()
         self._async_http: httpx.AsyncClient | None = None
@@ -118,7 +119,7 @@ class StageChain:
 
     async def _restore_all(self, body: RestoreRequest) -> list[RestoreSummary | ChainError]:
         if self._async_http is None:  # created on the loop it serves
-            self._async_http = httpx.AsyncClient(timeout=self.timeout_s, limits=self._limits,
+            self._async_http = async_http_client(timeout=self.timeout_s, limits=self._limits,
                                                  headers=self.issuer.headers)
         http = self._async_http
 

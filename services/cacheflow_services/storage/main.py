@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from typing import Any
-
-import uvicorn
 
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.transport.shaping import TokenBucket
+from cacheflow_services.http_server import http_server, listen
 from cacheflow_services.storage.app import create_app
 from cacheflow_services.storage.config import StorageConfig
 from cacheflow_services.storage.dataplane import DataPlaneServer
@@ -40,9 +38,9 @@ def serve(config: StorageConfig) -> None:
     data.nixl = open_nixl(config.transport, f"cacheflow-storage-{data.port}")
     transport = "nixl" if data.nixl is not None else "tcp"
     data.start()
-    http = socket.create_server((config.host, config.http_port), reuse_port=False)
+    http = listen(config.host, config.http_port)
     app = create_app(pod, data_port=data.port, transport=transport)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server = http_server(app)
     ready = {"event": "ready", "data_port": data.port, "http_port": http.getsockname()[1], "transport": transport,
              "backend": config.backend}
     print(json.dumps(ready), flush=True)  # one line that launchers and tests wait for

@@ -6,13 +6,12 @@ import faulthandler
 import json
 import logging
 import signal
-import socket
 
 import torch
-import uvicorn
 
 from cacheflow_common.model.sources import load_model, parse_dtype
 from cacheflow_common.restore.profile import Profile
+from cacheflow_services.http_server import http_server, listen
 from cacheflow_services.worker.app import create_app
 from cacheflow_services.worker.config import WorkerConfig
 from cacheflow_services.worker.engine import StageEngine
@@ -35,9 +34,9 @@ def serve(config: WorkerConfig, trust: WorkerTrust) -> None:
     engine = StageEngine(config, model, stores, profile, next_stage)
     engine.metrics.pool_capacity_blocks.set(engine.pool.capacity_blocks)
     max_body = config.max_request_tokens * model.config.hidden_size * 4 + FRAME_SLACK_BYTES
-    http = socket.create_server((config.host, config.http_port))
+    http = listen(config.host, config.http_port)
     app = create_app(engine, max_body_bytes=max_body, trust=trust, stores=stores)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server = http_server(app)
     ready = {"event": "ready", "stage": config.stage, "http_port": http.getsockname()[1],
              "layers": [config.layers.start, config.layers.stop], "threads": torch.get_num_threads()}
     print(json.dumps(ready), flush=True)  # one line that launchers and tests wait for

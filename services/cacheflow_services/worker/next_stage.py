@@ -18,6 +18,7 @@ import torch
 from cacheflow_common.errors import BadRequestError, CacheFlowError
 from cacheflow_common.stage_api import DeliverMeta, ForwardAnswer, ForwardMeta, StageError
 from cacheflow_common.transport import frames
+from cacheflow_services.http_server import http_client
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class NextStageError(CacheFlowError):
 class NextStage:
     def __init__(self, url: str, *, timeout_s: float, internal_token: str) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {internal_token}"})
+        self._http = http_client(timeout=timeout_s, headers={"Authorization": f"Bearer {internal_token}"})
 
     def forward(self, meta: ForwardMeta, hidden: torch.Tensor) -> ForwardAnswer:
         """`meta` carries the coordinator's grant for the request: the next stage checks it too."""
