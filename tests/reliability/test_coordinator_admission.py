@@ -3,7 +3,9 @@ slot gauges come from here)."""
 
 from __future__ import annotations
 
-from cacheflow_services.coordinator.admission import Admission
+import pytest
+
+from cacheflow_services.coordinator.admission import Admission, AdmissionTimeoutError
 from tests.reliability.coordinator_checks import wait_for
 
 
@@ -22,5 +24,18 @@ def test_stuck_only_while_every_slot_is_held_past_the_bound():
         assert admission.running == 1 and admission.stuck(0.0) == ""  # a slot is free
         admission.done(second)
         assert admission.running == 0 and admission.oldest_slot_age_s() == 0.0
+    finally:
+        admission.close()
+
+
+def test_a_lone_request_at_an_idle_cluster_does_not_wait_out_the_window():
+    admission = Admission(max_batch=4, window_s=3600.0, max_queue=4)
+    try:
+        lone = admission.enqueue()
+        assert admission.wait(lone, 30)  # admitted at once: the hour-long window is not waited out
+        later = admission.enqueue()  # one is running: a batch window opens for those who come now
+        with pytest.raises(AdmissionTimeoutError):
+            admission.wait(later, 0.5)
+        assert admission.waiting == 0 and admission.running == 1  # the timed-out one withdrew
     finally:
         admission.close()

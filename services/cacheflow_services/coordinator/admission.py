@@ -1,7 +1,9 @@
 """Admission and batching: requests wait in arrival order and are let in together, as a batch.
 
 A batch forms `window_s` after the first waiting request arrived, or at once when enough wait to
-fill the free slots; at most `max_batch` requests run (restore + first token) at a time. Beyond
+fill the free slots, or when a request arrives alone at an idle cluster (nothing running, nothing else
+waiting: it would wait out the window for nobody, and a request arriving after it joins its restores
+in the stage engines anyway); at most `max_batch` requests run (restore + first token) at a time. Beyond
 `max_queue` waiting requests, `enqueue` refuses (HTTP 429) instead of letting the queue grow.
 `done` frees a ticket's slot or place whatever state it is in, as often as it is called, so every way
 out of a request (finished, failed, timed out, cancelled) can call it. `stuck` says when no slot can
@@ -125,7 +127,8 @@ class Admission:
                     self._cond.wait()
                     continue
                 left = self.window_s - (time.monotonic() - self._waiting[0].queued_at)
-                if len(self._waiting) < free and left > 0:
+                alone = not self._running and len(self._waiting) == 1  # an idle cluster: no batch to wait for
+                if len(self._waiting) < free and left > 0 and not alone:
                     self._cond.wait(left)  # the window is open: more may join this batch
                     continue
                 self._admit(min(free, len(self._waiting)))
