@@ -8,9 +8,8 @@ than streamed. The reader still checks each section against the key and layer it
 
 from __future__ import annotations
 
-import zlib
-
 from cacheflow_common.errors import ChunkFormatError
+from cacheflow_common.kv.checksum import crc32
 from cacheflow_common.kv.chunk import (
     END_MAGIC,
     SECTION_HEADER,
@@ -78,7 +77,7 @@ def range_problem(buf: memoryview, offset: int, section_size: int, sections_end:
             return f"section {first}: bad header"
         if digest is not None and key != digest:
             return f"section {first}: key differs from the section before"
-        if zlib.crc32(buf[at + SECTION_HEADER_SIZE : at + section_size]) != crc:
+        if crc32(buf[at + SECTION_HEADER_SIZE : at + section_size]) != crc:
             return f"section {first}: crc mismatch"
         digest = key
         first += 1
