@@ -82,6 +82,9 @@ class _NoStore:
     def read_into(self, name: str, buf: memoryview, offset: int) -> bool:
         raise AssertionError(f"compute-only read {name}")
 
+    def readv_into(self, name: str, views: Sequence[memoryview], offset: int) -> bool:
+        raise AssertionError(f"compute-only read {name}")
+
     def exists(self, name: str) -> bool:
         return False
 

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from cacheflow_common.engine.core import STAGE, EngineCore
 from cacheflow_common.engine.stage_restore import StageRestore
 from cacheflow_common.restore.cores import move_off_compute_cores
+from cacheflow_common.restore.loader import staging_buffer
 from cacheflow_common.sched.scheduler import LoadTask
 
 log = logging.getLogger(__name__)
-IDLE_WAIT_S = 0.05  # an idle channel re-checks this often (every event also wakes it)
 
 
 class ChannelLoader:
@@ -28,7 +28,7 @@ class ChannelLoader:
         self.core = core
         self.channel = channel
         self.on_load = on_load  # metrics: (channel, busy seconds) after every load
-        self._staging = memoryview(bytearray(0))
+        self._staging = staging_buffer(0)
         self._thread = threading.Thread(target=self._run, name=f"channel-{channel}", daemon=True)
 
     def start(self) -> ChannelLoader:
@@ -58,12 +58,12 @@ class ChannelLoader:
                 core.looked(self.channel, loading=task is not None)
                 if task is not None:
                     return task, core.restores[task.request_id]
-                core.cond.wait(timeout=IDLE_WAIT_S)
+                core.idle_wait()
         return None
 
     def _load(self, restore: StageRestore, unit: int) -> str:
         if len(self._staging) < restore.loader.staging_bytes:
-            self._staging = memoryview(bytearray(restore.loader.staging_bytes))
+            self._staging = staging_buffer(restore.loader.staging_bytes)
         try:
             return restore.load(unit, self._staging)
         except Exception as exc:  # a read that failed in any way is a miss: the unit is recomputed

@@ -11,8 +11,9 @@ token-wise restore reads the whole object and layer-wise restore reads one layer
 object with one ranged read: no byte is read twice. Each section verifies itself (key digest, layer,
 token range, crc32), so a ranged read is as safe as a whole one.
 
-Landing (`land_kv_sections`) uses numpy and zlib only, both of which release the GIL on large buffers:
-it runs in the loader thread next to the forward pass and must not compete for torch's thread pool.
+Landing (`land_kv_sections`) uses numpy and `checksum.crc32` only, both of which release the GIL on
+large buffers: it runs in the loader thread next to the forward pass and must not compete for torch's
+thread pool.
 Encoding may use torch: it runs on the save path.
 """
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from cacheflow_common.errors import BadRequestError, ChunkFormatError
+from cacheflow_common.kv.checksum import crc32
 from cacheflow_common.kv.keys import ChunkKey
 from cacheflow_common.kv.quant import (
     dequantize_int8_np,
@@ -166,7 +167,7 @@ def _assemble(layout: ChunkLayout, key: ChunkKey, payloads: Sequence[Sequence[np
             pos += part.size
         payload = view[i * size + SECTION_HEADER_SIZE : (i + 1) * size]
         SECTION_HEADER.pack_into(out, i * size, SECTION_MAGIC, layout.layer_start + i, key.token_start,
-                                 key.token_end, zlib.crc32(payload), layout.payload_size, key.digest)
+                                 key.token_end, crc32(payload), layout.payload_size, key.digest)
     return bytes(out)
 
 
@@ -275,7 +276,13 @@ def verify_section(buf: memoryview, *, layout: ChunkLayout, layer: int, key: Chu
     """Check one section (exactly `layout.section_size` bytes) against what the reader expects."""
     if len(buf) != layout.section_size:
         return SectionCheck(False, "truncated")
-    magic, s_layer, t0, t1, crc, length, digest = SECTION_HEADER.unpack_from(buf, 0)
+    return _verify_parts(buf[:SECTION_HEADER_SIZE], [buf[SECTION_HEADER_SIZE:]], layout=layout, layer=layer, key=key)
+
+
+def _verify_parts(header: memoryview, payload: Sequence[memoryview], *, layout: ChunkLayout, layer: int,
+                  key: ChunkKey) -> SectionCheck:
+    """Check a section given as its header and its payload's bytes in order (in one piece or several)."""
+    magic, s_layer, t0, t1, crc, length, digest = SECTION_HEADER.unpack_from(header, 0)
     if magic != SECTION_MAGIC:
         return SectionCheck(False, "magic")
     if digest != key.digest:
@@ -284,9 +291,10 @@ def verify_section(buf: memoryview, *, layout: ChunkLayout, layer: int, key: Chu
         return SectionCheck(False, "layer")
     if (t0, t1) != (key.token_start, key.token_end) or length != layout.payload_size:
         return SectionCheck(False, "tokens")
-    if zlib.crc32(buf[SECTION_HEADER_SIZE:]) != crc:  # releases the GIL on large buffers
-        return SectionCheck(False, "crc")
-    return OK
+    value = 0
+    for part in payload:
+        value = crc32(part, value)  # releases the GIL on large buffers
+    return OK if value == crc else SectionCheck(False, "crc")
 
 
 def float32_to_bfloat16_bytes(x: np.ndarray) -> np.ndarray:
@@ -330,7 +338,7 @@ def land_kv_sections(buf: memoryview, *, layout: ChunkLayout, key: ChunkKey, lay
     dst: uint8 view of a KV buffer holding layers from `dst_layer_start`, [n_buf_layers, 2, Hkv, capacity,
     D * itemsize] (`kv.data.view(torch.uint8).numpy()`). Tokens land at [token_start, token_start + T).
     A bad section is a miss (the returned check); a destination that cannot fit is a BadRequestError.
-    numpy and zlib only: safe to run next to the forward pass.
+    numpy and `checksum.crc32` only: safe to run next to the forward pass.
     """
     _check_landing(layout, layers, dst, dst_layer_start, token_start)
     mv = memoryview(buf).cast("B")
@@ -346,6 +354,28 @@ def land_kv_sections(buf: memoryview, *, layout: ChunkLayout, key: ChunkKey, lay
         payload = mv[i * size + SECTION_HEADER_SIZE : (i + 1) * size]
         dst[layer - dst_layer_start, :, :, token_start:t1, :] = _payload_bytes(payload, layout)  # [2, Hkv, T, D*isz]
     return OK
+
+
+def kv_landing_views(layout: ChunkLayout, layer: int, dst: np.ndarray, dst_layer_start: int, token_start: int,
+                     header: memoryview) -> list[memoryview]:
+    """Where the bytes of layer `layer`'s section go when a read lands them straight in a KV buffer: its
+    header into `header` (`SECTION_HEADER_SIZE` bytes), its payload [2, Hkv, T, D * itemsize] into the rows
+    of `dst` (as `land_kv_sections`), one view per (K or V, head): no staging buffer, no copy.
+
+    Only for unquantized chunks (int8 ones are dequantized on landing). The bytes land unchecked: check
+    them with `verify_landed`; a unit whose check fails holds whatever arrived, as a unit not yet loaded.
+    """
+    if layout.quant != "none":
+        raise BadRequestError("int8 chunks are dequantized on landing: read them into a staging buffer")
+    _check_landing(layout, range(layer, layer + 1), dst, dst_layer_start, token_start)
+    rows = dst[layer - dst_layer_start, :, :, token_start : token_start + layout.n_tokens]  # [2, Hkv, T, D*isz]
+    return [header[:SECTION_HEADER_SIZE]] + [memoryview(rows[kv, head]).cast("B")  # [T * D * itemsize]
+                                             for kv in range(2) for head in range(layout.num_kv_heads)]
+
+
+def verify_landed(views: list[memoryview], *, layout: ChunkLayout, layer: int, key: ChunkKey) -> SectionCheck:
+    """Check a section that `kv_landing_views` landed (its views, header first), as `verify_section` does."""
+    return _verify_parts(views[0], views[1:], layout=layout, layer=layer, key=key)
 
 
 # ---------------------------------------------------------------------------------------------- decoding

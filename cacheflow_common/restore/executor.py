@@ -25,7 +25,7 @@ from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.restore.board import TwoPointerBoard
 from cacheflow_common.restore.cores import move_off_compute_cores
 from cacheflow_common.restore.job import RestoreJob, RestoreResult
-from cacheflow_common.restore.loader import KVLoader
+from cacheflow_common.restore.loader import KVLoader, staging_buffer
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def _compute_layers(board: TwoPointerBoard, model: Transformer, job: RestoreJob,
 def _unit_loader(loader: KVLoader, job: RestoreJob, mode: str, own_staging: bool) -> Callable[[int], str]:
     """Loads one unit (a chunk, or a layer of every chunk); with `own_staging`, through a buffer of its own
     (for one of several reading threads), else through the loader's."""
-    staging = memoryview(bytearray(loader.staging_bytes)) if own_staging else None
+    staging = staging_buffer(loader.staging_bytes) if own_staging else None
     if mode == "token":
         return lambda u: loader.load_chunk(u, staging)
     return lambda u: loader.load_layer(job.layers.start + u, staging)

@@ -1,13 +1,19 @@
 """The I/O side of a restore: read chunk objects (or one layer's section of each) and land them in the KV buffer.
 
-It moves bytes only (store reads into a reusable staging buffer, numpy copies into the buffer): no
-torch ops, so it does not fight the forward pass for torch's thread pool on the same cores. A KV
-buffer in GPU memory is filled through `DeviceLanding` (pinned host buffer, copy on its own stream).
-A load returns "" on success or the reason it missed; a miss writes nothing the compute side relies on.
+It moves bytes only: no torch ops, so it does not fight the forward pass for torch's thread pool on the
+same cores. An unquantized chunk bound for a CPU buffer lands where it belongs as it is read: the store
+scatters each section's payload straight into the buffer's rows (`readv_into`; over TCP the kernel
+copies it there), its header into a small staging area, and the section is checked in place. Others
+(int8 chunks, dequantized on landing; a KV buffer in GPU memory, filled through `DeviceLanding`: pinned
+host buffer, copy on its own stream) are read into a staging buffer, checked, then copied.
+
+A load returns "" on success or the reason it missed. A miss leaves its unit's rows holding whatever
+arrived, which nothing reads: the unit is not loaded, so it is recomputed (which overwrites them), and
+attention reads only units that are loaded or computed.
 
 Several threads may load different units of one request at once (a stage worker's channels), each
 with a staging buffer of its own (`staging`, at least `staging_bytes` long); without one, the loader's
-own buffer is used, which only one thread may do at a time.
+own buffer is used (allocated on first use), which only one thread may do at a time.
 """
 
 from __future__ import annotations
@@ -18,11 +24,23 @@ import numpy as np
 import torch
 
 from cacheflow_common.errors import ConfigError
-from cacheflow_common.kv.chunk import TRAILER_TAIL, ChunkLayout, land_kv_sections
+from cacheflow_common.kv.chunk import (
+    SECTION_HEADER_SIZE,
+    TRAILER_TAIL,
+    ChunkLayout,
+    kv_landing_views,
+    land_kv_sections,
+    verify_landed,
+)
 from cacheflow_common.kv.keys import ChunkKey, object_name
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.restore.device_landing import DeviceLanding
 from cacheflow_common.store.base import ChunkStore
+
+
+def staging_buffer(nbytes: int) -> memoryview:
+    """A staging buffer of `nbytes`, not zero-filled (a load writes every byte it then reads)."""
+    return np.empty(nbytes, np.uint8).data  # [nbytes]
 
 
 class KVLoader:
@@ -57,14 +75,29 @@ class KVLoader:
             )
             for k in keys
         ]
-        largest = max((lay.sections_size for lay in self.layouts), default=0)
-        self.staging_bytes = max(largest, sum(lay.section_size for lay in self.layouts))
-        self._staging = memoryview(bytearray(self.staging_bytes))
-        self._lock = threading.Lock()  # bytes_read, and the device landing's one pinned buffer
         # CPU: land straight into kv.data, [n_buf_layers, 2, Hkv, capacity, D * itemsize] bytes sharing its memory.
         # GPU: land in a pinned host buffer, then copy to the device.
         self._device = DeviceLanding(kv, self._landed_bytes()) if kv.data.is_cuda else None
+        self.direct = self._device is None and quant == "none"  # read straight into kv.data's rows
+        self.staging_bytes = self._staging_needed()
+        self._staging: memoryview | None = None  # the loader's own, for callers that bring none
+        self._lock = threading.Lock()  # bytes_read, and the device landing's one pinned buffer
         self.bytes_read = 0
+
+    def _staging_needed(self) -> int:
+        """Bytes of staging one load needs: the section headers when it lands directly, else whole units."""
+        most_sections = max(len(self.layers), len(self.keys))
+        if self.direct:
+            return SECTION_HEADER_SIZE * most_sections
+        largest = max((lay.sections_size for lay in self.layouts), default=0)
+        return max(largest, sum(lay.section_size for lay in self.layouts))
+
+    def _staging_of(self, staging: memoryview | None) -> memoryview:
+        if staging is not None:
+            return staging
+        if self._staging is None:
+            self._staging = staging_buffer(self.staging_bytes)
+        return self._staging
 
     def absent_chunks(self) -> list[int]:
         """Chunks the store does not hold whole: absent, or too short for their sections and a trailer
@@ -83,7 +116,9 @@ class KVLoader:
     def load_chunk(self, index: int, staging: memoryview | None = None) -> str:
         """Token mode: every layer of chunk `index` in one read. Returns "" or the miss reason."""
         layout = self.layouts[index]
-        buf = (self._staging if staging is None else staging)[: layout.sections_size]
+        if self.direct:
+            return self._load_direct(index, list(self.layers), self._staging_of(staging), 0)
+        buf = self._staging_of(staging)[: layout.sections_size]
         if not self.store.read_into(self.names(index), buf, 0):
             return "absent"
         self._count(len(buf))
@@ -101,9 +136,30 @@ class KVLoader:
                                  dst_layer_start=self.kv.layer_start, token_start=token_start)
         return "" if check.ok else check.reason
 
+    def _load_direct(self, index: int, layers: list[int], headers: memoryview, offset: int) -> str:
+        """Read the sections of `layers` (consecutive) of chunk `index`, from byte `offset` of its object,
+        straight into the KV buffer's rows, then check them in place; headers go to `headers`."""
+        layout, key, dst = self.layouts[index], self.keys[index], self._host_kv()
+        sections = [kv_landing_views(layout, layer, dst, self.kv.layer_start, key.token_start,
+                                     headers[i * SECTION_HEADER_SIZE :]) for i, layer in enumerate(layers)]
+        if not self.store.readv_into(self.names(index), [v for views in sections for v in views], offset):
+            return "absent"
+        self._count(layout.section_size * len(layers))
+        for layer, views in zip(layers, sections, strict=True):
+            check = verify_landed(views, layout=layout, layer=layer, key=key)
+            if not check.ok:
+                return check.reason
+        return ""
+
     def load_layer(self, layer: int, staging: memoryview | None = None) -> str:
         """Layer mode: layer `layer` of every chunk, one ranged read per chunk. Returns "" or the miss reason."""
-        staging = self._staging if staging is None else staging
+        staging = self._staging_of(staging)
+        if self.direct:
+            for i, layout in enumerate(self.layouts):
+                reason = self._load_direct(i, [layer], staging, layout.section_offset(layer))
+                if reason:
+                    return reason
+            return ""
         offset = 0
         spans: list[tuple[int, memoryview]] = []
         for i, layout in enumerate(self.layouts):

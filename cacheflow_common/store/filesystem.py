@@ -5,8 +5,8 @@ name (`os.replace`, atomic) and fsyncs the directory: once `put` returns the obj
 crash, and a reader sees either the old object or the new one, never half of one. Objects are
 spread over subdirectories named by the first two characters of their names (256 for hex keys).
 
-`read_into` reads straight into the caller's buffer with `os.preadv` (no intermediate copy, no
-shared file offset, so any number of threads may read at once), looping over short reads.
+`read_into` and `readv_into` read straight into the caller's buffers with `os.preadv` (no intermediate
+copy, no shared file offset, so any number of threads may read at once), looping over short reads.
 Temporary files start with a dot, which no object name may, so they never collide with objects.
 """
 
@@ -16,12 +16,12 @@ import contextlib
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from cacheflow_common.errors import BadRequestError, StoreError
 from cacheflow_common.kv.keys import valid_name
-from cacheflow_common.store.base import byte_view
+from cacheflow_common.store.base import IOV_MAX, byte_views, views_after
 
 _TMP_PREFIX = ".tmp-"  # object names never start with a dot
 _SHARD_CHARS = 2  # 2 hex characters: 256 directories, a few thousand files each at a million objects
@@ -73,18 +73,21 @@ class FilesystemStore:
             raise
 
     def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
+        return self.readv_into(name, [buf], offset)
+
+    def readv_into(self, name: str, views: Sequence[memoryview], offset: int = 0) -> bool:
         path = self._path_or_none(name)
         if path is None or offset < 0:
             return False
-        out = byte_view(buf)
+        out, length = byte_views(views)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return False
         try:
             done = 0
-            while done < len(out):
-                n = os.preadv(fd, [out[done:]], offset + done)
+            while done < length:
+                n = os.preadv(fd, views_after(out, done)[:IOV_MAX], offset + done)
                 if n <= 0:
                     return False  # the object is shorter than asked: a miss
                 done += n

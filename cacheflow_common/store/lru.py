@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from cacheflow_common.errors import ConfigError, StoreError
@@ -178,7 +178,10 @@ class LruStore:
             raise
 
     def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
-        ok = self.inner.read_into(name, buf, offset)
+        return self.readv_into(name, [buf], offset)
+
+    def readv_into(self, name: str, views: Sequence[memoryview], offset: int = 0) -> bool:
+        ok = self.inner.readv_into(name, views, offset)
         if ok:
             self._touch(name)
         return ok

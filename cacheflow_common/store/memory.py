@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.kv.keys import valid_name
-from cacheflow_common.store.base import byte_view
+from cacheflow_common.store.base import byte_views, scatter
 
 
 class MemoryStore:
@@ -25,12 +26,15 @@ class MemoryStore:
             self._objects[name] = obj
 
     def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
+        return self.readv_into(name, [buf], offset)
+
+    def readv_into(self, name: str, views: Sequence[memoryview], offset: int = 0) -> bool:
         with self._lock:
             obj = self._objects.get(name)
-        out = byte_view(buf)
-        if obj is None or offset < 0 or offset + len(out) > len(obj):
+        out, length = byte_views(views)
+        if obj is None or offset < 0 or offset + length > len(obj):
             return False
-        out[:] = memoryview(obj)[offset : offset + len(out)]  # bytes are immutable: no lock needed to copy
+        scatter(memoryview(obj)[offset : offset + length], out)  # bytes are immutable: no lock needed to copy
         return True
 
     def read(self, name: str) -> bytes | None:

@@ -68,7 +68,10 @@ class ClusterStore:
             raise StoreError(f"no pod stored {name}: {'; '.join(errors)}")
 
     def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
-        return any(self.pods[p].read_into(name, buf, offset) for p in self.placement(name))
+        return self.readv_into(name, [buf], offset)
+
+    def readv_into(self, name: str, views: Sequence[memoryview], offset: int = 0) -> bool:
+        return any(self.pods[p].readv_into(name, views, offset) for p in self.placement(name))
 
     def read_many(self, requests: Sequence[tuple[str, memoryview, int]]) -> list[bool]:
         """Many (name, buffer, offset) reads at once, spread over the pods that hold them."""

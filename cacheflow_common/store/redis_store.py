@@ -8,11 +8,13 @@ client reconnects on the next command. Durability and eviction are Redis's own (
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import redis
 
 from cacheflow_common.errors import BadRequestError, StoreError
 from cacheflow_common.kv.keys import valid_name
-from cacheflow_common.store.base import byte_view
+from cacheflow_common.store.base import byte_views, scatter
 
 _FAILURES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ResponseError)
 
@@ -38,16 +40,19 @@ class RedisStore:
             raise StoreError(f"cannot store {name} in Redis: {exc}") from exc
 
     def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
-        out = byte_view(buf)
-        if not valid_name(name) or offset < 0 or not len(out):
+        return self.readv_into(name, [buf], offset)
+
+    def readv_into(self, name: str, views: Sequence[memoryview], offset: int = 0) -> bool:
+        out, length = byte_views(views)
+        if not valid_name(name) or offset < 0 or not length:
             return False
         try:
-            data = self.client.getrange(self.prefix + name, offset, offset + len(out) - 1)
+            data = self.client.getrange(self.prefix + name, offset, offset + length - 1)
         except _FAILURES:
             return False
-        if not isinstance(data, bytes) or len(data) != len(out):  # absent, or shorter than the range
+        if not isinstance(data, bytes) or len(data) != length:  # absent, or shorter than the range
             return False
-        out[:] = data
+        scatter(data, out)
         return True
 
     def read(self, name: str) -> bytes | None:

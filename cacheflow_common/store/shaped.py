@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_common.transport.shaping import TokenBucket
@@ -37,9 +38,12 @@ class ShapedStore:
             self.bytes_written += nbytes
 
     def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
-        nbytes = memoryview(buf).nbytes
+        return self.readv_into(name, [buf], offset)
+
+    def readv_into(self, name: str, views: Sequence[memoryview], offset: int = 0) -> bool:
+        nbytes = sum(memoryview(v).nbytes for v in views)
         deadline = self.shaper.reserve(nbytes)  # the emulated transfer starts now ...
-        ok = self.inner.read_into(name, buf, offset)  # ... and overlaps the real read
+        ok = self.inner.readv_into(name, views, offset)  # ... and overlaps the real read
         if ok:
             self.shaper.wait(deadline)
         else:

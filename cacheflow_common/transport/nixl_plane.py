@@ -5,8 +5,11 @@ NIXL (UCX: shared memory on one host, RDMA or TCP across hosts). Metadata is exc
 connection (NIXL_HELLO), so no NIXL listener port is needed:
 
     client: register receive slots -> NIXL_HELLO(agent name, metadata) -> NIXL_GET(name, range, slot address)
+            -> drive UCX until the answer comes -> copy the slot to where its bytes belong
     pod:    add the client's agent once -> read + verify into a registered staging slab ->
             WRITE slice by slice into the slot (each slice booked on the pod's token bucket) -> OK
+
+Neither side runs a thread for NIXL: nothing spins while idle (see `_agent`).
 
 The client's slots are registered before its metadata is sent (remote keys travel in the metadata),
 so their number and size are fixed for the endpoint's life; a longer read is split into slot-sized
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import select
 import socket
 import threading
 import time
@@ -27,16 +31,21 @@ import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
 from cacheflow_common.errors import BadRequestError
+from cacheflow_common.store.base import scatter, views_within
 from cacheflow_common.transport import wire
 from cacheflow_common.transport.shaping import TokenBucket
 from cacheflow_common.transport.wire import Op, Status, WireError
 
-_POLL_S = 20e-6  # between completion checks of a transfer in flight
+_POLL_S = 20e-6  # between completion checks of a transfer in flight (the pod's side)
+_PROGRESS_S = 1e-3  # the reader drives UCX this often while it waits for the pod's answer
 
 
 def _agent(name: str) -> nixl_agent:
-    # No listener thread: metadata goes over our own connection. The progress thread drives UCX.
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"]))
+    """An agent with no thread of its own. No listener: metadata goes over our own connection. No
+    progress thread: NIXL's polls its UCX worker with a zero timeout (its Python API fixes the delay at 0),
+    a core at 100 % even with nothing to do; instead each side drives UCX only while a transfer of its
+    own is in flight (the pod while it writes, the reader while it waits for the pod's answer)."""
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]))
 
 
 class RegisteredBuffer:
@@ -145,22 +154,30 @@ class NixlClientEndpoint:
         if status is not Status.OK:
             raise WireError(f"the pod refused NIXL: {status.name} {message}")
 
-    def reader(self, name: str, out: memoryview, offset: int) -> Callable[[socket.socket], bool]:
-        """An exchange (for `PodClient`) that reads bytes [offset, offset + len(out)) of `name` into `out`."""
+    def reader(self, name: str, out: list[memoryview], length: int, offset: int) -> Callable[[socket.socket], bool]:
+        """An exchange (for `PodClient`) that reads bytes [offset, offset + length) of `name` into the
+        views `out`, one after another (each slot's bytes go straight to where they belong)."""
 
         def exchange(sock: socket.socket) -> bool:
             slot = self._slots.get()
             try:
-                for start in range(0, len(out), self.slot_bytes):
-                    n = min(self.slot_bytes, len(out) - start)
+                for start in range(0, length, self.slot_bytes):
+                    n = min(self.slot_bytes, length - start)
                     sock.sendall(wire.pack_request(Op.NIXL_GET, name, offset=offset + start, length=n,
                                                    extra=slot.address))
+                    self._progress_until_readable(sock)
                     status, _message, _ = wire.recv_response(sock)
                     if status is not Status.OK:
                         return False
-                    out[start : start + n] = slot.view[:n]
+                    scatter(slot.view[:n], views_within(out, start, n))
                 return True
             finally:
                 self._slots.put(slot)
 
         return exchange
+
+    def _progress_until_readable(self, sock: socket.socket) -> None:
+        """Drive this agent's UCX worker while the pod writes into our slot (it has no progress thread):
+        until the pod's answer is on `sock`. Waiting on the socket, not spinning: the answer wakes it."""
+        while not select.select([sock], [], [], _PROGRESS_S)[0]:
+            self.agent.get_new_notifs()  # progresses the worker (NIXL does so for agents without a thread)

@@ -12,12 +12,12 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from cacheflow_common.errors import BadRequestError, ConfigError, StoreError, UnauthorizedError
-from cacheflow_common.store.base import byte_view
+from cacheflow_common.store.base import byte_views
 from cacheflow_common.transport import wire
 from cacheflow_common.transport.wire import Op, Status, WireError
 
@@ -113,17 +113,20 @@ class PodClient:
 
     # ------------------------------------------------------------------------------------ ChunkStore
     def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
-        out = byte_view(buf)
+        return self.readv_into(name, [buf], offset)
+
+    def readv_into(self, name: str, views: Sequence[memoryview], offset: int = 0) -> bool:
+        out, length = byte_views(views)
         if self.nixl is not None:
-            exchange = self.nixl.reader(name, out, offset)
+            exchange = self.nixl.reader(name, out, length, offset)
         else:
             def exchange(sock: socket.socket) -> bool:
-                sock.sendall(wire.pack_request(Op.GET, name, offset=offset, length=len(out)))
+                sock.sendall(wire.pack_request(Op.GET, name, offset=offset, length=length))
                 status, message, n = wire.recv_response(sock)
                 if status is Status.OK:
-                    if n != len(out):
-                        raise WireError(f"asked for {len(out)} bytes, the pod sends {n}")
-                    wire.recv_exact_into(sock, out)
+                    if n != length:
+                        raise WireError(f"asked for {length} bytes, the pod sends {n}")
+                    wire.recv_exact_into_views(sock, out)  # straight into the reader's buffers
                     return True
                 return self._refused_read(status, name, message)
         try:

@@ -18,7 +18,10 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Sequence
 from enum import IntEnum
+
+from cacheflow_common.store.base import IOV_MAX, views_after
 
 HELLO_MAGIC = b"CFD1"
 REQUEST_MAGIC = b"CFQ1"
@@ -70,6 +73,16 @@ def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | Non
     finally:
         if deadline is not None:
             sock.settimeout(timeout)
+
+
+def recv_exact_into_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """`recv_exact_into`, scattered over `views` (filled one after another, a batch of them per call)."""
+    left = list(views)
+    while left:
+        n = sock.recvmsg_into(left[:IOV_MAX])[0]
+        if n == 0:
+            raise WireError("connection closed mid-message")
+        left = views_after(left, n)
 
 
 def _time_left(deadline: float) -> float:

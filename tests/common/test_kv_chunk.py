@@ -18,9 +18,11 @@ from cacheflow_common.kv.chunk import (
     decode_kv_chunk,
     encode_hidden_chunk,
     encode_kv_chunk,
+    kv_landing_views,
     land_kv_sections,
     layout_of_trailer,
     read_trailer,
+    verify_landed,
     verify_section,
 )
 from cacheflow_common.kv.keys import ChunkKey, chunk_keys, tenant_salt
@@ -142,6 +144,32 @@ def test_damage_is_detected_and_nothing_is_written(offset_in_section, reason):
     assert not buf.any()
     with pytest.raises(ChunkFormatError):
         decode_kv_chunk(bytes(obj))
+
+
+def _read_direct(store: ChunkStore, name: str, dst: np.ndarray, layout: ChunkLayout, layer: int,
+                 key: ChunkKey | None = None) -> str:
+    """One layer's section read straight into `dst` (as the loader lands chunks), then checked in place."""
+    views = kv_landing_views(layout, layer, dst, L0, 7, memoryview(bytearray(SECTION_HEADER_SIZE)))
+    if not store.readv_into(name, views, layout.section_offset(layer)):
+        return "absent"
+    return verify_landed(views, layout=layout, layer=layer, key=key or _key()).reason
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sections_read_straight_into_the_kv_buffer_land_exactly_and_damage_is_caught(store, dtype):
+    kv, layout = _kv(getattr(torch, dtype), seed=5), _layout(dtype)
+    store.put("c", _encode(kv, dtype))
+    buf, dst = _dst(getattr(torch, dtype))
+    for layer in range(L0, L1):
+        assert _read_direct(store, "c", dst, layout, layer) == ""
+    assert torch.equal(buf[:, :, :, 7:14], kv)  # [L, 2, Hkv, T, D]: bit-exact, no staging copy
+    assert _read_direct(store, "c", dst, layout, L0, key=chunk_keys(IDS, T, SALT)[2]) == "key"
+    damaged = bytearray(_encode(kv, dtype))
+    damaged[layout.section_offset(3) + SECTION_HEADER_SIZE + 5] ^= 0x55
+    store.put("d", bytes(damaged))
+    assert _read_direct(store, "d", dst, layout, 3) == "crc"
+    with pytest.raises(BadRequestError):  # int8 chunks are dequantized on landing: never read straight in
+        kv_landing_views(_layout(dtype, "int8"), L0, dst, L0, 7, memoryview(bytearray(SECTION_HEADER_SIZE)))
 
 
 def test_another_chunks_bytes_are_refused():

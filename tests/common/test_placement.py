@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from cacheflow_common.errors import ConfigError, StoreError
@@ -24,8 +26,8 @@ class FlakyPod(MemoryStore):
             raise StoreError("pod down")
         super().put(name, data)
 
-    def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
-        return not self.down and super().read_into(name, buf, offset)
+    def readv_into(self, name: str, views: Sequence[memoryview], offset: int = 0) -> bool:
+        return not self.down and super().readv_into(name, views, offset)
 
 
 NAMES = [f"{i:032x}.kv.L0-4" for i in range(3000)]

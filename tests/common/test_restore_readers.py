@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ class WatchedStore(MemoryStore):
         self.now = self.most = 0
         self._watch = threading.Lock()
 
-    def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
+    def readv_into(self, name: str, views: Sequence[memoryview], offset: int = 0) -> bool:
         if any(part in name for part in self.failing):
             raise ConnectionError(f"store lost reading {name}")
         with self._watch:
@@ -41,7 +42,7 @@ class WatchedStore(MemoryStore):
             self.most = max(self.most, self.now)
         time.sleep(0.01)  # long enough for the other reader to start its own read
         try:
-            return super().read_into(name, buf, offset)
+            return super().readv_into(name, views, offset)
         finally:
             with self._watch:
                 self.now -= 1

@@ -87,3 +87,14 @@ def test_shaped_store_returns_the_same_bytes_and_counts():
     assert shaped.read_into("a", buf) and bytes(buf) == b"x" * 1000
     assert not shaped.read_into("b", buf)
     assert shaped.bytes_read == 1000 and shaped.misses == 1
+
+
+def test_readv_into_scatters_a_range_over_many_buffers(store):
+    data = bytes(range(256)) * 40
+    store.put("obj-1", data)
+    sizes = [1, 7, 64, 0, 300] + [2] * 1500  # more buffers than one readv takes (IOV_MAX, 1024)
+    views = [memoryview(bytearray(n)) for n in sizes]
+    assert store.readv_into("obj-1", views, 100)
+    assert b"".join(bytes(v) for v in views) == data[100 : 100 + sum(sizes)]
+    assert not store.readv_into("obj-1", [memoryview(bytearray(60))] * 2, len(data) - 100)  # short: a miss
+    assert not store.readv_into("absent", views)

@@ -24,6 +24,9 @@ def test_round_trip_and_ranged_reads(redis):
     buf = bytearray(4)
     assert store.read_into("abc.kv.L0-2", memoryview(buf), 3) and bytes(buf) == b"3456"
     assert not store.read_into("abc.kv.L0-2", memoryview(buf), 8)  # past the end: a miss
+    parts = [bytearray(2), bytearray(0), bytearray(3)]
+    assert store.readv_into("abc.kv.L0-2", [memoryview(p) for p in parts], 4)
+    assert b"".join(parts) == b"45678"
     assert store.read("abc.kv.L0-2") == b"0123456789" and store.size("abc.kv.L0-2") == 10
     assert store.size("absent") is None and not store.exists("absent")
     store.put("empty", b"")

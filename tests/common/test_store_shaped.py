@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_common.store.shaped import ShapedStore
@@ -34,9 +35,9 @@ class _LoggedMemory(MemoryStore):
         super().__init__()
         self.log = log
 
-    def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
+    def readv_into(self, name: str, views: Sequence[memoryview], offset: int = 0) -> bool:
         self.log.append(("read", name))
-        return super().read_into(name, buf, offset)
+        return super().readv_into(name, views, offset)
 
 
 def test_reads_book_the_link_before_reading_and_wait_after():

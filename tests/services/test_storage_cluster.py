@@ -92,5 +92,9 @@ def test_nixl_data_plane_round_trip(tmp_path):
             assert client.read_into(name, memoryview(buf))
             assert bytes(buf) == obj
         assert not client.read_into(chunks[0][0] + "x", memoryview(bytearray(8)))
+        name, obj = chunks[1]
+        parts = [bytearray(n) for n in (100, 64 * 1024, 0, 20_000)]  # across a slot's end
+        assert client.readv_into(name, [memoryview(p) for p in parts], 7)
+        assert b"".join(parts) == obj[7 : 7 + sum(len(p) for p in parts)]
     finally:
         pod.stop()

@@ -35,6 +35,10 @@ def test_put_then_whole_and_ranged_reads_return_the_exact_bytes(pod):
         assert client.read_into(name, memoryview(section), lay.section_offset(2))
         assert bytes(section) == obj[lay.section_offset(2) : lay.section_offset(3)]
     assert client.tenant == "alpha"
+    name, obj = chunks[0]
+    parts = [bytearray(n) for n in (10, 0, len(obj) - 20, 3)]  # straight into the reader's buffers
+    assert client.readv_into(name, [memoryview(p) for p in parts], 5)
+    assert b"".join(parts) == obj[5:-2]
 
 
 def test_absent_and_out_of_range_reads_are_misses(pod):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +38,9 @@ class HeldStore(MemoryStore):
         super().__init__()
         self.release = threading.Event()
 
-    def read_into(self, name: str, buf: memoryview, offset: int = 0) -> bool:
+    def readv_into(self, name: str, views: Sequence[memoryview], offset: int = 0) -> bool:
         self.release.wait(30)
-        return super().read_into(name, buf, offset)
+        return super().readv_into(name, views, offset)
 
 
 class Restorer:
