@@ -55,6 +55,9 @@ class ForwardItem:
         return self.rows.shape[0] - self.done_rows
 
 
+IDLE_WAIT_S = 0.05  # with restores in flight, a loop or channel with nothing to do re-checks this often
+
+
 class EngineCore:
     def __init__(self, policy: Policy, *, stage: int, n_channels: int) -> None:
         self.stage = stage  # the pipeline stage, for answers and errors
@@ -66,6 +69,12 @@ class EngineCore:
         self.forwards: deque[ForwardItem] = deque()
         self.stopped = False
         self._errors: dict[str, BaseException] = {}  # request -> why it failed (set with `fail`)
+
+    def idle_wait(self) -> None:
+        """Wait (holding `cond`) for the next event: with restores in flight at most `IDLE_WAIT_S`, as the
+        scheduler's decisions depend on the time; with none, until something happens (an arrival, a
+        forward, a stop: each notifies), so an idle engine takes no CPU."""
+        self.cond.wait(timeout=IDLE_WAIT_S if self.restores else None)
 
     def wake(self) -> None:
         with self.cond:

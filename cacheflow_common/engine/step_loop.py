@@ -30,7 +30,6 @@ from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.sched.scheduler import ComputeTask
 
 log = logging.getLogger(__name__)
-IDLE_WAIT_S = 0.05  # a loop with nothing to do re-checks this often (every event also wakes it)
 
 Sampler = Callable[[torch.Tensor, float, int, int], int]  # (logits [vocab], temperature, seed, position)
 
@@ -69,13 +68,14 @@ class StepLoop:
         drives its own restores on its own thread."""
         while not self.core.stopped and not until():
             try:
-                self.step()
+                self.step(until=until)
             except Exception:  # a bug, not a bad request: keep serving, fail nothing silently
                 log.exception("compute step failed")
 
-    def step(self, *, wait: bool = True) -> bool:
-        """One step; False when there was nothing to do (after waiting a little for work, if `wait`)."""
-        plan = self._schedule(wait)
+    def step(self, *, wait: bool = True, until: Callable[[], bool] = lambda: False) -> bool:
+        """One step; False when there was nothing to do (after waiting for work, if `wait`, unless `until()`
+        holds by then: a restore the caller waits for may finish on a channel's thread)."""
+        plan = self._schedule(wait, until)
         if plan is None:
             return False
         started = time.perf_counter()
@@ -91,7 +91,7 @@ class StepLoop:
         return True
 
     # -- schedule -------------------------------------------------------------------------------
-    def _schedule(self, wait: bool) -> StepPlan | None:
+    def _schedule(self, wait: bool, until: Callable[[], bool]) -> StepPlan | None:
         core = self.core
         with core.cond:
             forwards = self._forward_slices()
@@ -100,8 +100,8 @@ class StepLoop:
                 room = min(room, self.beside_forward_tokens)
             tasks = core.scheduler.next_compute_batch(STAGE, room, now=time.perf_counter(), ready=self._ready)
             if not forwards and not tasks:
-                if wait:
-                    core.cond.wait(timeout=IDLE_WAIT_S)
+                if wait and not until():  # checked under `cond`, where restores are answered
+                    core.idle_wait()
                 return None
             modes = {t.request_id: core.restores[t.request_id].spec.mode for t in tasks}
         token_units = [t for t in tasks if modes[t.request_id] == "token"]

@@ -197,3 +197,18 @@ def stop_process(proc: subprocess.Popen[str] | None, *, kill: bool = False) -> N
             pass
     proc.kill()
     proc.wait(10)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process `pid` has used, from the kernel's accounting."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (stat fields 14, 15)
+
+
+def idle_cpu_share(pids: Sequence[int], seconds: float) -> list[float]:
+    """The share of one core each of `pids` uses over `seconds` (measured together)."""
+    before, began = [cpu_seconds(p) for p in pids], time.monotonic()
+    time.sleep(seconds)
+    wall = time.monotonic() - began
+    return [(cpu_seconds(p) - b) / wall for p, b in zip(pids, before, strict=True)]

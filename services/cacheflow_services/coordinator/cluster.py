@@ -30,6 +30,7 @@ from cacheflow_common.store.placement import ClusterStore, tenant_stores
 from cacheflow_common.transport.pod_client import PodClient
 from cacheflow_services.coordinator.config import CoordinatorConfig
 from cacheflow_services.coordinator.stages import ChainError, StageChain
+from cacheflow_services.http_server import http_client
 from cacheflow_services.supervisor import restart_in_progress
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class Cluster:
         self.stores: dict[str, ClusterStore] = tenant_stores(config.pods, config.pod_tokens, replicas=config.replicas)
         first_token = next(iter(config.pod_tokens.values()))
         self._probes = {a.pod_id: PodClient(a, first_token, timeout_s=PROBE_TIMEOUT_S) for a in config.pods}
+        self._stage_probe = http_client(timeout=PROBE_TIMEOUT_S)  # one kept-alive client: a new one per probe
+        # cost ~20 ms of CPU (TLS context setup), an idle coordinator's biggest cost
         self.stage_up = [True] * len(config.stages)
         self.pod_up = dict.fromkeys(self._probes, True)
         self._stop = threading.Event()
@@ -94,6 +97,7 @@ class Cluster:
             store.close()
         for probe in self._probes.values():
             probe.close()
+        self._stage_probe.close()
 
     # ------------------------------------------------------------------------------------ health
     def down_stages(self) -> list[int]:
@@ -144,7 +148,7 @@ class Cluster:
     def probe_stages(self) -> None:
         for stage, url in enumerate(self.chain.urls):
             try:
-                self.stage_up[stage] = httpx.get(f"{url}/healthz", timeout=PROBE_TIMEOUT_S).status_code == 200
+                self.stage_up[stage] = self._stage_probe.get(f"{url}/healthz").status_code == 200
             except httpx.HTTPError:
                 self.stage_up[stage] = False
 
