@@ -113,7 +113,7 @@ def run_phases(cluster: LocalCluster, requests: list[ReplayRequest], args: argpa
     print("worker attacks ...", flush=True)
     attacks = attack_workers(cluster, requests, model_config(MODEL).hidden_size)
     for worker in cluster.workers:  # whatever an attack could have queued is stored before the replay reads it
-        httpx.post(f"{worker.url}/v1/flush", headers=worker.internal_headers, timeout=120).raise_for_status()
+        httpx.post(f"{worker.url}/v1/flush", headers=worker.granted_headers("flush"), timeout=120).raise_for_status()
     attacks["outcomes"] = send()
     time.sleep(2.0)  # every answer is out; slots must all be free again
     return {"reference": reference, "pod_kill": pod_kill, "worker_kill": worker_kill | {"recovery_s": recovery_s},
