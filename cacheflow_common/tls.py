@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
 import ssl
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,8 @@ from cacheflow_common.files import write_atomically
 CA_FILE, CERT_FILE, KEY_FILE = "ca.crt", "tls.crt", "tls.key"
 CA_DAYS, CERT_DAYS = 3650, 90  # the CA outlives many server certificates, so a rotation breaks no client
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
+RELOAD_S = 60.0  # how often a server looks for a renewed certificate (a mounted Secret changes within minutes)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,15 +45,37 @@ class TLSFiles:
         d = Path(directory).expanduser()
         return cls(d / CA_FILE, d / CERT_FILE, d / KEY_FILE)
 
-    def server_context(self) -> ssl.SSLContext:
-        """What a server presents (its certificate and key)."""
+    def server_context(self, *, reload_s: float = RELOAD_S) -> ssl.SSLContext:
+        """What a server presents (its certificate and key), reloaded into the same context when the files
+        change (checked every `reload_s`; a renewed certificate serves new connections without a restart)."""
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         try:
             context.load_cert_chain(self.cert, self.key)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"cannot load the TLS certificate {self.cert} and key {self.key}: {exc}") from None
+        if reload_s > 0:
+            threading.Thread(target=self._reload, args=(context, reload_s), name="tls-reload", daemon=True).start()
         return context
+
+    def _reload(self, context: ssl.SSLContext, every_s: float) -> None:
+        seen = self._stamp()
+        while True:
+            time.sleep(every_s)
+            stamp = self._stamp()
+            if stamp != seen:
+                try:
+                    context.load_cert_chain(self.cert, self.key)
+                    seen = stamp
+                    log.info("TLS certificate %s reloaded", self.cert)
+                except (OSError, ssl.SSLError) as exc:  # half-written: the next look tries again
+                    log.warning("TLS certificate %s not reloaded: %s", self.cert, exc)
+
+    def _stamp(self) -> tuple[float, float]:
+        try:
+            return self.cert.stat().st_mtime, self.key.stat().st_mtime
+        except OSError:
+            return 0.0, 0.0
 
     def client_context(self) -> ssl.SSLContext:
         """What a client trusts: servers whose certificate the cluster CA signed, for the host it dialled."""

@@ -46,7 +46,7 @@ T = TypeVar("T")
 class ServerLimits:
     """What one HTTP port holds for a client (`guarded_protocol`)."""
 
-    header_timeout_s: float = 10.0
+    header_timeout_s: float = 5.0
     body_timeout_s: float = 30.0  # the longest gap between two pieces of a request's body
     max_connections_per_client: int = 512  # above every pool of the cluster's own clients (coordinator: 2 x 64 x 2)
 
@@ -72,9 +72,10 @@ def listen(host: str, port: int, *, backlog: int = 2048) -> socket.socket:
 
 def http_server(app: Any, *, tls: TLSFiles | None = None, limits: ServerLimits = DEFAULT_LIMITS) -> uvicorn.Server:
     """A uvicorn server for `app` (HTTPS with `tls`); run it with `server.run(sockets=[listen(...)])`."""
+    # our TLS context, not uvicorn's: it reloads a renewed certificate
+    context = None if tls is None else (lambda _config, _default: tls.server_context())
     config = uvicorn.Config(app, log_level="warning", access_log=False, http=guarded_protocol(limits),
-                            timeout_keep_alive=int(SERVER_KEEP_ALIVE_S),
-                            ssl_certfile=str(tls.cert) if tls else None, ssl_keyfile=str(tls.key) if tls else None)
+                            timeout_keep_alive=int(SERVER_KEEP_ALIVE_S), ssl_context_factory=context)
     return uvicorn.Server(config)
 
 

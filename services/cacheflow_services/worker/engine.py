@@ -68,7 +68,7 @@ class StageEngine:
         self.metrics = WorkerMetrics(n_channels=len(config.pods))
         self.pool = KVPool(model, config.layers, capacity_tokens=config.pool_tokens, block_tokens=config.block_tokens,
                            tenant_share=config.tenant_pool_share)
-        self.requests = RequestTable(on_stream_closed=(spent or SpentGrants()).close)
+        self.requests = RequestTable(on_stream_closed=(spent if spent is not None else SpentGrants()).close)
         self.saver = ChunkSaver(model, stage=config.stage, layers=config.layers, chunk_size=config.chunk_size,
                                 metrics=self.metrics)
         self.engine = RestoreEngine(engine_settings(config, profile), model, sampler=sample,
