@@ -5,11 +5,14 @@ Three credentials, each held only by the components that need it:
 * **Internal token**: a random secret that every call from the coordinator to a stage worker, and from
   one stage worker to the next, carries as `Authorization: Bearer <token>`. Clients of the coordinator
   and storage pods never have it, so they cannot call a worker's API at all.
-* **Grant**: the coordinator's word that it admitted one request for one tenant: (request id, tenant,
-  whether it may save, the most tokens it may hold, expiry), signed with Ed25519. Only the coordinator
-  holds the signing key; workers hold the verifying key, so a worker can check a grant but never make
-  one. A worker does work for a tenant, and writes chunks under its keys, only on a grant that names
-  the request and that tenant.
+* **Grant**: the coordinator's word that it allows one call: (operation, the stages it may reach, request
+  id, tenant, a digest of the token ids the call works on, a nonce, whether it may save, the most tokens
+  it may hold, expiry), signed with Ed25519. Only the coordinator holds the signing key; workers hold
+  the verifying key, so a worker can check a grant but never make one. A worker does work for a tenant,
+  and writes chunks under its keys, only on a grant that names the operation, its stage, the request,
+  the tenant and the very tokens asked for; it remembers each nonce until the grant expires, so a grant
+  is used once (a delivery grant: one stream of deliveries). Grants live for one call (`GRANT_TTL_S`),
+  a delivery grant for the restore it feeds.
 * **Pod credential**: inside the grant, a short-lived storage credential for that tenant,
   HMAC-SHA256 keyed by the tenant's storage token (which the pods hold). The pods verify it with that
   token; workers never hold any tenant's long-lived storage token, and a credential they saw expires.
@@ -26,10 +29,13 @@ import hashlib
 import hmac
 import json
 import secrets
+import struct
 import time
-from collections.abc import Mapping
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -42,7 +48,11 @@ INTERNAL_TOKEN_FILE = "internal-token"
 SIGNING_KEY_FILE = "grant-signing-key.pem"  # the coordinator's only
 VERIFY_KEY_FILE = "grant-verify-key.pem"  # the workers'
 POD_CREDENTIAL_PREFIX = "cfpod1."
-CLOCK_SKEW_S = 30.0  # an expiry this far in the past is still accepted (clocks of two pods differ)
+CLOCK_SKEW_S = 5.0  # an expiry this far in the past is still accepted (clocks of two pods differ)
+GRANT_TTL_S = 30.0  # a grant is checked when its call arrives: it is sent the moment it is made
+POD_CREDENTIAL_TTL_S = 360.0  # a worker's saves of a request run on after its calls: its pod credential lasts longer
+GRANT_HEADER = "X-CacheFlow-Grant"  # every call to a worker's API carries its grant here
+OPERATIONS = ("restore", "forward", "deliver", "read", "release", "info", "flush")
 
 
 def tenant_of_token(tokens: Mapping[str, str], token: str) -> str | None:
@@ -56,20 +66,39 @@ def tenant_of_token(tokens: Mapping[str, str], token: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- grants
+def input_digest(token_ids: Sequence[int], *, start: int = 0, reserve: int = 0) -> str:
+    """What a grant binds a call's input to: the token ids at `start`, and the room reserved beside them."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(struct.pack("<qq", start, reserve))
+    h.update(array("q", token_ids).tobytes())
+    return h.hexdigest()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Grant:
-    request_id: str
-    tenant: str
+    op: str  # one of OPERATIONS: what the call may do
+    stages: tuple[int, ...]  # the stages it may do it on (a forward: every stage it passes)
+    request_id: str  # "" for calls about no request (info, flush)
+    tenant: str  # "" likewise
+    digest: str  # `input_digest` of the call's tokens ("" where the call takes none)
+    nonce: str  # single use: a worker refuses a nonce it has seen until the grant expires
     save: bool  # the request may store chunks (under this tenant's keys)
     max_tokens: int  # prefix + suffix + new tokens the request may hold on a stage
     expires_at: float  # unix time
     pod_credential: str  # the tenant's short-lived storage credential ("" where no pod is touched)
 
-    def check(self, *, request_id: str, tenant: str) -> None:
-        """UnauthorizedError unless this grant is for `request_id` of `tenant`."""
+    def allows(self, op: str, stage: int) -> None:
+        """GrantError unless this grant is for `op` on `stage`."""
+        if self.op != op or stage not in self.stages:
+            raise GrantError(f"the grant is for {self.op} on stages {list(self.stages)}, not {op} on stage {stage}")
+
+    def check(self, *, request_id: str, tenant: str, digest: str = "") -> None:
+        """GrantError unless this grant is for `request_id` of `tenant`, over the input whose digest is `digest`."""
         if self.request_id != request_id or self.tenant != tenant:
             raise GrantError(f"the grant is for request {self.request_id!r} of tenant {self.tenant!r}, "
-                                    f"not {request_id!r} of {tenant!r}")
+                             f"not {request_id!r} of {tenant!r}")
+        if not hmac.compare_digest(self.digest, digest):
+            raise GrantError(f"the grant for request {request_id!r} is for other tokens than those sent")
 
 
 def _b64(data: bytes) -> str:
@@ -118,8 +147,9 @@ class GrantVerifier:
         try:
             payload = _unb64(payload_b64)
             self._key.verify(_unb64(signature_b64), payload)
-            grant = Grant(**json.loads(payload))
-        except (InvalidSignature, ValueError, TypeError) as exc:
+            fields = json.loads(payload)
+            grant = Grant(**{**fields, "stages": tuple(int(s) for s in fields["stages"])})
+        except (InvalidSignature, ValueError, TypeError, KeyError) as exc:
             raise GrantError("the grant is not signed by this cluster's coordinator") from exc
         if grant.expires_at + CLOCK_SKEW_S < (time.time() if now is None else now):
             raise GrantError(f"the grant for request {grant.request_id!r} has expired")
@@ -170,13 +200,14 @@ class GrantIssuer:
     internal_token: str
     signer: GrantSigner
     pod_tokens: Mapping[str, str]  # tenant -> its storage token (pod credentials are made from it)
-    ttl_s: float = 360.0  # a grant covers one call to a stage (the stage timeout) with room to spare
+    stream_ttl_s: float = 300.0  # a delivery grant lasts as long as the restore it feeds may (the stage timeout)
 
     @classmethod
     def from_files(cls, internal_token_file: Path | str, signing_key_file: Path | str,
-                   pod_tokens: Mapping[str, str], *, ttl_s: float = 360.0) -> GrantIssuer:
+                   pod_tokens: Mapping[str, str], *, stream_ttl_s: float = 300.0) -> GrantIssuer:
         return cls(read_secret(internal_token_file, "internal token file").decode(),
-                   GrantSigner(read_secret(signing_key_file, "grant signing key file")), dict(pod_tokens), ttl_s)
+                   GrantSigner(read_secret(signing_key_file, "grant signing key file")), dict(pod_tokens),
+                   stream_ttl_s)
 
     @classmethod
     def from_dir(cls, directory: Path, pod_tokens: Mapping[str, str]) -> GrantIssuer:
@@ -187,13 +218,23 @@ class GrantIssuer:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.internal_token}"}
 
-    def issue(self, request_id: str, tenant: str, *, save: bool, max_tokens: int) -> str:
-        """A signed grant for one call about this request (with a fresh pod credential for its tenant)."""
-        expires_at = time.time() + self.ttl_s
+    def issue(self, op: str, *, stages: Iterable[int], request_id: str = "", tenant: str = "", digest: str = "",
+              save: bool = False, max_tokens: int = 0, ttl_s: float | None = None) -> str:
+        """A signed grant for one call (`op` on `stages`), with a fresh pod credential for a tenant's work.
+        `ttl_s`: how long it stays valid (default: `GRANT_TTL_S`, a delivery grant `stream_ttl_s`)."""
+        if op not in OPERATIONS:
+            raise ValueError(f"unknown operation {op!r}")
+        now = time.time()
+        ttl = ttl_s if ttl_s is not None else self.stream_ttl_s if op == "deliver" else GRANT_TTL_S
         token = self.pod_tokens.get(tenant)
-        credential = pod_credential(tenant, token, expires_at) if token else ""
-        return self.signer.sign(Grant(request_id=request_id, tenant=tenant, save=save, max_tokens=max_tokens,
-                                      expires_at=expires_at, pod_credential=credential))
+        credential = pod_credential(tenant, token, now + POD_CREDENTIAL_TTL_S) if token else ""
+        return self.signer.sign(Grant(op=op, stages=tuple(stages), request_id=request_id, tenant=tenant,
+                                      digest=digest, nonce=secrets.token_urlsafe(12), save=save,
+                                      max_tokens=max_tokens, expires_at=now + ttl, pod_credential=credential))
+
+    def headers_for(self, op: str, **grant: Any) -> dict[str, str]:
+        """The headers of one call: the internal token and a grant for it (`issue`'s arguments)."""
+        return {**self.headers, GRANT_HEADER: self.issue(op, **grant)}
 
 
 # ------------------------------------------------------------------------------------- the key material

@@ -10,9 +10,10 @@ answers with the same models, so a field renamed on one side fails on the other 
     GET  /v1/info      -> WorkerInfo
     any 4xx or 5xx     -> StageError (which stage failed, how, and whether it could be reached)
 
-Every call carries the cluster's internal token (`Authorization: Bearer`), and every request's work a
-`grant` (`cacheflow_common.auth`): the coordinator's signed word that it admitted this request for this
-tenant. A stage relays a forward's grant to the next stage unchanged.
+Every call carries the cluster's internal token (`Authorization: Bearer`) and a grant in the
+`X-CacheFlow-Grant` header (`cacheflow_common.auth`): the coordinator's signed word that it allows this
+call (operation, stage, request, tenant, tokens), good once. A stage relays a forward's grant to the
+next stage unchanged; a pipelined restore's deliveries carry the `deliver_grant` its restore call brought.
 
 Pydantic, the services' validation library, is needed here (the `services` extra installs it).
 """
@@ -51,7 +52,8 @@ class RestoreRequest(BaseModel):
     policy: str = ""  # "": the worker's configured policy
     waited_s: float = Field(default=0.0, ge=0.0)  # since the request reached the coordinator (channel rankings
     # that weigh waiting count from then)
-    grant: str = Field(default="", max_length=MAX_GRANT_CHARS)  # the coordinator's, for this request and tenant
+    # a grant for the deliveries to the next stage (a pipelined restore's, "" on the last stage)
+    deliver_grant: str = Field(default="", max_length=MAX_GRANT_CHARS)
 
 
 class RestoreSummary(BaseModel):
@@ -84,7 +86,6 @@ class ForwardMeta(BaseModel):
     save: StrictBool = True  # store whole chunks as they fill up (JSON true/false only)
     temperature: float = Field(default=0.0, ge=0.0)
     seed: int = Field(default=0, ge=0, lt=SEED_LIMIT)
-    grant: str = Field(default="", max_length=MAX_GRANT_CHARS)  # the coordinator's, for this request and tenant
 
 
 class DeliverMeta(BaseModel):

@@ -202,7 +202,8 @@ def real_runs(work: Path, args: argparse.Namespace, requests: list[ReplayRequest
 
 def busy_totals(workers: list[LocalWorker]) -> list[dict[str, Any]]:
     """Each worker's busy seconds since it started: its compute loop's and each of its channels'."""
-    return [httpx.get(f"{w.url}/v1/info", headers=w.internal_headers, timeout=30).json()["busy"] for w in workers]
+    return [httpx.get(f"{w.url}/v1/info", headers=w.granted_headers("info"), timeout=30).json()["busy"]
+            for w in workers]
 
 
 def busy_shares(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, float]:

@@ -18,9 +18,12 @@ each a full replay of the slice (bounded; everything on loopback):
    2 x max_batch requests with an unknown policy and max_batch streams dropped before their first token;
    a legitimate tenant probes pod 0 on fresh connections every 0.2 s (the lockout), and the pods'
    resident memory is sampled (its growth);
-5. worker attacks (`worker_attacks.py`): KV poisoning, a pool grab and cross-tenant reads sent straight to
-   every stage worker, without credentials and with a stolen internal token but no grant; then a replay,
-   whose answers must equal the healthy cluster's (a changed one is a poisoned answer).
+5. worker attacks (`worker_attacks.py`): every route of the workers' route table x every credential class
+   (none, wrong, the internal token without a grant, another request's grant, an expired grant, a replayed
+   grant), the forward ones saving garbage over a stored prefix; 8 MB deliveries to ids that never come;
+   then a replay, whose answers must equal the healthy cluster's (a changed one is a poisoned answer);
+6. hostile (`hostile.py`): slowloris on the coordinator's public port; tenant `hog` fills its share of every
+   worker's KV pool while the trace's tenant replays; requests after idle gaps around the old keep-alive.
 
 Writes bench/results/chaos.{json,md}; the JSON's `summary` holds the issue's keys.
 """
@@ -42,6 +45,7 @@ import httpx
 
 from cacheflow_bench.abuse import LegitProbe, every, hoard_memory, idle_sockets, rss_mb, wasted_slots
 from cacheflow_bench.common import add_out_option, command_line, machine_facts, markdown_table, results_dir, write_json
+from cacheflow_bench.hostile import HOG, fill_pools, idle_requests, slowloris
 from cacheflow_bench.worker_attacks import attack_workers
 from cacheflow_common.model.sources import model_config
 from cacheflow_common.sim.replay import ReplayRequest, load_slice, select_requests
@@ -79,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile = ensure_quick_profile(work, MODEL, dtype="float32", chunk_size=CHUNK, max_tokens=1024, threads=1)
         spec = ClusterSpec(model=MODEL, stages=2, pods=2, chunk_size=CHUNK, dtype="float32", policy="cacheflow",
                            profile=str(profile), rate_gbps=args.rate_gbps, transport="tcp", port=0,
-                           threads_per_stage=1, max_batch=MAX_BATCH, directory=str(work / "cluster"))
+                           threads_per_stage=1, max_batch=MAX_BATCH, directory=str(work / "cluster"),
+                           other_tenants=[HOG])
         cluster = start_cluster(spec, work / "cluster")
         try:
             cluster.supervise()
@@ -111,13 +116,20 @@ def run_phases(cluster: LocalCluster, requests: list[ReplayRequest], args: argpa
     print("abuse ...", flush=True)
     abuse = abused_replay(cluster, send)
     print("worker attacks ...", flush=True)
-    attacks = attack_workers(cluster, requests, model_config(MODEL).hidden_size)
+    pod_tokens = {t: tok for t, _, tok in (line.partition(" ") for line in (
+        cluster.coordinator.log_path.parent / "pod-tokens").read_text().splitlines())}
+    attacks = attack_workers(cluster, requests, model_config(MODEL).hidden_size, pod_tokens)
     for worker in cluster.workers:  # whatever an attack could have queued is stored before the replay reads it
-        httpx.post(f"{worker.url}/v1/flush", headers=worker.internal_headers, timeout=120).raise_for_status()
+        httpx.post(f"{worker.url}/v1/flush", headers=worker.granted_headers("flush"), timeout=120).raise_for_status()
     attacks["outcomes"] = send()
+    print("slowloris, a tenant filling the pools, idle gaps ...", flush=True)
+    slow = slowloris(url)
+    filled = fill_pools(cluster, pod_tokens, send)
+    idle = idle_requests(cluster, {"model": MODEL, "prompt": requests[0].token_ids, "max_tokens": 1, "save": False})
     time.sleep(2.0)  # every answer is out; slots must all be free again
     return {"reference": reference, "pod_kill": pod_kill, "worker_kill": worker_kill | {"recovery_s": recovery_s},
-            "abuse": abuse, "worker_attacks": attacks, "leaked_slots": slots_held(url)}
+            "abuse": abuse, "worker_attacks": attacks, "slowloris": slow, "fill_pools": filled, "idle": idle,
+            "leaked_slots": slots_held(url)}
 
 
 def replay_with(send: Callable[[], list[dict[str, Any]]], kill: Callable[[], None], after_s: float) -> dict[str, Any]:
@@ -194,9 +206,10 @@ def in_flight_at(outcomes: list[dict[str, Any]], killed_at: float) -> int:
 
 def summary_of(phases: dict[str, Any]) -> dict[str, Any]:
     ref = phases["reference"]
-    runs = {name: phases[name]["outcomes"] for name in ("pod_kill", "worker_kill", "abuse", "worker_attacks")}
+    runs = {name: phases[name]["outcomes"] for name in ("pod_kill", "worker_kill", "abuse", "worker_attacks",
+                                                        "fill_pools")}
     failed = {name: sum("error" in r for r in outcomes) for name, outcomes in runs.items()}
-    worker = phases["worker_kill"]
+    worker, attacks = phases["worker_kill"], phases["worker_attacks"]
     return {"requests": sum(len(o) for o in runs.values()), "failed_requests": sum(failed.values()),
             "failed_by_phase": failed,
             "worker_kill_in_flight": in_flight_at(worker["outcomes"], worker["killed_at"]),
@@ -205,16 +218,26 @@ def summary_of(phases: dict[str, Any]) -> dict[str, Any]:
             "worker_kill_recovery_s": worker["recovery_s"], "lockout_s": phases["abuse"]["lockout_s"],
             "max_rss_growth_mb": phases["abuse"]["rss_growth_mb"],
             "bad_requests_not_refused": phases["abuse"]["bad_requests_not_refused"],
-            "worker_api_attacks_sent": phases["worker_attacks"]["sent"],
-            "worker_api_unauthenticated_accepted": phases["worker_attacks"]["unauthenticated_accepted"],
-            "worker_api_ungranted_accepted": phases["worker_attacks"]["ungranted_accepted"],
-            "poisoned_answers": wrong_answers(ref, phases["worker_attacks"]["outcomes"])}
+            "worker_api_attacks_sent": attacks["sent"],
+            "worker_routes_without_grant": len(attacks["routes_without_grant"]),
+            "worker_api_unauthenticated_accepted": attacks["unauthenticated_accepted"],
+            "worker_api_ungranted_accepted": attacks["ungranted_accepted"],
+            "grant_replay_accepted": attacks["replay_accepted"],
+            "worker_route_cells": attacks["cells"],
+            "poisoned_answers": wrong_answers(ref, attacks["outcomes"]),
+            "stranger_memory_growth_mb": attacks["strangers"]["memory_growth_mb"],
+            "slowloris_open_after_s": phases["slowloris"]["open_after_s"],
+            "other_tenant_refused_while_one_fills_pool": phases["fill_pools"]["refused"],
+            "idle_connection_restore_redone": phases["idle"]["restores_redone"] + phases["idle"]["failed"]}
 
 
 TARGETS = {"failed_requests": "only requests in flight on the killed worker", "wrong_answers": "0",
            "leaked_slots": "0", "pod_kill_failed_requests": "0", "worker_kill_recovery_s": "<= 15",
            "lockout_s": "0", "max_rss_growth_mb": "<= 256", "bad_requests_not_refused": "0",
-           "worker_api_unauthenticated_accepted": "0", "worker_api_ungranted_accepted": "0", "poisoned_answers": "0"}
+           "worker_api_unauthenticated_accepted": "0", "worker_api_ungranted_accepted": "0", "poisoned_answers": "0",
+           "worker_routes_without_grant": "0", "grant_replay_accepted": "0", "stranger_memory_growth_mb": "<= 16",
+           "slowloris_open_after_s": "<= 10", "other_tenant_refused_while_one_fills_pool": "0",
+           "idle_connection_restore_redone": "0"}
 
 
 def report(args: argparse.Namespace, requests: list[ReplayRequest], phases: dict[str, Any]) -> None:
@@ -226,7 +249,11 @@ def report(args: argparse.Namespace, requests: list[ReplayRequest], phases: dict
                      "chosen": "the fixed --rate-gbps, not calibrated to a Tio/Tcomp ratio"},
             "phases": {k: v for k, v in phases.items() if k != "reference"}}
     write_json(out / "chaos.json", body)
-    rows = [[key, _shown(summary[key]), TARGETS.get(key, "")] for key in summary if key != "failed_by_phase"]
+    rows = [[key, _shown(summary[key]), TARGETS.get(key, "")] for key in summary
+            if key not in ("failed_by_phase", "worker_route_cells")]
+    cells = summary["worker_route_cells"]
+    classes = list(next(iter(cells.values())))
+    route_rows = [[route, *(str(by_class[c]) for c in classes)] for route, by_class in cells.items()]
     failed = ", ".join(f"{k} {v}" for k, v in summary["failed_by_phase"].items())
     facts = body["machine"]
     lines = ["# Chaos: kills and abuse on a supervised local cluster", "",
@@ -235,7 +262,10 @@ def report(args: argparse.Namespace, requests: list[ReplayRequest], phases: dict
              f"{args.rate_gbps} Gbit/s per pod; the pod and the worker are killed {args.kill_after_s} s into "
              f"their replays. Failed requests by phase: {failed}; requests in flight on the worker when it was "
              f"killed: {summary['worker_kill_in_flight']}.", "",
-             markdown_table(["key", "measured", "target"], rows), ""]
+             markdown_table(["key", "measured", "target"], rows), "",
+             "Worker routes x credential classes: attacks accepted (summed over the stages; 0 everywhere is the "
+             "target). A replay counts only its second use.", "",
+             markdown_table(["route", *classes], route_rows), ""]
     (out / "chaos.md").write_text("\n".join(lines))
     print(f"summary: {summary}")
 

@@ -22,6 +22,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,12 +83,12 @@ def round_trips(cluster: LocalCluster, times: int) -> list[dict[str, Any]]:
         bases = [("coordinator", cluster.coordinator.url), *((f"stage {w.stage}", w.url) for w in cluster.workers),
                  *((f"pod {i}", p.url("")) for i, p in enumerate(cluster.pods))]
         for name, base in bases:
-            rows.append(_row(name, "GET /healthz", _timed(lambda u=f"{base}/healthz": client.get(u), times)))
+            rows.append(_row(name, "GET /healthz", _timed(partial(client.get, f"{base}/healthz"), times)))
         body = {"names": ["0" * 32 + ".kv.L0-1"]}
         for i, pod in enumerate(cluster.pods):
-            post = lambda p=pod: client.post(p.url("/v1/chunks/exists"), json=body,  # noqa: E731
-                                             headers=p.headers(cluster.tenant))
-            rows.append(_row(f"pod {i}", "POST /v1/chunks/exists", _timed(post, times)))
+            url, headers = pod.url("/v1/chunks/exists"), pod.headers(cluster.tenant)
+            rows.append(_row(f"pod {i}", "POST /v1/chunks/exists",
+                             _timed(partial(client.post, url, json=body, headers=headers), times)))
     return rows
 
 

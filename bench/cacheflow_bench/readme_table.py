@@ -146,7 +146,8 @@ def sweep_sentence(r: Row) -> str:
 def chaos_row(r: Row) -> tuple[str, str]:
     s = r.summary
     failed = r.get("failed_requests", lambda v: str(int(v)))
-    replays = f"{len(r.body.get('phases', {}))} replays of {len(r.body.get('requests', []))} trace requests"
+    runs = 1 + sum(isinstance(p, dict) and "outcomes" in p for p in r.body.get("phases", {}).values())
+    replays = f"{runs} replays of {len(r.body.get('requests', []))} trace requests"
     headline = (f"{replays} on a supervised local cluster while a pod is killed, a worker is killed, and a pod and the "
                 f"coordinator are abused: **{failed} of {s.get('requests', '?')} requests failed** "
                 f"({s.get('worker_kill_in_flight', '?')} in flight on the killed worker), "
@@ -155,11 +156,18 @@ def chaos_row(r: Row) -> tuple[str, str]:
                 f"{r.get('worker_kill_recovery_s')} s after the worker kill, pods' resident memory "
                 f"+{r.get('max_rss_growth_mb')} MB, {r.get('bad_requests_not_refused', _count)} bad requests not "
                 f"refused; the stage workers, attacked directly ({r.get('worker_api_attacks_sent', _count)} calls: "
-                f"KV poisoning, a pool grab, cross-tenant reads), accepted "
-                f"{r.get('worker_api_unauthenticated_accepted', _count)} without credentials and "
-                f"{r.get('worker_api_ungranted_accepted', _count)} with the internal token but no grant, and "
-                f"{r.get('poisoned_answers', _count)} answers changed after them")
-    return headline, "failures only in flight on the killed worker; 0; 0; 0; ≤ 15 s; ≤ 256 MB; 0; 0; 0; 0"
+                f"every route x every credential class, the forwards saving garbage over stored prefixes), "
+                f"{r.get('worker_routes_without_grant', _count)} routes without a grant, accepted "
+                f"{r.get('worker_api_unauthenticated_accepted', _count)} without credentials, "
+                f"{r.get('worker_api_ungranted_accepted', _count)} with the internal token but no valid grant and "
+                f"{r.get('grant_replay_accepted', _count)} replayed grants, and "
+                f"{r.get('poisoned_answers', _count)} answers changed after them; strangers' deliveries held "
+                f"{r.get('stranger_memory_growth_mb')} MB, slowloris connections closed after "
+                f"{r.get('slowloris_open_after_s')} s, {r.get('other_tenant_refused_while_one_fills_pool', _count)} "
+                f"requests refused while another tenant filled its pool share, "
+                f"{r.get('idle_connection_restore_redone', _count)} restores redone after idle gaps")
+    return headline, ("failures only in flight on the killed worker; 0; 0; 0; ≤ 15 s; ≤ 256 MB; 0; 0; 0; 0; 0; 0; "
+                      "≤ 16 MB; ≤ 10 s; 0; 0")
 
 
 def _count(x: float) -> str:

@@ -132,16 +132,17 @@ def _prompt(n: int) -> list[int]:
 def save_prompt(chain: StageChain, ids: list[int]) -> None:
     """A fresh prefill through the stages stores the prompt's KV and boundary activations."""
     chain.generate("save", ids, start=0, tenant="bench", max_new_tokens=1)
-    for url in chain.urls:
-        httpx.post(f"{url}/v1/flush", headers=chain.issuer.headers, timeout=600).raise_for_status()
-    chain.release("save")
+    for stage, url in enumerate(chain.urls):
+        headers = chain.issuer.headers_for("flush", stages=[stage])
+        httpx.post(f"{url}/v1/flush", headers=headers, timeout=600).raise_for_status()
+    chain.release("save", "bench")
 
 
 def timed_restore(chain: StageChain, ids: list[int], input_mode: str, policy: str, tag: str) -> dict[str, Any]:
     start = time.perf_counter()
     summaries = chain.restore(tag, ids, tenant="bench", input=input_mode, policy=policy)
     elapsed = time.perf_counter() - start
-    chain.release(tag)
+    chain.release(tag, "bench")
     return {"elapsed_s": elapsed, "stages": [summary.model_dump() for summary in summaries]}
 
 

@@ -10,6 +10,7 @@ rank order and is a miss only when none answers (the restore then recomputes the
 from __future__ import annotations
 
 import hashlib
+import ssl
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -103,7 +104,7 @@ class ClusterStore:
 
 
 def tenant_stores(pods: Sequence[PodAddress], pod_tokens: dict[str, str], *,
-                  replicas: int = 1) -> dict[str, ClusterStore]:
-    """One placement over all `pods` per tenant, each authenticating with that tenant's token."""
-    return {tenant: ClusterStore({a.pod_id: PodClient(a, token) for a in pods}, replicas=replicas)
+                  replicas: int = 1, tls: ssl.SSLContext | None = None) -> dict[str, ClusterStore]:
+    """One placement over all `pods` per tenant, each authenticating with that tenant's token (over TLS with `tls`)."""
+    return {tenant: ClusterStore({a.pod_id: PodClient(a, token, tls=tls) for a in pods}, replicas=replicas)
             for tenant, token in pod_tokens.items()}

@@ -3,13 +3,15 @@
 Connections are pooled (one per concurrent caller) and authenticated once, by the hello. A pod that
 cannot be reached, times out or drops the connection turns the read into a miss within `timeout_s`
 (the restore recomputes the chunk) and is remembered as failed, so placement can route around it.
-A pooled connection found broken (the pod restarted) is retried once on a fresh one.
+A pooled connection found broken (the pod restarted) is retried once on a fresh one. With `tls` (the
+cluster CA's client context), every connection is TLS, the pod's certificate checked for its host name.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,12 +45,14 @@ class PodAddress:
 
 
 class PodClient:
-    def __init__(self, address: PodAddress, token: str, *, timeout_s: float = 5.0, nixl: Any = None) -> None:
+    def __init__(self, address: PodAddress, token: str, *, timeout_s: float = 5.0, nixl: Any = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.address = address
         self.name = f"pod({address.pod_id})"
         self.token = token
         self.timeout_s = timeout_s  # the longest a dead pod can hold a read before it becomes a miss
         self.nixl = nixl  # a nixl_plane.NixlClientEndpoint: bytes land by NIXL, requests still go over TCP
+        self.tls = tls
         self.tenant = ""
         self.last_failure = -float("inf")  # monotonic time of the last unreachable/timeout
         self._pool: list[socket.socket] = []
@@ -59,6 +63,8 @@ class PodClient:
         sock = socket.create_connection((self.address.host, self.address.port), timeout=self.timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock, server_hostname=self.address.host)
             token = self.token.encode()
             sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, len(token)) + token)
             status, message, _ = wire.recv_response(sock)

@@ -11,7 +11,8 @@ A StatefulSet accepts changes only to some spec fields: for the others the live 
 an apply never fails on them (they take effect when the StatefulSet is deleted and recreated).
 
 The internal Secret is not applied: it is created once when missing and never replaced (its token and
-keys must not change under running pods).
+keys must not change under running pods). Nor is the TLS Secret: created once, its certificate renewed
+before it expires, its CA kept (`tls_secret.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from cacheflow_operator.manifests.build import children
 from cacheflow_operator.manifests.common import MANAGER, internal_secret_name, quantity
 from cacheflow_operator.manifests.secret import KEYS, internal_secret
 from cacheflow_operator.spec import Cluster
+from cacheflow_operator.tls_secret import ensure_tls_secret
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,8 @@ def stale_children(kube: Kube, c: Cluster, wanted: list[dict[str, Any]]) -> list
 def reconcile(kube: Kube, c: Cluster) -> list[str]:
     """Bring every child in line with the resource; returns the changes made (none when already in line)."""
     wanted = children(c)
-    actions = [done for done in (ensure_internal_secret(kube, c), *(apply(kube, obj) for obj in wanted)) if done]
+    secrets = (ensure_internal_secret(kube, c), ensure_tls_secret(kube, c))
+    actions = [done for done in (*secrets, *(apply(kube, obj) for obj in wanted)) if done]
     for ref in stale_children(kube, c, wanted):
         kube.delete(ref)
         actions.append(f"deleted {ref}")

@@ -27,9 +27,11 @@ from cacheflow_operator.apply import reconcile
 from cacheflow_operator.kube import Kube, KubeError, Ref
 from cacheflow_operator.manifests.common import MANAGER, coordinator_url
 from cacheflow_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, Cluster
+from cacheflow_operator.tls_secret import ensure_tls_secret
 
 MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
 RETRY_S = 30  # after the API refused a child
+RENEW_CHECK_S = 6 * 3600  # how often the TLS certificate's expiry is looked at
 
 
 @kopf.on.startup()
@@ -116,6 +118,18 @@ def reconcile_cluster(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_
             logger.info(action)
         write_status(kube, ref, lambda resource: {**observe(kube, cluster, resource),
                                                   "observedGeneration": generation})
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RENEW_CHECK_S, initial_delay=RENEW_CHECK_S)
+def renew_certificate(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """The TLS certificate is renewed before it expires, even while nothing else changes."""
+    try:
+        cluster = Cluster.from_resource(dict(body))
+    except ConfigError:
+        return  # the spec handler reports it
+    with exclusive(Ref(API_VERSION, KIND, cluster.namespace, cluster.name)):
+        if done := ensure_tls_secret(memo.kube, cluster):
+            logger.info(done)
 
 
 def _owner(body: kopf.Body) -> Ref | None:

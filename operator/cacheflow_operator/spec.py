@@ -80,6 +80,9 @@ class StagesSpec:
     profile_config_map: str = field(default="", metadata=doc(
         "a ConfigMap whose key profile.json is the output of `cacheflow profile` on this hardware"))
     pool_tokens: int = field(default=1 << 17, metadata=doc("KV pool capacity per worker, in tokens", minimum=16))
+    tenant_pool_share: float = field(default=0.5, metadata=doc(
+        "the most of a worker's KV pool one tenant may hold at once (0.5: room for a second tenant; 1: no cap)",
+        minimum=0.01, maximum=1))
     threads: int = field(default=0, metadata=doc("torch threads per worker (0: from the CPU limit or request)",
                                                  minimum=0))
     gpus: int = field(default=0, metadata=doc("GPUs per worker (nvidia.com/gpu)", minimum=0))
@@ -137,6 +140,15 @@ class AuthSpec:
         minLength=1))
 
 
+@dataclass(frozen=True, kw_only=True)
+class TLSSpec:
+    enabled: bool = field(default=True, metadata=doc(
+        "TLS on the internal hops (coordinator -> workers, worker -> worker, workers -> storage pods' data plane), "
+        "with a CA and certificate the operator keeps in the Secret <name>-tls and renews before they expire"))
+    renew_days: int = field(default=30, metadata=doc("renew the certificate this many days before it expires",
+                                                     minimum=1, maximum=80))
+
+
 PROMETHEUS_NAMESPACE = {"kubernetes.io/metadata.name": "monitoring"}  # kube-prometheus-stack's usual namespace
 PROMETHEUS_POD = {"app.kubernetes.io/name": "prometheus"}  # the label the Prometheus Operator gives its pods
 
@@ -163,6 +175,7 @@ class CacheFlowClusterSpec:
     storage: StorageSpec = field(default_factory=StorageSpec, metadata=doc("storage pods"))
     coordinator: CoordinatorSpec = field(default_factory=CoordinatorSpec, metadata=doc("the API and batching"))
     auth: AuthSpec = field(default_factory=AuthSpec, metadata=doc("bearer tokens"))
+    tls: TLSSpec = field(default_factory=TLSSpec, metadata=doc("encryption of the internal hops"))
     network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec, metadata=doc(
         "who may reach which of the cluster's pods"))
 

@@ -13,6 +13,7 @@ import torch
 from cacheflow_common.errors import CacheFlowError
 from cacheflow_services import up
 from cacheflow_services.demo import run as demo_run
+from cacheflow_services.service_flags import add_service_flags, limits_of, tls_of
 
 
 def default_cache_dir() -> Path:
@@ -83,7 +84,7 @@ def _storage(args: argparse.Namespace) -> int:
         hello_timeout_s=args.hello_timeout,
         idle_timeout_s=args.idle_timeout,
     )
-    serve(config)
+    serve(config, tls=tls_of(args), limits=limits_of(args))
     return 0
 
 
@@ -112,6 +113,7 @@ def _add_storage_parser(sub: argparse._SubParsersAction) -> None:
                     help="connections not yet authenticated; one more closes the oldest")
     st.add_argument("--hello-timeout", type=float, default=5.0, help="seconds a connection has to authenticate")
     st.add_argument("--idle-timeout", type=float, default=60.0, help="close a connection idle this many seconds")
+    add_service_flags(st, tls_help="the data plane serves TLS to clients that open with a TLS handshake")
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -141,6 +143,8 @@ def _worker(args: argparse.Namespace) -> int:
         tenant_pool_share=args.tenant_pool_share,
         hold_ttl_s=args.hold_ttl_s,
         upstream_timeout_s=args.upstream_timeout_s,
+        tls=tls_of(args),
+        limits=limits_of(args),
         host=args.host,
         http_port=args.http_port,
     )
@@ -173,14 +177,15 @@ def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
     wk.add_argument("--beside-forward-tokens", type=int, default=0,
                     help="restore tokens a step carries beside forward work (one unit always fits)")
     wk.add_argument("--pool-tokens", type=int, default=1 << 17, help="KV pool capacity in tokens")
-    wk.add_argument("--tenant-pool-share", type=float, default=1.0,
-                    help="the most of the pool one tenant may hold at once (set below 1 with several tenants)")
+    wk.add_argument("--tenant-pool-share", type=float, default=0.5,
+                    help="the most of the pool one tenant may hold at once (1: no cap, for a single tenant)")
     wk.add_argument("--hold-ttl-s", type=float, default=600.0, help="free a request's KV unused this long")
     wk.add_argument("--upstream-timeout-s", type=float, default=30.0,
                     help="pipelined restore: longest wait for the previous stage's next chunk")
     wk.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
     wk.add_argument("--host", default="127.0.0.1", help="address to listen on (the pod's IP in a pod)")
     wk.add_argument("--http-port", type=int, default=0, help="API port (0: any free one)")
+    add_service_flags(wk, tls_help="serve HTTPS, call the next stage and the storage pods over TLS")
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -212,10 +217,11 @@ def _coordinator(args: argparse.Namespace) -> int:
         stage_wait_s=args.stage_wait_s,
         stage_restart_wait_s=args.stage_restart_wait_s,
         restarts_file=args.restarts_file,
+        tls=tls_of(args),
         host=args.host,
         http_port=args.http_port,
     )
-    serve(config)
+    serve(config, limits=limits_of(args))
     return 0
 
 
@@ -249,6 +255,8 @@ def _add_coordinator_parser(sub: argparse._SubParsersAction) -> None:
                     help="restores (POST /v1/restore) one tenant may have queued, running or held at once")
     co.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     co.add_argument("--http-port", type=int, default=0, help="API port (0: any free one)")
+    add_service_flags(co, tls_help="call the stage workers (https:// --stages) and the storage pods over TLS; "
+                                   "the public API stays plain HTTP (terminate TLS in front of it)")
 
 
 def _operator(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from cacheflow_common.auth import ensure_cluster_secrets
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import model_config
+from cacheflow_common.tls import ensure_local_tls
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
 from cacheflow_services.storage.launch import LocalPod, launch_pod
 from cacheflow_services.supervisor import RESTARTS_FILE, RestartPolicy, Service, Supervisor
@@ -55,6 +56,8 @@ class ClusterSpec:
     max_queue: int = 64
     batch_window_ms: float = 20.0
     tenant: str = "default"
+    other_tenants: list[str] = field(default_factory=list)  # more tenants with tokens of their own
+    tls: bool = False  # TLS on the internal hops (a CA and certificate made once in <directory>/internal/tls)
     threads_per_stage: int = 0  # torch threads per worker (0: this machine's cores shared evenly)
     stage_cpus: list[str] = field(default_factory=list)  # per stage, the CPUs its worker is pinned to ("0", "2,3")
     worker_args: list[str] = field(default_factory=list)  # extra `cacheflow worker` options
@@ -183,25 +186,28 @@ def start_cluster(spec: ClusterSpec, workdir: Path) -> LocalCluster:
     split = preflight(spec)
     workdir.mkdir(parents=True, exist_ok=True)
     pod_token_file, api_token_file = workdir / "pod-tokens", workdir / "api-tokens"
-    pod_tokens = {spec.tenant: _token_file(pod_token_file, spec.tenant)}
+    pod_tokens = {t: _token_file(pod_token_file, t) for t in [spec.tenant, *spec.other_tenants]}
     token = _token_file(api_token_file, spec.tenant)
+    for other in spec.other_tenants:
+        _token_file(api_token_file, other)
     secrets = ensure_cluster_secrets(workdir / SECRETS_DIR)
+    tls = ["--tls-dir", str(ensure_local_tls(secrets / "tls").ca.parent)] if spec.tls else []
     pods: list[LocalPod] = []
     workers: list[LocalWorker] = []
     try:
         for i in range(spec.pods):
             extra = ["--rate-gbps", str(spec.rate_gbps)] + (["--redis-url", spec.redis_url] if spec.redis_url else [])
             extra += ["--link-capacity-gbps", str(spec.link_capacity_gbps)] if spec.link_capacity_gbps else []
-            pods.append(launch_pod(workdir / f"pod-{i}", *extra, backend=spec.backend, transport=spec.transport,
-                                   tokens=pod_tokens))
+            pods.append(launch_pod(workdir / f"pod-{i}", *extra, *tls, backend=spec.backend,
+                                   transport=spec.transport, tokens=pod_tokens))
         addresses = [f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(pods)]
         workers = launch_stages(workdir, split=split, pods=addresses, secrets=secrets, model=spec.model,
                                 chunk_size=spec.chunk_size, dtype=spec.dtype, policy=spec.policy, profile=spec.profile,
                                 threads=spec.threads(), cpus=spec.stage_cpus,
-                                extra=[*spec.worker_args, *_link_hint(spec)])
+                                extra=[*spec.worker_args, *_link_hint(spec), *tls])
         extra = ["--max-batch", str(spec.max_batch), "--max-queue", str(spec.max_queue),
                  "--batch-window-ms", str(spec.batch_window_ms), "--policy", spec.policy,
-                 "--restarts-file", str(workdir / RESTARTS_FILE)]  # what the supervisor knows of restarts
+                 "--restarts-file", str(workdir / RESTARTS_FILE), *tls]  # what the supervisor knows of restarts
         coordinator = launch_coordinator(workdir, stages=[w.url for w in workers], pods=addresses,
                                          pod_token_file=pod_token_file, token_file=api_token_file, secrets=secrets,
                                          model=spec.model,

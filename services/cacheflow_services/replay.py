@@ -32,7 +32,8 @@ def warm_up(url: str, token: str, model: str, requests: list[ReplayRequest], wor
             if on_done:
                 on_done()
     for worker in workers:
-        httpx.post(f"{worker.url}/v1/flush", headers=worker.internal_headers, timeout=TIMEOUT_S).raise_for_status()
+        flushed = httpx.post(f"{worker.url}/v1/flush", headers=worker.granted_headers("flush"), timeout=TIMEOUT_S)
+        flushed.raise_for_status()
 
 
 def restore_alone(url: str, token: str, request: ReplayRequest, policy: str) -> float:

@@ -85,7 +85,7 @@ def with_profile(spec: ClusterSpec, cache_dir: Path) -> ClusterSpec:
 
 def run(args: argparse.Namespace, cache_dir: Path) -> int:
     spec = ClusterSpec.load(Path(args.spec) if args.spec else None, model=args.model, stages=args.stages,
-                            pods=args.pods, port=args.port, directory=args.dir)
+                            pods=args.pods, port=args.port, directory=args.dir, tls=args.tls or None)
     workdir = spec.workdir(cache_dir)
     preflight(spec)  # a wrong model or a busy port fails here, before anything starts
     with exit_on_signals(), hold_workdir(workdir):  # ... and so does a directory another `up` holds
@@ -135,5 +135,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--pods", type=int, default=None, help="storage pods (default 2)")
     up.add_argument("--port", type=int, default=None, help="coordinator port (default 8000; 0: any free one)")
     up.add_argument("--dir", default=None, help="chunks, tokens and logs (default: <cache>/cluster)")
+    up.add_argument("--tls", action="store_true", help="TLS between the coordinator, the workers and the pods "
+                    "(default: plain on loopback; a CA and certificate are made once in <dir>/internal/tls)")
     up.add_argument("--demo", action="store_true", help="send one long prompt twice (stored, then restored), stop")
     up.add_argument("--demo-tokens", type=int, default=2048, help="--demo: about this many prompt tokens")

@@ -12,7 +12,7 @@ def test_chaos_quick_run_keeps_every_promise_but_speed(tmp_path):
     assert chaos.main(["--quick", "--out", str(tmp_path)]) == 0
     body = json.loads((tmp_path / "chaos.json").read_text())
     s = body["summary"]
-    assert s["requests"] == 4 * 6
+    assert s["requests"] == 5 * 6
     assert s["wrong_answers"] == 0  # every answer equals the healthy cluster's
     assert s["pod_kill_failed_requests"] == 0  # a dead pod's chunks are recomputed
     assert s["failed_requests"] == s["failed_by_phase"]["worker_kill"]  # only the worker kill may fail requests ...
@@ -24,4 +24,9 @@ def test_chaos_quick_run_keeps_every_promise_but_speed(tmp_path):
     assert s["worker_api_attacks_sent"] > 0  # the workers were attacked directly ...
     assert s["worker_api_unauthenticated_accepted"] == 0 and s["worker_api_ungranted_accepted"] == 0  # ... in vain
     assert s["poisoned_answers"] == 0
+    assert s["worker_routes_without_grant"] == 0 and s["grant_replay_accepted"] == 0
+    assert all(n == 0 for cells in s["worker_route_cells"].values() for n in cells.values())  # every route x class
+    assert body["phases"]["worker_attacks"]["replay_first_uses_refused"] == 0  # a replay's first use was real
+    assert s["other_tenant_refused_while_one_fills_pool"] == 0 and body["phases"]["fill_pools"]["hog_requests_held"]
+    assert s["slowloris_open_after_s"] < 30  # closed by the header timeout (5 s), within a generous bound
     assert (tmp_path / "chaos.md").read_text().startswith("# Chaos")

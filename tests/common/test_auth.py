@@ -11,6 +11,7 @@ import time
 import pytest
 
 from cacheflow_common.auth import (
+    GRANT_TTL_S,
     Grant,
     GrantError,
     GrantIssuer,
@@ -18,6 +19,7 @@ from cacheflow_common.auth import (
     GrantVerifier,
     ensure_cluster_secrets,
     generate_signing_pair,
+    input_digest,
     pod_credential,
     pod_credential_expiry,
     pod_credential_tenant,
@@ -26,11 +28,12 @@ from cacheflow_common.auth import (
 )
 from cacheflow_common.errors import ConfigError
 from cacheflow_services.http_limits import bearer_token
+from cacheflow_services.worker.trust import SpentGrants
 
 
 def _grant(**changes: object) -> Grant:
-    base = Grant(request_id="r1", tenant="acme", save=True, max_tokens=512, expires_at=time.time() + 60,
-                 pod_credential="")
+    base = Grant(op="restore", stages=(0, 1), request_id="r1", tenant="acme", digest=input_digest([1, 2, 3]),
+                 nonce="n1", save=True, max_tokens=512, expires_at=time.time() + 60, pod_credential="")
     return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 
@@ -65,13 +68,35 @@ def test_a_grant_from_another_key_altered_expired_or_missing_is_refused(keys):
         verifier.verify("not.a-grant")
 
 
-def test_a_grant_is_for_one_request_of_one_tenant():
+def test_a_grant_is_for_one_operation_on_its_stages_for_one_request_of_one_tenant_and_its_tokens():
     grant = _grant()
-    grant.check(request_id="r1", tenant="acme")
+    grant.allows("restore", 1)
+    grant.check(request_id="r1", tenant="acme", digest=input_digest([1, 2, 3]))
+    with pytest.raises(GrantError, match="not forward on stage 0"):
+        grant.allows("forward", 0)
+    with pytest.raises(GrantError, match="not restore on stage 2"):
+        grant.allows("restore", 2)
     with pytest.raises(GrantError, match="not 'r2' of 'acme'"):
-        grant.check(request_id="r2", tenant="acme")
+        grant.check(request_id="r2", tenant="acme", digest=grant.digest)
     with pytest.raises(GrantError):
-        grant.check(request_id="r1", tenant="other")
+        grant.check(request_id="r1", tenant="other", digest=grant.digest)
+    for other in ([1, 2, 4], [1, 2]):
+        with pytest.raises(GrantError, match="other tokens"):
+            grant.check(request_id="r1", tenant="acme", digest=input_digest(other))
+    with pytest.raises(GrantError, match="other tokens"):  # the same tokens with more room, or at another place
+        grant.check(request_id="r1", tenant="acme", digest=input_digest([1, 2, 3], reserve=1))
+    assert input_digest([1, 2, 3], start=4) != input_digest([1, 2, 3])
+
+
+def test_a_grant_is_good_once_and_forgotten_only_after_it_expires():
+    spent = SpentGrants()
+    first, second = _grant(nonce="a"), _grant(nonce="b", expires_at=time.time() - 3600)
+    spent.spend(first)
+    with pytest.raises(GrantError, match="used before"):
+        spent.spend(first)
+    spent.spend(second)  # long expired (a verifier refuses it anyway): forgotten at the next spend
+    spent.spend(_grant(nonce="c"))
+    assert spent.spent(first) and not spent.spent(second) and len(spent) == 2
 
 
 def test_a_verifying_key_cannot_sign_and_a_signing_key_is_not_a_verifying_key():
@@ -102,10 +127,18 @@ def test_the_issuer_grants_a_fresh_pod_credential_for_the_requests_tenant(tmp_pa
     secrets = ensure_cluster_secrets(tmp_path / "internal")
     issuer = GrantIssuer.from_dir(secrets, {"acme": "tok-acme"})
     verifier = GrantVerifier(read_secret(secrets / "grant-verify-key.pem", "key"))
-    grant = verifier.verify(issuer.issue("r9", "acme", save=False, max_tokens=100))
-    assert (grant.request_id, grant.tenant, grant.save, grant.max_tokens) == ("r9", "acme", False, 100)
+    grant = verifier.verify(issuer.issue("restore", stages=[1], request_id="r9", tenant="acme", max_tokens=100))
+    assert (grant.op, grant.stages, grant.request_id, grant.tenant, grant.save, grant.max_tokens) == (
+        "restore", (1,), "r9", "acme", False, 100)
+    assert time.time() < grant.expires_at <= time.time() + GRANT_TTL_S  # one call's time, not minutes
     assert pod_credential_tenant(grant.pod_credential, {"tok-acme": "acme"}) == "acme"
-    assert verifier.verify(issuer.issue("r9", "nobody", save=True, max_tokens=1)).pod_credential == ""
+    assert verifier.verify(issuer.issue("forward", stages=[0], request_id="r9", tenant="nobody")).pod_credential == ""
+    again = verifier.verify(issuer.issue("restore", stages=[1], request_id="r9", tenant="acme", max_tokens=100))
+    assert again.nonce != grant.nonce
+    stream = verifier.verify(issuer.issue("deliver", stages=[1], request_id="r9", tenant="acme"))
+    assert stream.expires_at > time.time() + GRANT_TTL_S  # a delivery grant lasts as long as its restore may
+    with pytest.raises(ValueError, match="unknown operation"):
+        issuer.issue("delete-everything", stages=[0])
     sent = bearer_token(issuer.headers["Authorization"])
     assert tenant_of_token({issuer.internal_token: "cluster"}, sent) == "cluster"
 

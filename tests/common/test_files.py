@@ -49,4 +49,4 @@ def test_secrets_interrupted_midway_are_made_whole_on_the_next_start(tmp_path, m
     directory = ensure_cluster_secrets(tmp_path / "internal")  # the next start: every file, and one key pair
     issuer = GrantIssuer.from_dir(directory, {})
     verifier = GrantVerifier(read_secret(directory / "grant-verify-key.pem", "key"))
-    assert verifier.verify(issuer.issue("r", "t", save=True, max_tokens=1)).request_id == "r"
+    assert verifier.verify(issuer.issue("forward", stages=[0], request_id="r", tenant="t")).request_id == "r"

@@ -134,13 +134,16 @@ def check_wiring(objs: list[Manifest], n_layers: int) -> dict[str, argparse.Name
     workloads = {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}
     for name, obj in workloads.items():
         args = parsed[name] = parse_args(container(obj)["args"])
-        http = {p["name"]: p["containerPort"] for p in container(obj)["ports"]}["http"]
-        assert args.http_port == http
+        ports = {p["name"]: p["containerPort"] for p in container(obj)["ports"]}
+        assert args.http_port == ports.get("https" if args.command == "worker" and args.tls_dir else "http")
         assert args.host == (pod_ip_host(obj) if args.command == "worker" else "0.0.0.0"), name
         assert any(selects(s, obj) for s in by_kind(objs, "Service").values()), f"no Service selects {name}"
         for secret_file in SECRET_FILES:
             if getattr(args, secret_file, None):
                 mounted_secret_file(obj, getattr(args, secret_file))
+        if getattr(args, "tls_dir", ""):  # every TLS pod trusts the CA; a server holds its certificate and key too
+            for name in ("ca.crt", *(("tls.crt", "tls.key") if args.command != "coordinator" else ())):
+                mounted_secret_file(obj, f"{args.tls_dir}/{name}")
     workers = sorted(((n, a) for n, a in parsed.items() if a.command == "worker"), key=lambda na: na[1].stage)
     assert [a.stage for _, a in workers] == list(range(len(workers)))
     bounds = [tuple(map(int, a.layers.split(":"))) for _, a in workers]
@@ -157,7 +160,7 @@ def check_wiring(objs: list[Manifest], n_layers: int) -> dict[str, argparse.Name
 
 
 def url_of(objs: list[Manifest], workload: Manifest, namespace: str) -> str:
-    """The URL of the one Service in front of `workload`, on its `http` port."""
+    """The URL of the one Service in front of `workload`, on its `http` (or `https`) port."""
     (service,) = [s for s in by_kind(objs, "Service").values() if selects(s, workload)]
-    port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "http")
-    return f"http://{service['metadata']['name']}.{namespace}.svc:{port}"
+    scheme, port = next((p["name"], p["port"]) for p in service["spec"]["ports"] if p["name"] in ("http", "https"))
+    return f"{scheme}://{service['metadata']['name']}.{namespace}.svc:{port}"

@@ -46,7 +46,7 @@ OPERATOR_RULES = [
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
      "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     # the internal Secret: read, and created when missing; never patched, listed or deleted
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
 
@@ -117,7 +117,11 @@ def test_the_operator_runs_a_real_command_line_with_least_privilege():
         assert {p["name"]: p["containerPort"] for p in container(deployment)["ports"]}[port] == args.liveness_port
         (role,) = [o for o in objs if o["kind"] in ("Role", "ClusterRole")]
         assert role["kind"] == ("ClusterRole" if clusterwide else "Role")
-        assert role["rules"] == OPERATOR_RULES
+        cluster = values.get("cluster", {}).get("name") or RELEASE
+        # only its own cluster's Secrets, by name: the internal one and the TLS one (renewed: patched)
+        own_secrets = {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "patch"],
+                       "resourceNames": [f"{cluster}-internal", f"{cluster}-tls"]}
+        assert role["rules"] == [*OPERATOR_RULES[:-1], own_secrets, OPERATOR_RULES[-1]]
         (binding,) = [o for o in objs if o["kind"].endswith("Binding")]
         (account,) = by_kind(objs, "ServiceAccount").values()
         assert binding["roleRef"]["name"] == role["metadata"]["name"]
@@ -136,8 +140,9 @@ def test_the_service_monitor_scrapes_what_the_operator_creates():
     selector = monitor["spec"]["selector"]["matchLabels"]
     scraped = [s for s in services.values() if selector.items() <= s["metadata"]["labels"].items()]
     assert len(scraped) == len(services) == 6  # coordinator, 4 stages, storage
-    (endpoint,) = monitor["spec"]["endpoints"]
-    assert all(endpoint["port"] in [p["name"] for p in s["spec"]["ports"]] for s in scraped)
+    plain, tls = monitor["spec"]["endpoints"]  # the stage workers serve TLS (on by default): scraped over it
+    assert (plain["port"], tls["port"], tls["scheme"]) == ("http", "https", "https")
+    assert all({p["name"] for p in s["spec"]["ports"]} & {"http", "https"} for s in scraped)
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
     assert monitor["spec"]["targetLabels"] == ["cacheflow.io/cluster"]  # the dashboard's cacheflow_io_cluster
 

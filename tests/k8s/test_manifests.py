@@ -97,18 +97,25 @@ def secret_items(obj: dict[str, Any]) -> dict[str, list[str]]:
 @pytest.mark.parametrize("spec", [DEFAULT, BIG], ids=["default", "4-stages-3-pods-gpus"])
 def test_each_pod_mounts_only_its_secrets(spec):
     """The coordinator alone holds the grant signing key and the clients' tokens; workers hold the internal token
-    and the verifying key but no storage token; storage pods hold their tokens and nothing internal."""
+    and the verifying key but no storage token; storage pods hold their tokens and nothing internal. With TLS
+    (on by default) every pod trusts the CA and the servers (workers, pods) hold the certificate; no pod holds the
+    CA's key (the operator alone reads it, to renew the certificate)."""
     objs = children(Cluster.from_resource(resource(spec)))
     workloads = {**by_kind(objs, "Deployment"), **by_kind(objs, "StatefulSet")}
     mounted = {name: secret_items(obj) for name, obj in workloads.items()}
+    server = {"demo-tls": ["ca.crt", "tls.crt", "tls.key"]}
     assert mounted.pop("demo-coordinator") == {"cacheflow-auth": ["api-tokens", "pod-tokens"],
-                                               "demo-internal": ["grant-signing-key.pem", "internal-token"]}
-    assert mounted.pop("demo-storage") == {"cacheflow-auth": ["pod-tokens"]}
+                                               "demo-internal": ["grant-signing-key.pem", "internal-token"],
+                                               "demo-tls": ["ca.crt"]}
+    assert mounted.pop("demo-storage") == {"cacheflow-auth": ["pod-tokens"], **server}
     assert len(mounted) == cluster_stages(spec)
     for name, secrets in mounted.items():
-        assert secrets == {"demo-internal": ["grant-verify-key.pem", "internal-token"]}, name
+        assert secrets == {"demo-internal": ["grant-verify-key.pem", "internal-token"], **server}, name
         args = container(workloads[name])["args"]
         assert "--pod-token-file" not in args and "--token-file" not in args
+    plain = children(Cluster.from_resource(resource({**spec, "tls": {"enabled": False}})))
+    assert not any("demo-tls" in secret_items(obj) for obj in [*by_kind(plain, "Deployment").values(),
+                                                                 *by_kind(plain, "StatefulSet").values()])
 
 
 def cluster_stages(spec: dict[str, Any]) -> int:

@@ -203,8 +203,8 @@ async def test_the_internal_secret_is_created_once_and_never_replaced(kmock, tmp
         assert sorted(material) == ["grant-signing-key.pem", "grant-verify-key.pem", "internal-token"]
         assert len(material["internal-token"]) >= 32
         # the two keys are one pair: what the coordinator's key signs, the workers' key verifies
-        grant = Grant(request_id="r1", tenant="t", save=True, max_tokens=8, expires_at=time.time() + 60,
-                      pod_credential="")
+        grant = Grant(op="forward", stages=(0,), request_id="r1", tenant="t", digest="", nonce="n", save=True,
+                      max_tokens=8, expires_at=time.time() + 60, pod_credential="")
         signed = GrantSigner(material["grant-signing-key.pem"]).sign(grant)
         assert GrantVerifier(material["grant-verify-key.pem"]).verify(signed) == grant
         # a spec change reconciles again: the Secret stays as it is

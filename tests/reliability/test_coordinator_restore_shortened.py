@@ -29,7 +29,7 @@ def _stored(local: LocalCluster, pattern: str) -> list[Path]:
 def _stage_1_object(local: LocalCluster, prompt: list[int], chunk: int) -> Path:
     """The file of stage 1's KV of chunk `chunk` of `prompt`."""
     worker = local.workers[1]
-    info = httpx.get(f"{worker.url}/v1/info", headers=worker.internal_headers, timeout=60).json()
+    info = httpx.get(f"{worker.url}/v1/info", headers=worker.granted_headers("info"), timeout=60).json()
     keys = chunk_keys(prompt, CHUNK, tenant_salt(info["model"], local.tenant))
     found = _stored(local, f"{object_name(keys[chunk], 'kv', *info['layers'])}*")
     assert len(found) == 1, found
@@ -44,7 +44,7 @@ def test_a_prefix_restored_up_to_a_chunk_no_stage_can_restore_answers_the_same(l
     first = client.post("/v1/completions", json=body)
     assert first.status_code == 200, first.text
     for worker in local.workers:
-        httpx.post(f"{worker.url}/v1/flush", headers=worker.internal_headers, timeout=60).raise_for_status()
+        httpx.post(f"{worker.url}/v1/flush", headers=worker.granted_headers("flush"), timeout=60).raise_for_status()
     for hidden in _stored(local, "*.hidden.L*"):
         hidden.unlink()
     damaged = _stage_1_object(local, prompt, corrupt)

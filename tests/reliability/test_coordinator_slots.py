@@ -50,7 +50,7 @@ def _stored_prefix(client: httpx.Client, local: LocalCluster, seed: int) -> list
                                               "policy": "compute-only"})
     assert r.status_code == 200, r.text
     for worker in local.workers:  # its chunks are stored off the critical path: wait for them
-        httpx.post(f"{worker.url}/v1/flush", headers=worker.internal_headers, timeout=WAIT_S).raise_for_status()
+        httpx.post(f"{worker.url}/v1/flush", headers=worker.granted_headers("flush"), timeout=WAIT_S).raise_for_status()
     return prefix
 
 
@@ -82,7 +82,8 @@ def test_a_cancel_while_the_restore_runs_wins_and_frees_the_kv_on_every_stage(cl
     final = client.get(f"/v1/restore/{rid}", params={"wait": WAIT_S}).json()
     assert final["state"] == "cancelled", final
     for worker in local.workers:
-        kv = httpx.get(f"{worker.url}/v1/requests/{rid}/kv", headers=worker.internal_headers, timeout=30)
+        kv = httpx.get(f"{worker.url}/v1/requests/{rid}/kv", timeout=30,
+                       headers=worker.granted_headers("read", request_id=rid, tenant=local.tenant))
         assert kv.status_code == 404
     assert _holding_nothing(local)
     assert metric(local.coordinator.url, "cacheflow_coordinator_slots_held") == 0

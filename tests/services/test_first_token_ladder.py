@@ -104,7 +104,7 @@ class FakeChain:
     def decode(self, sampling: Any, token: int, **_: Any) -> Iterator[int]:
         yield from (8, 9)
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, tenant: str) -> None:
         self.released.append(request_id)
 
 

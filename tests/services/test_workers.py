@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from cacheflow_common.auth import GrantIssuer, ensure_cluster_secrets
+from cacheflow_common.auth import GrantIssuer, ensure_cluster_secrets, input_digest
 from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import load_model
 from cacheflow_common.model.transformer import Transformer
@@ -106,7 +106,8 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def _stage_kv(chain: StageChain, url: str, request_id: str) -> torch.Tensor:
-    answer = httpx.get(f"{url}/v1/requests/{request_id}/kv", headers=chain.issuer.headers, timeout=30)
+    headers = chain.issuer.headers_for("read", stages=[chain.urls.index(url)], request_id=request_id, tenant="alpha")
+    answer = httpx.get(f"{url}/v1/requests/{request_id}/kv", headers=headers, timeout=30)
     _, kv = frames.unpack(answer.content)
     assert kv is not None
     return kv
@@ -115,9 +116,10 @@ def _stage_kv(chain: StageChain, url: str, request_id: str) -> torch.Tensor:
 def _save_prompt(chain: StageChain, ids: list[int], request_id: str) -> None:
     """A fresh prefill that stores the prompt's chunks (and boundary activations) on every stage."""
     chain.generate(request_id, ids, start=0, tenant="alpha", max_new_tokens=1)
-    for url in chain.urls:
-        httpx.post(f"{url}/v1/flush", headers=chain.issuer.headers, timeout=30).raise_for_status()
-    chain.release(request_id)
+    for stage, url in enumerate(chain.urls):
+        headers = chain.issuer.headers_for("flush", stages=[stage])
+        httpx.post(f"{url}/v1/flush", headers=headers, timeout=30).raise_for_status()
+    chain.release(request_id, "alpha")
 
 
 @pytest.mark.parametrize("input_mode", ["boundary", "pipelined"])
@@ -136,7 +138,7 @@ def test_restored_kv_and_generated_tokens_equal_a_single_process_run(staged, inp
         torch.testing.assert_close(_stage_kv(chain, url, request), want_kv[a:b, :, :, :PREFIX], atol=ATOL, rtol=0)
     generation = chain.generate(request, ids[PREFIX:], start=PREFIX, tenant="alpha", max_new_tokens=NEW)
     assert generation.tokens == want_tokens
-    chain.release(request)
+    chain.release(request, "alpha")
 
 
 def test_fresh_prefill_generates_like_a_single_process_run(staged):
@@ -145,7 +147,7 @@ def test_fresh_prefill_generates_like_a_single_process_run(staged):
     _, want_tokens = greedy_reference(reference, ids, NEW)
     generation = chain.generate("fresh", ids, start=0, tenant="alpha", max_new_tokens=NEW)
     assert generation.tokens == want_tokens and generation.ttft_s > 0
-    chain.release("fresh")
+    chain.release("fresh", "alpha")
 
 
 def test_missing_boundary_activations_fall_back_to_the_pipelined_restore(staged, pod):
@@ -164,27 +166,28 @@ def test_missing_boundary_activations_fall_back_to_the_pipelined_restore(staged,
     want_kv, _ = greedy_reference(reference, ids, 1)
     a, b = last_layers
     torch.testing.assert_close(_stage_kv(chain, chain.urls[-1], "fallback"), want_kv[a:b], atol=ATOL, rtol=0)
-    chain.release("fallback")
+    chain.release("fallback", "alpha")
 
 
 def test_bad_requests_get_a_reason(staged):
     chain = staged.chain
     url = chain.urls[0]
-    headers = chain.issuer.headers
 
-    def grant(request_id: str, tenant: str = "alpha") -> str:
-        return chain.issuer.issue(request_id, tenant, save=True, max_tokens=1 << 20)
+    def granted(op: str, request_id: str, token_ids: list[int], tenant: str = "alpha") -> dict[str, str]:
+        return chain.issuer.headers_for(op, stages=[0], request_id=request_id, tenant=tenant, save=True,
+                                        digest=input_digest(token_ids), max_tokens=1 << 20)
 
-    bad_tenant = {"request_id": "x", "tenant": "nobody", "token_ids": [1, 2, 3], "grant": grant("x", "nobody")}
-    r = httpx.post(f"{url}/v1/restore", json=bad_tenant, headers=headers, timeout=30)
+    bad_tenant = {"request_id": "x", "tenant": "nobody", "token_ids": [1, 2, 3]}
+    r = httpx.post(f"{url}/v1/restore", json=bad_tenant, headers=granted("restore", "x", [1, 2, 3], "nobody"),
+                   timeout=30)
     assert r.status_code == 400 and "tenant 'nobody'" in r.json()["detail"]  # granted, but no pod has it
     r = httpx.post(f"{url}/v1/restore", json={"request_id": "x/y", "tenant": "alpha", "token_ids": [1]},
-                   headers=headers, timeout=30)
+                   headers=granted("restore", "x/y", [1]), timeout=30)
     assert r.status_code == 422 and "request_id" in r.text
-    out_of_vocab = {"request_id": "x", "tenant": "alpha", "token_ids": [10**6], "grant": grant("x")}
-    r = httpx.post(f"{url}/v1/restore", json=out_of_vocab, headers=headers, timeout=30)
+    out_of_vocab = {"request_id": "x", "tenant": "alpha", "token_ids": [10**6]}
+    r = httpx.post(f"{url}/v1/restore", json=out_of_vocab, headers=granted("restore", "x", [10**6]), timeout=30)
     assert r.status_code == 400 and "token ids must be in" in r.json()["detail"]
-    r = httpx.post(f"{url}/v1/forward", content=b"junk", headers=headers, timeout=30)
+    r = httpx.post(f"{url}/v1/forward", content=b"junk", headers=granted("forward", "x", []), timeout=30)
     assert r.status_code == 400 and "frame" in r.json()["detail"]
     with pytest.raises(ChainError, match="has no KV") as err:
         chain.generate("never-restored", [1, 2], start=10, tenant="alpha", max_new_tokens=1)

@@ -14,6 +14,7 @@ STORAGE_DATA_PORT = 7400  # a storage pod's data plane
 STORAGE_HTTP_PORT = 7401  # a storage pod's control API (probes, metrics)
 AUTH_DIR = "/etc/cacheflow/auth"  # the auth Secret's files
 INTERNAL_DIR = "/etc/cacheflow/internal"  # the internal Secret's files (internal token, grant keys)
+TLS_DIR = "/etc/cacheflow/tls"  # the TLS Secret's files a pod needs (ca.crt; a server's tls.crt and tls.key too)
 PROFILE_DIR = "/etc/cacheflow/profile"
 MODELS_DIR = "/models"
 MANAGER = "cacheflow-operator"
@@ -44,6 +45,17 @@ def internal_secret_name(c: Cluster) -> str:
     return f"{c.name}-internal"
 
 
+def tls_secret_name(c: Cluster) -> str:
+    """The Secret with the cluster CA and the internal hops' server certificate (made and renewed by the operator)."""
+    return f"{c.name}-tls"
+
+
+def tls_hosts(c: Cluster) -> list[str]:
+    """The names the server certificate is for: every Service of the namespace, and the storage pods' DNS names."""
+    ns, sts = c.namespace, storage_name(c)
+    return [f"*.{ns}.svc", f"*.{sts}.{ns}.svc", f"*.{ns}.svc.cluster.local", f"*.{sts}.{ns}.svc.cluster.local"]
+
+
 def pod_addresses(c: Cluster) -> list[str]:
     """`id=host:port` of every storage pod's data plane: the StatefulSet's stable DNS names."""
     sts = storage_name(c)
@@ -51,7 +63,8 @@ def pod_addresses(c: Cluster) -> list[str]:
 
 
 def stage_urls(c: Cluster) -> list[str]:
-    return [f"http://{stage_name(c, s)}.{c.namespace}.svc:{WORKER_PORT}" for s in range(c.spec.stages.count)]
+    scheme = "https" if c.spec.tls.enabled else "http"
+    return [f"{scheme}://{stage_name(c, s)}.{c.namespace}.svc:{WORKER_PORT}" for s in range(c.spec.stages.count)]
 
 
 def coordinator_url(c: Cluster) -> str:
@@ -83,22 +96,24 @@ def metadata(c: Cluster, name: str, component: str, **extra: str) -> dict[str, A
 
 
 # ------------------------------------------------------------------------------------------ pod parts
-def http_probe(path: str, port: int, *, period_s: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period_s, "failureThreshold": failures,
-            "timeoutSeconds": 5}
+def http_probe(path: str, port: int, *, period_s: int, failures: int, scheme: str = "HTTP") -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port, "scheme": scheme}, "periodSeconds": period_s,
+            "failureThreshold": failures, "timeoutSeconds": 5}
 
 
-def probes(port: int, *, startup_s: int) -> dict[str, Any]:
+def probes(port: int, *, startup_s: int, scheme: str = "HTTP") -> dict[str, Any]:
     """Startup (model loads can take minutes), readiness (/readyz) and liveness (/healthz)."""
-    return {"startupProbe": http_probe("/healthz", port, period_s=5, failures=max(1, startup_s // 5)),
-            "readinessProbe": http_probe("/readyz", port, period_s=5, failures=3),
-            "livenessProbe": http_probe("/healthz", port, period_s=10, failures=6)}
+    return {"startupProbe": http_probe("/healthz", port, period_s=5, failures=max(1, startup_s // 5), scheme=scheme),
+            "readinessProbe": http_probe("/readyz", port, period_s=5, failures=3, scheme=scheme),
+            "livenessProbe": http_probe("/healthz", port, period_s=10, failures=6, scheme=scheme)}
 
 
 def container(c: Cluster, name: str, args: list[str], ports: dict[str, int], *, resources: dict[str, Any],
               mounts: list[dict[str, Any]], startup_s: int, env: list[dict[str, Any]] | None = None
               ) -> dict[str, Any]:
-    """A `cacheflow <args>` container (the image's entry point is the `cacheflow` command); `env`: more variables."""
+    """A `cacheflow <args>` container (the image's entry point is the `cacheflow` command); `env`: more variables.
+    Its API port is named "http", or "https" where it serves TLS (probed so)."""
+    api = "https" if "https" in ports else "http"
     return {
         "name": name,
         "image": c.spec.image.ref,
@@ -110,7 +125,7 @@ def container(c: Cluster, name: str, args: list[str], ports: dict[str, int], *, 
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "capabilities": {"drop": ["ALL"]}},
-        **probes(ports["http"], startup_s=startup_s),
+        **probes(ports[api], startup_s=startup_s, scheme=api.upper()),
     }
 
 
@@ -149,6 +164,24 @@ def internal_volume(c: Cluster, *keys: str) -> dict[str, Any]:
 
 
 INTERNAL_MOUNT = {"name": "internal", "mountPath": INTERNAL_DIR, "readOnly": True}
+
+
+def tls_volume(c: Cluster, *, server: bool) -> list[dict[str, Any]]:
+    """The TLS Secret: ca.crt, with `server` the certificate and key too (the CA's key stays with the operator);
+    none where TLS is off."""
+    if not c.spec.tls.enabled:
+        return []
+    keys = ["ca.crt", "tls.crt", "tls.key"] if server else ["ca.crt"]
+    return [{"name": "tls", "secret": {"secretName": tls_secret_name(c), "defaultMode": 0o440,
+                                       "items": [{"key": k, "path": k} for k in keys]}}]
+
+
+def tls_mount(c: Cluster) -> list[dict[str, Any]]:
+    return [{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}] if c.spec.tls.enabled else []
+
+
+def tls_args(c: Cluster) -> list[str]:
+    return ["--tls-dir", TLS_DIR] if c.spec.tls.enabled else []
 
 
 def service(c: Cluster, name: str, component: str, ports: dict[str, int], *, service_type: str = "ClusterIP",

@@ -17,6 +17,9 @@ from cacheflow_operator.manifests.common import (
     selector_labels,
     service,
     storage_name,
+    tls_args,
+    tls_mount,
+    tls_volume,
 )
 from cacheflow_operator.spec import Cluster
 
@@ -45,7 +48,7 @@ def storage_args(c: Cluster) -> list[str]:
         args += ["--dir", DATA_DIR]
     if s.backend == "redis":
         args += ["--redis-url", s.redis_url]
-    return args
+    return args + tls_args(c)
 
 
 def _claim_template(c: Cluster) -> dict[str, Any]:
@@ -59,14 +62,15 @@ def _claim_template(c: Cluster) -> dict[str, Any]:
 def statefulset(c: Cluster) -> dict[str, Any]:
     s = c.spec.storage
     filesystem = s.backend == "filesystem"
-    mounts = [AUTH_MOUNT] + ([{"name": "data", "mountPath": DATA_DIR}] if filesystem else [])
+    mounts = [AUTH_MOUNT, *tls_mount(c)] + ([{"name": "data", "mountPath": DATA_DIR}] if filesystem else [])
     pod = container(c, "storage", storage_args(c), PORTS, resources=s.resources, mounts=mounts, startup_s=120)
     spec: dict[str, Any] = {
         "serviceName": storage_name(c),
         "replicas": s.pods,
         "podManagementPolicy": "Parallel",  # the pods are independent: start and stop them all at once
         "selector": {"matchLabels": selector_labels(c, COMPONENT)},
-        "template": pod_template(c, COMPONENT, [pod], [auth_volume(c, "pod-tokens")], metrics_port=STORAGE_HTTP_PORT,
+        "template": pod_template(c, COMPONENT, [pod], [auth_volume(c, "pod-tokens"), *tls_volume(c, server=True)],
+                                 metrics_port=STORAGE_HTTP_PORT,
                                  extra_spec={"terminationGracePeriodSeconds": 30}),
     }
     if filesystem:

@@ -21,6 +21,9 @@ from cacheflow_operator.manifests.common import (
     service,
     stage_name,
     stage_urls,
+    tls_args,
+    tls_mount,
+    tls_volume,
 )
 from cacheflow_operator.spec import Cluster
 
@@ -38,7 +41,8 @@ def worker_args(c: Cluster, stage: int) -> list[str]:
             "--pods", ",".join(pod_addresses(c)), "--internal-token-file", f"{INTERNAL_DIR}/{INTERNAL_TOKEN_FILE}",
             "--grant-key-file", f"{INTERNAL_DIR}/{VERIFY_KEY_FILE}",
             "--replicas", str(c.spec.storage.chunk_replicas), "--policy", st.policy,
-            "--pool-tokens", str(st.pool_tokens), "--host", f"$({POD_IP})", "--http-port", str(WORKER_PORT)]
+            "--pool-tokens", str(st.pool_tokens), "--tenant-pool-share", f"{st.tenant_pool_share:g}",
+            "--host", f"$({POD_IP})", "--http-port", str(WORKER_PORT), *tls_args(c)]
     if stage + 1 < st.count:
         args += ["--next-stage", stage_urls(c)[stage + 1]]
     if st.profile_config_map:
@@ -68,12 +72,12 @@ def deployment(c: Cluster, stage: int) -> dict[str, Any]:
     st, extra = c.spec.stages, {"cacheflow.io/stage": str(stage)}
     volumes, mounts = model_volumes(c)
     # the internal token and the grant verifying key; no tenant's storage token (grants carry pod credentials)
-    volumes = [internal_volume(c, INTERNAL_TOKEN_FILE, VERIFY_KEY_FILE), *volumes]
-    mounts = [INTERNAL_MOUNT, *mounts]
+    volumes = [internal_volume(c, INTERNAL_TOKEN_FILE, VERIFY_KEY_FILE), *tls_volume(c, server=True), *volumes]
+    mounts = [INTERNAL_MOUNT, *tls_mount(c), *mounts]
     if st.profile_config_map:
         volumes.append({"name": "profile", "configMap": {"name": st.profile_config_map}})
         mounts.append({"name": "profile", "mountPath": PROFILE_DIR, "readOnly": True})
-    pod = container(c, "worker", worker_args(c, stage), {"http": WORKER_PORT}, resources=worker_resources(c),
+    pod = container(c, "worker", worker_args(c, stage), api_port(c), resources=worker_resources(c),
                     mounts=mounts, startup_s=STARTUP_S, env=[POD_IP_ENV])
     pod_extra: dict[str, Any] = {"terminationGracePeriodSeconds": 60}  # a worker flushes its pending saves
     if st.node_selector:
@@ -95,4 +99,9 @@ def deployment(c: Cluster, stage: int) -> dict[str, Any]:
 
 def stage_service(c: Cluster, stage: int) -> dict[str, Any]:
     labels: dict[str, Any] = {"cacheflow.io/stage": str(stage)}  # not a keyword: the key has a dot and a slash
-    return service(c, stage_name(c, stage), COMPONENT, {"http": WORKER_PORT}, **labels)
+    return service(c, stage_name(c, stage), COMPONENT, api_port(c), **labels)
+
+
+def api_port(c: Cluster) -> dict[str, int]:
+    """The worker's API port, named for its scheme (the chart's ServiceMonitor scrapes https ports over TLS)."""
+    return {"https" if c.spec.tls.enabled else "http": WORKER_PORT}

@@ -11,7 +11,8 @@ the storage pods refuse the tenant, 404 unknown model or restore, 413 a body ove
 429 queue full, 502 a stage worker failed (naming it), 503 a stage is down. Everything is checked
 before a request takes its place in the queue (the bearer token before any of the body is read); a
 completion whose client goes away, streamed or not, is stopped at once (`streaming.py`) and counted
-with status 499. `/readyz` answers 503 while a stage is down or no batch slot can be expected to free up.
+with status 499. `/readyz` answers 503 while a stage is down, a stage's KV pool is full, or no batch slot
+can be expected to free up.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real types of the route parameters.
@@ -122,12 +123,12 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
 
     @app.get("/readyz")
     def readyz() -> JSONResponse:
-        """Ready: every stage answers and a batch slot can be expected to free up."""
+        """Ready: every stage answers with room in its KV pool, and a batch slot can be expected to free up."""
         status = coordinator.cluster.status()
         stuck = coordinator.stuck()
         slots = {"held": coordinator.admission.running, "max": config.max_batch,
                  "oldest_age_s": round(coordinator.admission.oldest_slot_age_s(), 3), "stuck": stuck}
-        ready = all(s["up"] for s in status["stages"]) and not stuck
+        ready = all(s["up"] and not s["pool_full"] for s in status["stages"]) and not stuck
         return JSONResponse({"ready": ready, "slots": slots, **status}, status_code=200 if ready else 503)
 
     @app.get("/v1/models")

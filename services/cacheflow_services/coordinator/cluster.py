@@ -2,9 +2,10 @@
 
 At start the coordinator asks every stage for `/v1/info` (waiting while they come up) and checks that
 they serve one model with one chunk size and layer ranges that tile it in order. A background thread
-then probes each worker (`/healthz`) and each storage pod (a small data-plane request) every few
-seconds; a request is refused at once while a stage is down instead of hanging on it. A pod that is
-down needs no refusal: the workers recompute what it held.
+then probes each worker (`/readyz`: up, and whether its KV pool has room) and each storage pod (a small
+data-plane request) every few seconds; a request is refused at once while a stage is down instead of
+hanging on it, and the coordinator is not ready while a stage's pool is full. A pod that is down needs
+no refusal: the workers recompute what it held.
 
 A request that finds a stage down waits for it `stage_wait_s`, and past that for as long as the
 supervisor says it is restarting that stage (`restarts_file`: a worker reloading its model on a
@@ -36,7 +37,6 @@ from cacheflow_services.supervisor import restart_in_progress
 log = logging.getLogger(__name__)
 PROBE_NAME = "cacheflow-health-probe"  # a name no chunk has: a pod that answers about it is up
 PROBE_TIMEOUT_S = 2.0
-GRANT_SLACK_S = 60.0  # a grant outlives the stage call it is for by this much
 STAGE_POLL_S = 0.25  # how often a request waiting for a stage that is down probes it
 
 
@@ -56,16 +56,19 @@ class ModelInfo:
 class Cluster:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
+        # a delivery grant lasts as long as the restore it feeds may take: one stage call
         issuer = GrantIssuer(config.internal_token, GrantSigner(config.grant_signing_key), config.pod_tokens,
-                             ttl_s=config.stage_timeout_s + GRANT_SLACK_S)
+                             stream_ttl_s=config.stage_timeout_s)
         self.chain = StageChain(config.stages, issuer=issuer, timeout_s=config.stage_timeout_s,
-                                max_requests=config.max_batch)
-        self.stores: dict[str, ClusterStore] = tenant_stores(config.pods, config.pod_tokens, replicas=config.replicas)
+                                max_requests=config.max_batch, tls=config.tls)
+        tls = config.tls.client_context() if config.tls else None
+        self.stores: dict[str, ClusterStore] = tenant_stores(config.pods, config.pod_tokens, replicas=config.replicas,
+                                                             tls=tls)
         first_token = next(iter(config.pod_tokens.values()))
-        self._probes = {a.pod_id: PodClient(a, first_token, timeout_s=PROBE_TIMEOUT_S) for a in config.pods}
-        self._stage_probe = http_client(timeout=PROBE_TIMEOUT_S)  # one kept-alive client: a new one per probe
-        # cost ~20 ms of CPU (TLS context setup), an idle coordinator's biggest cost
+        self._probes = {a.pod_id: PodClient(a, first_token, timeout_s=PROBE_TIMEOUT_S, tls=tls) for a in config.pods}
+        self._probe_http = http_client(timeout=PROBE_TIMEOUT_S, tls=config.tls)
         self.stage_up = [True] * len(config.stages)
+        self.stage_full = [False] * len(config.stages)  # up, but its KV pool has no room for a typical request
         self.pod_up = dict.fromkeys(self._probes, True)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,7 +100,7 @@ class Cluster:
             store.close()
         for probe in self._probes.values():
             probe.close()
-        self._stage_probe.close()
+        self._probe_http.close()
 
     # ------------------------------------------------------------------------------------ health
     def down_stages(self) -> list[int]:
@@ -134,7 +137,8 @@ class Cluster:
             self.stage_up[stage] = False
 
     def status(self) -> dict[str, Any]:
-        return {"stages": [{"stage": s, "url": url, "up": self.stage_up[s]} for s, url in enumerate(self.chain.urls)],
+        return {"stages": [{"stage": s, "url": url, "up": self.stage_up[s], "pool_full": self.stage_full[s]}
+                           for s, url in enumerate(self.chain.urls)],
                 "pods": [{"pod": pod_id, "up": up} for pod_id, up in self.pod_up.items()]}
 
     def probe(self) -> None:
@@ -146,11 +150,15 @@ class Cluster:
             self.pod_up[pod_id] = client.last_failure == before
 
     def probe_stages(self) -> None:
+        """Each stage's /readyz: 200 up with room; 503 with its readiness up but its pool full; else down."""
         for stage, url in enumerate(self.chain.urls):
             try:
-                self.stage_up[stage] = self._stage_probe.get(f"{url}/healthz").status_code == 200
-            except httpx.HTTPError:
-                self.stage_up[stage] = False
+                answer = self._probe_http.get(f"{url}/readyz")
+                full = answer.status_code == 503 and answer.json().get("ready") is False
+            except (httpx.HTTPError, ValueError):
+                answer, full = None, False
+            self.stage_up[stage] = answer is not None and (answer.status_code == 200 or full)
+            self.stage_full[stage] = full
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(self.config.health_interval_s):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.sched.policies import POLICIES
+from cacheflow_common.tls import TLSFiles
 from cacheflow_common.transport.pod_client import PodAddress
 
 
@@ -36,6 +37,7 @@ class CoordinatorConfig:
     max_body_bytes: int = 8 << 20  # the largest request body accepted (larger: 413)
     slot_stuck_s: float = 900.0  # every batch slot held longer than this: not ready (a slot's restore and first
     #                              token take a few stage calls of at most stage_timeout_s each)
+    tls: TLSFiles | None = None  # the cluster CA, to trust the workers and pods (https:// stage URLs) with
     host: str = "127.0.0.1"
     http_port: int = 0
 

@@ -89,7 +89,7 @@ class FirstTokenSequence:
             request.log.warning("stage %d unreachable before the first token (%s); trying again once it is back",
                                 exc.stage, exc)
             self.cluster.mark_stage_down(exc.stage)
-            self.cluster.chain.release(request.id)
+            self.cluster.chain.release(request.id, request.tenant)
             self.cluster.wait_for_stages(self.config.stage_wait_s)
         return attempt()
 

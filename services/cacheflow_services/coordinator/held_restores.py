@@ -115,7 +115,7 @@ class HeldRestores:
         finally:
             self.intake.leave_slot(request)
             if record.state == "cancelled":  # cancelled while it restored: free what the stages still hold
-                self.cluster.chain.release(request.id)
+                self.cluster.chain.release(request.id, request.tenant)
             record.done.set()
 
     def _advance(self, record: RestoreRecord, before: str | tuple[str, ...], after: str) -> bool:
@@ -129,7 +129,7 @@ class HeldRestores:
     def _release(self, record: RestoreRecord) -> None:
         """Free a ready restore's KV (once, whoever asks first)."""
         if self._advance(record, "ready", "released"):
-            self.cluster.chain.release(record.request.id)
+            self.cluster.chain.release(record.request.id, record.request.tenant)
 
     def _reap_loop(self) -> None:
         """Free restores held past their time; forget the oldest finished records."""

@@ -92,7 +92,7 @@ class Intake:
             request.log.info("stopped")
         request.cancelled.set()
         self.leave_slot(request)
-        self.cluster.chain.release(request.id)
+        self.cluster.chain.release(request.id, request.tenant)
 
     def _stored_prefix(self, token_ids: list[int], tenant: str, store: ChunkStore, *, limit: int) -> int:
         """Tokens of the longest prefix of `token_ids` (at most `limit`) whose chunks every stage holds."""

@@ -10,13 +10,13 @@ from cacheflow_services.coordinator.cluster import Cluster
 from cacheflow_services.coordinator.config import CoordinatorConfig
 from cacheflow_services.coordinator.service import Coordinator
 from cacheflow_services.coordinator.tokenizer import TextCodec
-from cacheflow_services.http_server import http_server, listen
+from cacheflow_services.http_server import DEFAULT_LIMITS, ServerLimits, http_server, listen
 
 log = logging.getLogger(__name__)
 SPARE_THREADS = 32  # beyond the queue and the running batch: health, metrics, status calls
 
 
-def serve(config: CoordinatorConfig, *, connect_wait_s: float = 180.0) -> None:
+def serve(config: CoordinatorConfig, *, connect_wait_s: float = 180.0, limits: ServerLimits = DEFAULT_LIMITS) -> None:
     cluster = Cluster(config)
     model = cluster.connect(wait_s=connect_wait_s)
     codec = TextCodec(config.tokenizer) if config.tokenizer else None
@@ -25,7 +25,7 @@ def serve(config: CoordinatorConfig, *, connect_wait_s: float = 180.0) -> None:
     app = create_app(coordinator, codec, threads=config.max_queue + config.max_batch + SPARE_THREADS)
 
     http = listen(config.host, config.http_port)
-    server = http_server(app)
+    server = http_server(app, limits=limits)  # the public API: plain HTTP (TLS ends in front of it)
     ready = {"event": "ready", "http_port": http.getsockname()[1], "stages": len(config.stages),
              "chunk_size": model.chunk_size, "model": config.model_name}
     print(json.dumps(ready), flush=True)  # one line that launchers and tests wait for

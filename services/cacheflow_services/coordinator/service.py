@@ -65,4 +65,4 @@ class Coordinator:
         """A completion ended: its failure (if any) counted, its KV freed on every stage."""
         if failure is not None:
             self.failures.record(request, failure)
-        self.cluster.chain.release(request.id)
+        self.cluster.chain.release(request.id, request.tenant)

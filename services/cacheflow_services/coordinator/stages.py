@@ -12,8 +12,11 @@ typed messages of `cacheflow_common.stage_api`:
    answers with the next token (TTFT). `decode`: then one token at a time (`stream`/`generate`: both).
 3. `release`: every stage frees the request's KV (also done on any failure).
 
-Every call carries the cluster's internal token, and every request's work a grant the coordinator
-signs for that request and tenant (`cacheflow_common.auth.GrantIssuer`): without them a worker refuses.
+Every call carries the cluster's internal token and a grant the coordinator signs for just that call
+(`cacheflow_common.auth.GrantIssuer`: its operation, the stages it reaches, the request, tenant and a
+digest of its tokens, good once): without them a worker refuses. A restore's call to stage s also
+brings a delivery grant for stage s+1, which its pipelined deliveries carry. A call whose connection
+went stale (not its stage) is sent once more, with a fresh grant, before anything is given up.
 
 A stage that dies or fails makes the call raise `ChainError` naming the stage and the reason (a
 stage that failed behind the one called, e.g. stage 1 while stage 0 forwarded to it, is named as
@@ -33,12 +36,18 @@ from typing import Any
 
 import httpx
 
-from cacheflow_common.auth import GrantIssuer
+from cacheflow_common.auth import GRANT_HEADER, GrantIssuer, input_digest
 from cacheflow_common.stage_api import ForwardAnswer, ForwardMeta, InputMode, RestoreRequest, RestoreSummary, WorkerInfo
+from cacheflow_common.tls import TLSFiles
 from cacheflow_common.transport import frames
 from cacheflow_services.coordinator.chain_error import ChainError, checked, root_cause_first
 from cacheflow_services.coordinator.ladder import RESTORE_LADDER, Rung, climb, input_mode
-from cacheflow_services.http_server import async_http_client, http_client
+from cacheflow_services.http_server import (
+    aretry_on_stale_connection,
+    async_http_client,
+    http_client,
+    retry_on_stale_connection,
+)
 
 __all__ = ["ChainError", "Generation", "Sampling", "StageChain"]
 
@@ -77,14 +86,15 @@ class StageChain:
     """The stage workers of one pipeline, shared by up to `max_requests` requests in flight at once."""
 
     def __init__(self, urls: Sequence[str], *, issuer: GrantIssuer, timeout_s: float = 120.0,
-                 max_requests: int = 64) -> None:
+                 max_requests: int = 64, tls: TLSFiles | None = None) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         self.issuer = issuer
+        self.tls = tls
         calls = max(1, len(self.urls)) * max(1, max_requests)  # every request's restore on every stage at once
         self.timeout_s = timeout_s
         self._limits = httpx.Limits(max_connections=calls, max_keepalive_connections=calls)
         self._http = http_client(timeout=timeout_s, limits=httpx.Limits(max_connections=max(1, max_requests) * 2),
-                                  headers=issuer.headers)
+                                  headers=issuer.headers, tls=tls)
         self._loop = asyncio.new_event_loop()
         self._async_http: httpx.AsyncClient | None = None
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="stage-calls", daemon=True)
@@ -107,25 +117,36 @@ class StageChain:
                    reserve_tokens: int, policy: str, arrived: float | None, save: bool) -> list[RestoreSummary]:
         """`restore` in one input mode, no fallback; on a failure every stage has dropped the request."""
         waited = 0.0 if arrived is None else max(0.0, time.perf_counter() - arrived)
-        grant = self.issuer.issue(request_id, tenant, save=save, max_tokens=len(token_ids) + reserve_tokens)
         body = RestoreRequest(request_id=request_id, tenant=tenant, token_ids=list(token_ids), input=input,
-                              reserve_tokens=reserve_tokens, policy=policy, waited_s=waited, grant=grant)
-        outcomes = asyncio.run_coroutine_threadsafe(self._restore_all(body), self._loop).result()
+                              reserve_tokens=reserve_tokens, policy=policy, waited_s=waited)
+        outcomes = asyncio.run_coroutine_threadsafe(self._restore_all(body, save), self._loop).result()
         errors = [o for o in outcomes if isinstance(o, ChainError)]
         if errors:  # every stage answered (each bounded by the timeout), so none is left holding KV
-            self.release(request_id)
+            self.release(request_id, tenant)
             raise min(errors, key=root_cause_first)
         return [o for o in outcomes if isinstance(o, RestoreSummary)]
 
-    async def _restore_all(self, body: RestoreRequest) -> list[RestoreSummary | ChainError]:
+    def _restore_grant(self, op: str, stage: int, body: RestoreRequest, save: bool) -> str:
+        return self.issuer.issue(op, stages=[stage], request_id=body.request_id, tenant=body.tenant,
+                                 digest=input_digest(body.token_ids, reserve=body.reserve_tokens), save=save,
+                                 max_tokens=len(body.token_ids) + body.reserve_tokens)
+
+    async def _restore_all(self, body: RestoreRequest, save: bool) -> list[RestoreSummary | ChainError]:
         if self._async_http is None:  # created on the loop it serves
             self._async_http = async_http_client(timeout=self.timeout_s, limits=self._limits,
-                                                 headers=self.issuer.headers)
+                                                 headers=self.issuer.headers, tls=self.tls)
         http = self._async_http
+
+        async def send(stage: int) -> httpx.Response:
+            feeds = stage + 1 < len(self.urls) and body.input != "boundary"
+            deliver = self._restore_grant("deliver", stage + 1, body, save) if feeds else ""
+            return await http.post(self.urls[stage] + "/v1/restore",
+                                   json=body.model_copy(update={"deliver_grant": deliver}).model_dump(),
+                                   headers={GRANT_HEADER: self._restore_grant("restore", stage, body, save)})
 
         async def one(stage: int) -> RestoreSummary | ChainError:
             try:
-                response = await http.post(self.urls[stage] + "/v1/restore", json=body.model_dump())
+                response = await aretry_on_stale_connection(lambda: send(stage))
             except httpx.HTTPError as exc:
                 return ChainError.not_reached(stage, exc)
             try:
@@ -177,23 +198,26 @@ class StageChain:
             yield token
 
     def _forward(self, sampling: Sampling, start: int, token_ids: list[int]) -> int:
-        grant = self.issuer.issue(sampling.request_id, sampling.tenant, save=sampling.save, max_tokens=sampling.held)
         forward = ForwardMeta(request_id=sampling.request_id, start=start, token_ids=token_ids, tenant=sampling.tenant,
                               reserve_tokens=sampling.reserve_tokens, save=sampling.save,
-                              temperature=sampling.temperature, seed=sampling.seed, grant=grant)
-        answer = self._call(0, "POST", "/v1/forward", content=frames.pack(forward.model_dump()),
+                              temperature=sampling.temperature, seed=sampling.seed)
+        grant = {"stages": range(len(self.urls)), "request_id": sampling.request_id, "tenant": sampling.tenant,
+                 "digest": input_digest(token_ids, start=start, reserve=sampling.reserve_tokens),
+                 "save": sampling.save, "max_tokens": sampling.held}
+        answer = self._call(0, "POST", "/v1/forward", grant=grant, content=frames.pack(forward.model_dump()),
                             headers={"Content-Type": frames.CONTENT_TYPE})
         return ForwardAnswer.model_validate_json(answer.content).token
 
     # ------------------------------------------------------------------------------------ release
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, tenant: str) -> None:
         """Free the request on every stage; stages that cannot be reached are skipped (they lost it anyway)."""
         for stage in range(len(self.urls)):
             with contextlib.suppress(ChainError):
-                self._call(stage, "DELETE", f"/v1/requests/{request_id}")
+                self._call(stage, "DELETE", f"/v1/requests/{request_id}",
+                           grant={"stages": [stage], "request_id": request_id, "tenant": tenant})
 
     def info(self) -> list[WorkerInfo]:
-        return [WorkerInfo.model_validate_json(self._call(s, "GET", "/v1/info").content)
+        return [WorkerInfo.model_validate_json(self._call(s, "GET", "/v1/info", grant={"stages": [s]}).content)
                 for s in range(len(self.urls))]
 
     def close(self) -> None:
@@ -203,9 +227,18 @@ class StageChain:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop_thread.join(timeout=10)
 
-    def _call(self, stage: int, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _call(self, stage: int, method: str, path: str, *, grant: dict[str, Any], headers: dict[str, str] | None = None,
+              **kwargs: Any) -> httpx.Response:
+        """One call to a stage with a grant for it (`GrantIssuer.issue`'s arguments; the operation is the
+        route's), a fresh one for the second try on a stale connection."""
+        op = {"DELETE": "release", "GET": "info"}.get(method, path.rsplit("/", 1)[-1])
+
+        def send() -> httpx.Response:
+            granted = {**(headers or {}), GRANT_HEADER: self.issuer.issue(op, **grant)}
+            return self._http.request(method, self.urls[stage] + path, headers=granted, **kwargs)
+
         try:
-            response = self._http.request(method, self.urls[stage] + path, **kwargs)
+            response = retry_on_stale_connection(send)
         except httpx.HTTPError as exc:
             raise ChainError.not_reached(stage, exc) from exc
         return checked(stage, response)

@@ -44,6 +44,13 @@ class ConnectionGate:
             except OSError as exc:  # already gone
                 log.debug("closing an evicted pending connection: %s", exc)
 
+    def replace(self, sock: socket.socket, secured: socket.socket) -> None:
+        """The pending connection `sock` is now `secured` (wrapped in TLS): evicting it closes that."""
+        with self._lock:
+            if sock in self._pending and sock is not secured:
+                del self._pending[sock]
+                self._pending[secured] = None
+
     def authenticate(self, sock: socket.socket, tenant: str) -> str:
         """Count the connection as the tenant's; "" when admitted, else why it is refused."""
         with self._lock:

@@ -11,7 +11,12 @@ grows as its bytes arrive. Both count against the pod's `BufferBudget` (`max_buf
 
 The request protocol, per connection: hello (bearer token) -> tenant; then request -> response, in
 order. The hello must be complete within `hello_timeout_s`, and `ConnectionGate` caps connections
-(pending, per tenant, in all); a connection idle for `idle_timeout_s` between requests is closed.
+(pending, per tenant, in all); a connection idle for `idle_timeout_s` between requests is closed, and
+so is one whose credential has expired when its next request arrives.
+
+TLS (`tls`: the pod's server context): a connection that opens with a TLS handshake is served over
+TLS (the workers' always are, where the cluster has TLS); one that opens with the plain hello is served
+plain, for clients that hold a tenant's token and no CA (the vLLM connector).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import logging
 import socket
 import socketserver
+import ssl
 import threading
 import time
 from typing import Any
@@ -38,6 +44,7 @@ NIXL_SLICE_BYTES = 1024 * 1024  # for NIXL writes (a transfer's fixed cost is te
 NIXL_PIECE_BYTES = 4 * 1024 * 1024  # NIXL reads stream through a registered slab of about this size
 MAX_NIXL_METADATA = 1 << 20  # bytes of a client agent's NIXL metadata
 SKIP_BYTES = 64 * 1024  # a refused PUT body is read and dropped this much at a time
+TLS_HANDSHAKE = b"\x16"  # a TLS record of type handshake: how a TLS connection's first byte reads
 
 
 def send_shaped(sock: socket.socket, data: memoryview, shaper: TokenBucket,
@@ -64,6 +71,9 @@ class _Connection(socketserver.BaseRequestHandler):
         server = self.server
         server.gate.arrive(self.sock)
         try:
+            secured = server.secured(self.sock)
+            server.gate.replace(self.sock, secured)
+            self.sock = secured
             if self._hello():
                 while self._serve_one():
                     pass
@@ -117,6 +127,9 @@ class _Connection(socketserver.BaseRequestHandler):
         head = bytearray(wire.REQUEST.size)
         first = self._wait_for_request(head)
         if first == 0:
+            return False
+        if time.time() > self.valid_until:  # it expired while the connection waited: not one more request
+            wire.send_response(self.sock, Status.UNAUTHORIZED, "the credential of this connection has expired")
             return False
         deadline = time.monotonic() + self.config.io_timeout_s  # the rest of the header and the name
         wire.recv_exact_into(self.sock, memoryview(head)[first:], deadline)
@@ -261,12 +274,27 @@ class DataPlaneServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     request_queue_size = 128
 
-    def __init__(self, pod: StoragePod, shaper: TokenBucket, nixl: Any = None) -> None:
+    def __init__(self, pod: StoragePod, shaper: TokenBucket, nixl: Any = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.pod = pod
         self.shaper = shaper
         self.nixl = nixl  # a nixl_plane.NixlPodEndpoint, or None for TCP only
+        self.tls = tls  # the pod's TLS server context, or None: plain TCP only
         self.gate = ConnectionGate(pod.config, pod.metrics)
         super().__init__((pod.config.host, pod.config.data_port), _Connection)
+
+    def secured(self, sock: socket.socket) -> socket.socket:
+        """`sock`, in TLS when its first byte opens a TLS handshake (and the pod has TLS); the handshake
+        must end within the hello timeout."""
+        if self.tls is None:
+            return sock
+        sock.settimeout(self.pod.config.hello_timeout_s)
+        if sock.recv(1, socket.MSG_PEEK) != TLS_HANDSHAKE:
+            sock.settimeout(self.pod.config.io_timeout_s)
+            return sock
+        secure = self.tls.wrap_socket(sock, server_side=True)
+        secure.settimeout(self.pod.config.io_timeout_s)
+        return secure
 
     @property
     def port(self) -> int:

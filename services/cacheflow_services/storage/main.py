@@ -7,8 +7,9 @@ import logging
 from typing import Any
 
 from cacheflow_common.errors import ConfigError
+from cacheflow_common.tls import TLSFiles
 from cacheflow_common.transport.shaping import TokenBucket
-from cacheflow_services.http_server import http_server, listen
+from cacheflow_services.http_server import DEFAULT_LIMITS, ServerLimits, http_server, listen
 from cacheflow_services.storage.app import create_app
 from cacheflow_services.storage.config import StorageConfig
 from cacheflow_services.storage.dataplane import DataPlaneServer
@@ -32,15 +33,18 @@ def open_nixl(transport: str, name: str) -> Any:
         return None
 
 
-def serve(config: StorageConfig) -> None:
+def serve(config: StorageConfig, *, tls: TLSFiles | None = None, limits: ServerLimits = DEFAULT_LIMITS) -> None:
+    """`tls`: the data plane serves TLS to the clients that ask for it; the control API (probes, metrics,
+    existence queries) stays plain HTTP."""
     pod = StoragePod(config)
-    data = DataPlaneServer(pod, TokenBucket(config.rate_bytes_per_s), None)
+    data = DataPlaneServer(pod, TokenBucket(config.rate_bytes_per_s), None,
+                           tls=tls.server_context() if tls is not None else None)
     data.nixl = open_nixl(config.transport, f"cacheflow-storage-{data.port}")
     transport = "nixl" if data.nixl is not None else "tcp"
     data.start()
     http = listen(config.host, config.http_port)
     app = create_app(pod, data_port=data.port, transport=transport)
-    server = http_server(app)
+    server = http_server(app, limits=limits)
     ready = {"event": "ready", "data_port": data.port, "http_port": http.getsockname()[1], "transport": transport,
              "backend": config.backend}
     print(json.dumps(ready), flush=True)  # one line that launchers and tests wait for

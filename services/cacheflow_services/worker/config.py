@@ -9,7 +9,9 @@ from cacheflow_common.engine.settings import EngineSettings
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.sched.policies import POLICIES
+from cacheflow_common.tls import TLSFiles
 from cacheflow_common.transport.pod_client import PodAddress
+from cacheflow_services.http_server import DEFAULT_LIMITS, ServerLimits
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,12 +44,14 @@ class WorkerConfig:
     block_tokens: int = 16  # the pool's allocation unit
     upstream_timeout_s: float = 30.0  # pipelined restore: longest wait for the previous stage's next chunk
     next_stage_timeout_s: float = 60.0  # a forward or delivery to the next stage
+    tls: TLSFiles | None = None  # serve HTTPS; call the next stage and the pods over TLS (their CA)
+    limits: ServerLimits = DEFAULT_LIMITS  # what the HTTP port holds for a client
     host: str = "127.0.0.1"
     http_port: int = 0
     max_request_tokens: int = 1 << 17  # longest prefix + suffix + new tokens one request may hold
-    # No tenant holds more than this share of the pool at once (1.0: no cap, as with a single tenant; set it
-    # below 1 where several tenants share the workers, so one cannot take the pool from the others).
-    tenant_pool_share: float = 1.0
+    # No tenant holds more than this share of the pool at once: half by default, so that one tenant cannot take
+    # the pool from a second (1.0: no cap, for a single tenant).
+    tenant_pool_share: float = 0.5
     hold_ttl_s: float = 600.0  # a session unused this long is freed (above the coordinator's hold and stage timeout)
     typical_request_tokens: int = 4096  # /readyz is 503 while the pool has no room for a request this long
 

@@ -14,8 +14,9 @@ Whole chunks are stored as they fill up, and a prompt's partial last chunk as it
 thread, off the critical path (`saving.ChunkSaver`).
 
 Trust (`trust.py`): the HTTP layer checks the coordinator's grant before it calls in here; the engine
-keeps a request to the tenant that created it, stores chunks only for requests allowed to save, and
-frees a request nobody has used for `hold_ttl_s` (a coordinator that died or forgot it).
+keeps a request to the tenant that created it, stores chunks only for requests allowed to save, takes
+deliveries only under a delivery grant for the request's tokens, and frees a request nobody has used
+for `hold_ttl_s` (a coordinator that died or forgot it), a mailbox once its grant expired.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from cacheflow_common.auth import Grant
 from cacheflow_common.engine import RestoreEngine
 from cacheflow_common.engine.builder import UPSTREAM_FED
 from cacheflow_common.engine.core import ForwardItem, RestoreCancelledError
@@ -45,6 +47,7 @@ from cacheflow_services.worker.next_stage import DeliverySender, NextStage
 from cacheflow_services.worker.pool import KVPool
 from cacheflow_services.worker.requests import ConflictError, RequestTable, StageRequest
 from cacheflow_services.worker.saving import ChunkSaver
+from cacheflow_services.worker.trust import SpentGrants
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ class UnknownRequestError(BadRequestError):
 
 class StageEngine:
     def __init__(self, config: WorkerConfig, model: Transformer, stores: Mapping[str, ChunkStore],
-                 profile: Profile | None, next_stage: NextStage | None) -> None:
+                 profile: Profile | None, next_stage: NextStage | None, *, spent: SpentGrants | None = None) -> None:
         self.config = config
         self.model = model
         self.stores = stores  # tenant -> placement over the storage pods (GrantedStores on a served worker)
@@ -65,7 +68,7 @@ class StageEngine:
         self.metrics = WorkerMetrics(n_channels=len(config.pods))
         self.pool = KVPool(model, config.layers, capacity_tokens=config.pool_tokens, block_tokens=config.block_tokens,
                            tenant_share=config.tenant_pool_share)
-        self.requests = RequestTable()
+        self.requests = RequestTable(on_stream_closed=(spent if spent is not None else SpentGrants()).close)
         self.saver = ChunkSaver(model, stage=config.stage, layers=config.layers, chunk_size=config.chunk_size,
                                 metrics=self.metrics)
         self.engine = RestoreEngine(engine_settings(config, profile), model, sampler=sample,
@@ -80,17 +83,18 @@ class StageEngine:
     # ------------------------------------------------------------------------------------ admit + restore
     def restore(self, request_id: str, token_ids: list[int], *, tenant: str, input_mode: str,
                 reserve_tokens: int, policy: str = "", waited_s: float = 0.0, save: bool = True,
-                max_tokens: int | None = None) -> RestoreSummary:
+                max_tokens: int | None = None, digest: str = "", deliver_grant: str = "") -> RestoreSummary:
         """Restore the prefix `token_ids` on this stage's layers; the KV stays for later forwards. `save`:
         whether the request may store chunks (recomputed misses now, its new chunks later); `max_tokens`:
-        the most tokens its grant lets it hold here."""
+        the most tokens its grant lets it hold here; `digest`: its grant's digest of the tokens (deliveries
+        must have come under a grant with the same); `deliver_grant`: for its deliveries to the next stage."""
         request = self._admit(request_id, tenant, token_ids, reserve_tokens, save=save, max_tokens=max_tokens,
-                              restoring=True)
+                              restoring=True, digest=digest)
         job = make_job(self.model, token_ids, tenant=tenant, chunk_size=self.config.chunk_size,
                        layers=self.config.layers)
         log.info("restore %s admitted on stage %d: %d prefix tokens, input %s", request_id, self.config.stage,
                  len(token_ids), input_mode)
-        sender = (DeliverySender(self.next_stage, request_id, hold=input_mode == "sequential")
+        sender = (DeliverySender(self.next_stage, request_id, deliver_grant, hold=input_mode == "sequential")
                   if input_mode in UPSTREAM_FED and self.next_stage is not None else None)
         assert request.kv is not None  # admitted
         try:
@@ -121,7 +125,7 @@ class StageEngine:
         return summary
 
     def _admit(self, request_id: str, tenant: str, token_ids: list[int], reserve_tokens: int, *, save: bool,
-               max_tokens: int | None, restoring: bool) -> StageRequest:
+               max_tokens: int | None, restoring: bool, digest: str = "") -> StageRequest:
         """Check a new request and give it its KV from the pool (an unknown tenant is refused first)."""
         tenant_store(self.stores, tenant)
         _check_tokens(self.model, self.config, token_ids, reserve_tokens)
@@ -132,23 +136,27 @@ class StageEngine:
         if (existing is not None and existing.kv is not None) or self.pool.get(request_id) is not None:
             raise ConflictError(f"request {request_id!r} already holds KV on stage {self.config.stage}")
         kv = self.pool.allocate(request_id, len(token_ids) + reserve_tokens, tenant=tenant)
-        request = StageRequest(request_id, tenant=tenant, kv=kv, save=save, restoring=restoring,
+        request = StageRequest(request_id, tenant=tenant, kv=kv, save=save, restoring=restoring, digest=digest,
                                unsaved_input=self.model.embed(torch.zeros(0, dtype=torch.long)))  # [0, hidden]
         try:
             self.requests.admit(request)
-        except ConflictError:
+        except (ConflictError, GrantError):
             self.pool.release(request_id)
             raise
         self.metrics.pool_changed(self.pool.used_blocks, self.pool.requests())
         return request
 
     # ------------------------------------------------------------------------------------ pipelined input
-    def deliver(self, request_id: str, index: int, hidden: torch.Tensor) -> None:
-        """The previous stage's output for chunk `index` of a pipelined restore."""
-        self.requests.deliver(request_id, lambda up: up.deliver(index, hidden.to(self.model.device)))
+    def deliver(self, grant: Grant, index: int, hidden: torch.Tensor) -> None:
+        """The previous stage's output for chunk `index` of a pipelined restore, under the delivery `grant`."""
+        if hidden.dim() != 2 or hidden.shape[1] != self.model.config.hidden_size:
+            raise BadRequestError(f"a delivery's hidden states are [tokens, {self.model.config.hidden_size}]")
+        max_bytes = grant.max_tokens * self.model.config.hidden_size * 4  # float32 rows, at most
+        self.requests.deliver(grant, lambda up: up.deliver(index, hidden.to(self.model.device)),
+                              rows=hidden.shape[0], nbytes=hidden.nbytes, max_bytes=max_bytes)
 
-    def finish_upstream(self, request_id: str, failure: str) -> None:
-        self.requests.deliver(request_id, (lambda up: up.fail(failure)) if failure else (lambda up: up.finish()))
+    def finish_upstream(self, grant: Grant, failure: str) -> None:
+        self.requests.deliver(grant, (lambda up: up.fail(failure)) if failure else (lambda up: up.finish()))
 
     def _upstream(self, request_id: str, job: RestoreJob) -> UpstreamInput:
         upstream = UpstreamInput(job, timeout_s=self.config.upstream_timeout_s)
@@ -157,9 +165,10 @@ class StageEngine:
 
     # ------------------------------------------------------------------------------------ forward
     def forward(self, meta: ForwardMeta, hidden: torch.Tensor | None, *,
-                max_tokens: int | None = None) -> ForwardAnswer:
+                max_tokens: int | None = None, grant: str = "") -> ForwardAnswer:
         """Run this stage's layers over new tokens of a request (in the engine's next steps), then the
-        next stage's (or sample the next token). `max_tokens`: what its grant lets a new request hold."""
+        next stage's (or sample the next token). `max_tokens`: what its grant lets a new request hold;
+        `grant`: the grant, relayed to the next stage."""
         request = self._forwarded(meta, max_tokens)
         if not meta.save:  # a restored request is told only now whether to store what comes
             request.save = False
@@ -184,7 +193,7 @@ class StageEngine:
         if isinstance(out, int):
             return ForwardAnswer(token=out)
         assert self.next_stage is not None  # only the last stage samples
-        return self.next_stage.forward(meta, out)
+        return self.next_stage.forward(meta, out, grant)
 
     def _forwarded(self, meta: ForwardMeta, max_tokens: int | None) -> StageRequest:
         """The request a forward continues (its own tenant's, restored), or a new one opened by it at 0."""
@@ -205,9 +214,12 @@ class StageEngine:
         return request
 
     # ------------------------------------------------------------------------------------ release
-    def release(self, request_id: str, *, quiet: bool = False) -> bool:
+    def release(self, request_id: str, *, quiet: bool = False, tenant: str | None = None) -> bool:
         """Free everything the stage holds for a request; a restore still running for it stops (its caller
-        gets an error). `quiet`: a restore that failed frees its own KV (logged by its caller)."""
+        gets an error). `quiet`: a restore that failed frees its own KV (logged by its caller); `tenant`:
+        the caller's, which must be the request's."""
+        if tenant is not None:
+            self._owned(request_id, tenant)
         self.engine.cancel(request_id, RestoreCancelledError(f"request {request_id!r} was released"))
         self.requests.remove(request_id)
         released = self.pool.release(request_id)
@@ -219,7 +231,7 @@ class StageEngine:
     def _reap_idle(self) -> None:
         """Free every request idle longer than `hold_ttl_s`: no hold outlives the coordinator's use of it."""
         ttl = self.config.hold_ttl_s
-        while not self._closed.wait(min(ttl / 4, 30.0)):
+        while not self._closed.wait(min(ttl / 4, 5.0)):
             for request_id in self.requests.idle(ttl):
                 request = self.requests.get(request_id)
                 if request is not None and request.restoring:
@@ -229,12 +241,20 @@ class StageEngine:
                 self.release(request_id)
 
     # ------------------------------------------------------------------------------------ reads
-    def kv_of(self, request_id: str) -> torch.Tensor:
-        """[L_s, 2, Hkv, tokens, D]: the KV this stage holds for the request's tokens so far."""
-        request = self.requests.get(request_id)
+    def kv_of(self, request_id: str, *, tenant: str | None = None) -> torch.Tensor:
+        """[L_s, 2, Hkv, tokens, D]: the KV this stage holds for the request's tokens so far (`tenant`: the
+        caller's, which must be the request's)."""
+        request = self._owned(request_id, tenant) if tenant is not None else self.requests.get(request_id)
         if request is None or request.kv is None or request.restoring:
             raise UnknownRequestError(f"request {request_id!r} has no KV on stage {self.config.stage}")
         return request.kv.data[:, :, :, : len(request.token_ids)]
+
+    def _owned(self, request_id: str, tenant: str) -> StageRequest | None:
+        """The request, if any; GrantError when it belongs to another tenant than `tenant`."""
+        request = self.requests.get(request_id)
+        if request is not None and request.tenant and request.tenant != tenant:
+            raise GrantError(f"request {request_id!r} belongs to another tenant")
+        return request
 
     def can_admit_typical(self) -> bool:
         """Whether the pool has room for a typical request now (`/readyz`)."""

@@ -11,8 +11,10 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from cacheflow_common.auth import INTERNAL_TOKEN_FILE, VERIFY_KEY_FILE, read_secret
+from cacheflow_common.auth import INTERNAL_TOKEN_FILE, VERIFY_KEY_FILE, GrantIssuer, read_secret
+from cacheflow_common.tls import TLSFiles
 from cacheflow_services.local_process import start_service, stop_process
 
 
@@ -34,14 +36,28 @@ class LocalWorker:
         return self
 
     @property
+    def tls(self) -> TLSFiles | None:
+        return TLSFiles.in_dir(self.args[self.args.index("--tls-dir") + 1]) if "--tls-dir" in self.args else None
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.http_port}"
 
     @property
     def internal_headers(self) -> dict[str, str]:
-        """What a call to this worker's `/v1` API must carry: the internal token it was started with."""
+        """The internal token this worker was started with (every `/v1` call carries it, and a grant)."""
         path = self.args[self.args.index("--internal-token-file") + 1]
         return {"Authorization": f"Bearer {read_secret(path, 'internal token file').decode()}"}
+
+    def issuer(self, pod_tokens: dict[str, str] | None = None) -> GrantIssuer:
+        """The coordinator's credentials for this worker's cluster (the signing key lies beside the token)."""
+        secrets = Path(self.args[self.args.index("--internal-token-file") + 1]).parent
+        return GrantIssuer.from_dir(secrets, pod_tokens or {})
+
+    def granted_headers(self, op: str, **grant: Any) -> dict[str, str]:
+        """The headers of one call to this worker: the internal token and a fresh grant for `op` here
+        (`GrantIssuer.issue`'s other arguments), as the coordinator would send them (tests, benchmarks)."""
+        return self.issuer().headers_for(op, stages=[self.stage], **grant)
 
     def kill(self) -> None:
         stop_process(self.proc, kill=True)

@@ -20,6 +20,8 @@ from cacheflow_services.worker.trust import GrantedStores, WorkerTrust
 
 log = logging.getLogger(__name__)
 FRAME_SLACK_BYTES = 8 << 20  # metadata (token ids) beside the hidden states
+JSON_BYTES_PER_TOKEN = 12  # a restore's JSON: a token id's digits, its comma and room to spare
+JSON_SLACK_BYTES = 64 << 10  # the rest of a restore's fields (a delivery grant included)
 
 
 def serve(config: WorkerConfig, trust: WorkerTrust) -> None:
@@ -29,14 +31,16 @@ def serve(config: WorkerConfig, trust: WorkerTrust) -> None:
     model = load_model(config.model, dtype=parse_dtype(config.dtype), layers=config.layers)
     profile = Profile.load(config.profile, model=model) if config.profile else None  # refused if not ours
     next_stage = NextStage(config.next_stage, timeout_s=config.next_stage_timeout_s,
-                           internal_token=trust.internal_token) if config.next_stage else None
-    stores = GrantedStores(config.pods, replicas=config.replicas)
-    engine = StageEngine(config, model, stores, profile, next_stage)
+                           internal_token=trust.internal_token, tls=config.tls) if config.next_stage else None
+    stores = GrantedStores(config.pods, replicas=config.replicas,
+                           tls=config.tls.client_context() if config.tls else None)
+    engine = StageEngine(config, model, stores, profile, next_stage, spent=trust.spent)
     engine.metrics.pool_capacity_blocks.set(engine.pool.capacity_blocks)
     max_body = config.max_request_tokens * model.config.hidden_size * 4 + FRAME_SLACK_BYTES
+    max_json = config.max_request_tokens * JSON_BYTES_PER_TOKEN + JSON_SLACK_BYTES
     http = listen(config.host, config.http_port)
-    app = create_app(engine, max_body_bytes=max_body, trust=trust, stores=stores)
-    server = http_server(app)
+    app = create_app(engine, max_body_bytes=max_body, max_json_bytes=max_json, trust=trust, stores=stores)
+    server = http_server(app, tls=config.tls, limits=config.limits)
     ready = {"event": "ready", "stage": config.stage, "http_port": http.getsockname()[1],
              "layers": [config.layers.start, config.layers.stop], "threads": torch.get_num_threads()}
     print(json.dumps(ready), flush=True)  # one line that launchers and tests wait for

@@ -1,9 +1,11 @@
 """Talking to the next stage: forwarding hidden states (suffix prefill, decode) and, in a pipelined
 restore, delivering each computed chunk's output as soon as it exists.
 
-Hidden states travel as tensor frames (`cacheflow_common.transport.frames`) over HTTP on the
-stage-to-stage link. Deliveries go through a queue and a sender thread, so the restore's compute
-pointer never waits for the network.
+Hidden states travel as tensor frames (`cacheflow_common.transport.frames`) over HTTP (HTTPS where the
+cluster has TLS) on the stage-to-stage link, each call with the coordinator's grant for it: a forward
+relays its own, deliveries carry the delivery grant the restore call brought. Deliveries go through a
+queue and a sender thread, so the restore's compute pointer never waits for the network. A call whose
+connection went stale is sent once more (`http_server.retry_on_stale_connection`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import threading
 import httpx
 import torch
 
+from cacheflow_common.auth import GRANT_HEADER
 from cacheflow_common.errors import BadRequestError, CacheFlowError
 from cacheflow_common.stage_api import DeliverMeta, ForwardAnswer, ForwardMeta, StageError
+from cacheflow_common.tls import TLSFiles
 from cacheflow_common.transport import frames
-from cacheflow_services.http_server import http_client
+from cacheflow_services.http_server import http_client, retry_on_stale_connection
 
 log = logging.getLogger(__name__)
 
@@ -35,26 +39,29 @@ class NextStageError(CacheFlowError):
 
 
 class NextStage:
-    def __init__(self, url: str, *, timeout_s: float, internal_token: str) -> None:
+    def __init__(self, url: str, *, timeout_s: float, internal_token: str, tls: TLSFiles | None = None) -> None:
         self.url = url.rstrip("/")
-        self._http = http_client(timeout=timeout_s, headers={"Authorization": f"Bearer {internal_token}"})
+        self._http = http_client(timeout=timeout_s, headers={"Authorization": f"Bearer {internal_token}"}, tls=tls)
 
-    def forward(self, meta: ForwardMeta, hidden: torch.Tensor) -> ForwardAnswer:
-        """`meta` carries the coordinator's grant for the request: the next stage checks it too."""
-        return ForwardAnswer.model_validate_json(self._post("/v1/forward", frames.pack(meta.model_dump(), hidden)))
+    def forward(self, meta: ForwardMeta, hidden: torch.Tensor, grant: str) -> ForwardAnswer:
+        """`grant`: the coordinator's for this forward, which the next stage checks too."""
+        return ForwardAnswer.model_validate_json(self._post("/v1/forward", frames.pack(meta.model_dump(), hidden),
+                                                            grant))
 
-    def deliver(self, request_id: str, index: int, hidden: torch.Tensor) -> None:
-        self._post("/v1/deliver", frames.pack(DeliverMeta(request_id=request_id, index=index).model_dump(), hidden))
+    def deliver(self, request_id: str, index: int, hidden: torch.Tensor, grant: str) -> None:
+        self._post("/v1/deliver", frames.pack(DeliverMeta(request_id=request_id, index=index).model_dump(), hidden),
+                   grant)
 
-    def finish(self, request_id: str, failure: str = "") -> None:
+    def finish(self, request_id: str, grant: str, failure: str = "") -> None:
         meta = DeliverMeta(request_id=request_id, finished=True, failure=failure)
-        self._post("/v1/deliver", frames.pack(meta.model_dump()))
+        self._post("/v1/deliver", frames.pack(meta.model_dump()), grant)
 
-    def _post(self, path: str, body: bytes) -> bytes:
+    def _post(self, path: str, body: bytes, grant: str) -> bytes:
         """The answer's body (JSON), or a typed error: the next stage unreachable, refusing, or failing."""
+        headers = {"Content-Type": frames.CONTENT_TYPE, GRANT_HEADER: grant}
         try:
-            response = self._http.post(self.url + path, content=body,
-                                       headers={"Content-Type": frames.CONTENT_TYPE})
+            response = retry_on_stale_connection(lambda: self._http.post(self.url + path, content=body,
+                                                                         headers=headers))
         except httpx.HTTPError as exc:
             raise NextStageError(StageError(error=type(exc).__name__, hops=1, unreachable=True,
                                             detail=f"unreachable ({self.url}): {type(exc).__name__}: {exc}")) from exc
@@ -77,9 +84,10 @@ class DeliverySender:
     baseline of the stage benchmark).
     """
 
-    def __init__(self, next_stage: NextStage, request_id: str, *, hold: bool = False) -> None:
+    def __init__(self, next_stage: NextStage, request_id: str, grant: str, *, hold: bool = False) -> None:
         self.next_stage = next_stage
         self.request_id = request_id
+        self.grant = grant  # the coordinator's delivery grant for this request on the next stage
         self.hold = hold
         self._held: list[tuple[int, torch.Tensor]] = []
         self._queue: queue.Queue[tuple[int, torch.Tensor] | str | None] = queue.Queue()
@@ -110,9 +118,9 @@ class DeliverySender:
             try:
                 if isinstance(item, tuple):
                     if not self._error:
-                        self.next_stage.deliver(self.request_id, *item)
+                        self.next_stage.deliver(self.request_id, *item, self.grant)
                     continue
-                self.next_stage.finish(self.request_id, item or self._error)
+                self.next_stage.finish(self.request_id, self.grant, item or self._error)
             except CacheFlowError as exc:
                 log.warning("delivery of %s to the next stage failed: %s", self.request_id, exc)
                 self._error = str(exc)

@@ -5,6 +5,11 @@ A request's life on a stage reads in `StageEngine`: admitted (its KV from the po
 its first forward → restored → forward* → released, and release is one removal from this map. A
 pipelined restore's deliveries may come before its restore call does: they wait in the record's mailbox
 until the restore attaches its upstream input.
+
+Nothing is held for strangers: a delivery opens a mailbox only under a grant (`Grant`, op "deliver") for
+that request, one grant per request's stream; the stream holds at most the grant's `max_tokens` rows
+and the bytes they need, and a mailbox whose restore never comes is dropped when its grant expires. A
+restore takes over the mailbox only when its own grant is for the same tenant and tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cacheflow_common.errors import BadRequestError
+from cacheflow_common.auth import CLOCK_SKEW_S, Grant
+from cacheflow_common.errors import BadRequestError, GrantError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.restore.upstream import UpstreamInput
 
@@ -44,14 +50,19 @@ class StageRequest:
     touched: float = field(default_factory=time.monotonic)  # last use (idle past the hold TTL: released)
     upstream: UpstreamInput | None = None  # a pipelined restore's input, while it restores
     mailbox: list[Delivery] = field(default_factory=list)  # deliveries that came before the restore
+    digest: str = ""  # its restore grant's digest of the tokens (a delivery stream must match it)
+    stream: Grant | None = None  # the grant its deliveries came under
+    delivered_rows: int = 0
+    delivered_bytes: int = 0
 
 
 class RequestTable:
     """The stage's requests by id, under one lock; events for a request go through its record."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_stream_closed: Callable[[Grant], None] = lambda grant: None) -> None:
         self._lock = threading.Lock()
         self._requests: dict[str, StageRequest] = {}
+        self._on_stream_closed = on_stream_closed  # a removed request's delivery grant is used up
 
     def get(self, request_id: str) -> StageRequest | None:
         with self._lock:
@@ -64,15 +75,35 @@ class RequestTable:
             early = self._requests.get(request.request_id)
             if early is not None and early.kv is not None:
                 raise ConflictError(f"request {request.request_id!r} already holds KV on this stage")
-            if early is not None:
-                request.mailbox = early.mailbox
+            if early is not None and early.stream is not None:
+                if (early.stream.tenant, early.stream.digest) != (request.tenant, request.digest):
+                    del self._requests[request.request_id]
+                    raise GrantError(f"deliveries for request {request.request_id!r} came under a grant for other "
+                                     "tokens or another tenant: dropped")
+                request.mailbox, request.stream = early.mailbox, early.stream
+                request.delivered_rows, request.delivered_bytes = early.delivered_rows, early.delivered_bytes
             self._requests[request.request_id] = request
             return request
 
-    def deliver(self, request_id: str, event: Delivery) -> None:
-        """Hand an event from the previous stage to the request's restore, or keep it until that starts."""
+    def deliver(self, grant: Grant, event: Delivery, *, rows: int = 0, nbytes: int = 0, max_bytes: int = 0) -> None:
+        """Hand an event from the previous stage (under the delivery `grant`) to the request's restore, or keep
+        it until that starts; `rows`, `nbytes`: what a chunk adds, within the grant's `max_tokens` rows and
+        `max_bytes`."""
         with self._lock:
-            request = self._requests.setdefault(request_id, StageRequest(request_id))
+            request = self._requests.get(grant.request_id)
+            if request is None:
+                request = self._requests[grant.request_id] = StageRequest(grant.request_id, tenant=grant.tenant)
+            if request.stream is None:
+                if request.tenant != grant.tenant or (request.digest and request.digest != grant.digest):
+                    raise GrantError(f"the delivery grant is not for request {grant.request_id!r} as it was restored")
+                request.stream = grant
+            elif request.stream.nonce != grant.nonce:
+                raise GrantError(f"request {grant.request_id!r} takes deliveries under another grant")
+            if request.delivered_rows + rows > grant.max_tokens or request.delivered_bytes + nbytes > max_bytes > 0:
+                raise ConflictError(f"deliveries for request {grant.request_id!r} exceed its grant "
+                                    f"({grant.max_tokens} tokens)")
+            request.delivered_rows += rows
+            request.delivered_bytes += nbytes
             upstream = request.upstream
             if upstream is None:
                 if sum(len(r.mailbox) for r in self._requests.values()) >= MAILBOX_CHUNKS:
@@ -97,10 +128,15 @@ class RequestTable:
 
     def remove(self, request_id: str) -> StageRequest | None:
         with self._lock:
-            return self._requests.pop(request_id, None)
+            request = self._requests.pop(request_id, None)
+        if request is not None and request.stream is not None:
+            self._on_stream_closed(request.stream)
+        return request
 
     def idle(self, ttl_s: float) -> list[str]:
-        """Requests unused for longer than `ttl_s`."""
-        now = time.monotonic()
+        """Requests unused for longer than `ttl_s`, and mailboxes whose delivery grant has expired."""
+        now, wall = time.monotonic(), time.time()
         with self._lock:
-            return [r for r, request in self._requests.items() if now - request.touched > ttl_s]
+            return [r for r, request in self._requests.items() if now - request.touched > ttl_s
+                    or (request.kv is None and request.stream is not None
+                        and request.stream.expires_at + CLOCK_SKEW_S < wall)]
