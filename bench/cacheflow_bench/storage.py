@@ -1,15 +1,19 @@
-"""Storage data-plane benchmark: shaped-rate accuracy, raw TCP vs NIXL throughput, small-read latency.
+"""Storage data-plane benchmark: what a load costs, shaped-rate accuracy, TCP vs NIXL, an idle pod's CPU.
 
 Real pods (`cacheflow storage`, memory backend so the transport is what is measured) on loopback,
 read by real clients in this process:
 
+* raw: one reader, unshaped, chunk objects of 1-64 MB into a plain buffer: GB/s per transport;
+* loads: a restore's loader (`KVLoader`) reading the same sizes into a KV buffer, checked and landed:
+  GB/s, and CPU seconds per GB in the pod and in the loader (`storage_loads`); then the pod idle;
 * shaping: 1 and several concurrent readers against pods shaped to each rate; the achieved aggregate
   rate vs the configured one (and each reader's share, for fairness);
-* raw: one reader, unshaped, chunk objects of 1-64 MB: GB/s per transport;
-* latency: median time of a 4 KiB read, the per-chunk fixed cost for the scheduler's cost model.
+* latency: median time of a 4 KiB read, the per-chunk fixed cost for the scheduler's cost model;
+* yardsticks: a memcpy's CPU per GB, and plain loopback TCP with no CacheFlow code (the ceiling).
 
-Writes bench/results/storage.{json,md,png}; the JSON's `summary` holds max_shaping_error, nixl_gbps
-and tcp_gbps (raw, largest chunk).
+Writes bench/results/storage.{json,md,png}; the JSON's `summary` holds the targets' keys
+(`loader_gb_per_s_tcp`, `nixl_vs_tcp_throughput_min`, `cpu_s_per_gb_end_to_end_max` against
+`memcpy_cpu_s_per_gb`, `max_shaping_error`, `idle_pod_cpu_share_max`) and the raw rates.
 """
 
 from __future__ import annotations
@@ -22,25 +26,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from cacheflow_bench.common import (
-    add_out_option,
-    command_line,
-    machine_facts,
-    markdown_table,
-    median,
-    provenance,
-    results_dir,
-    write_json,
-)
-from cacheflow_common.kv.chunk import encode_kv_chunk
-from cacheflow_common.kv.keys import chunk_keys, object_name, tenant_salt
+from cacheflow_bench.common import add_out_option, median, provenance, results_dir, write_json
+from cacheflow_bench.storage_loads import loader_run, make_kv_chunk, memcpy_cpu_s_per_gb, socket_ceiling
+from cacheflow_bench.storage_report import plot, write_markdown
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_common.transport.shaping import gbps
+from cacheflow_services.local_process import idle_cpu_share
 from cacheflow_services.storage.launch import LocalPod, launch_pod
 
-LAYERS, HEADS, HEAD_DIM = 8, 8, 128  # a chunk of an 8-layer stage of a GQA model: 32 KiB of fp32 KV per token
 LATENCY_BYTES = 4096
 LATENCY_READS = 300
 
@@ -51,27 +44,25 @@ SUSTAINABLE_SHARE = 0.5  # a shaped rate counts as one the host sustains up to h
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cacheflow bench storage", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rates", default="0.5,2,8", help="shaped link rates, Gbit/s (ones this host can sustain)")
+    p.add_argument("--rates", default="1,4,10,40", help="shaped link rates, Gbit/s (those up to half the raw "
+                   "rate this host reaches count towards the target)")
     p.add_argument("--readers", default="1,4", help="concurrent reader counts for the shaping runs")
     p.add_argument("--sizes", default="1,4,16,64", help="raw-throughput chunk sizes, MB")
     p.add_argument("--seconds", type=float, default=3.0, help="duration of each shaped run")
     p.add_argument("--transports", default="tcp,nixl", help="tcp and/or nixl (nixl is skipped if unavailable)")
     add_out_option(p)
+    p.add_argument("--idle-seconds", type=float, default=5.0, help="how long an idle pod's CPU is measured")
     p.add_argument("--quick", action="store_true", help="smoke run: one rate, small sizes, short runs")
     args = p.parse_args(argv)
     if args.quick:
-        args.rates, args.readers, args.sizes, args.seconds = "1", "1,2", "1,4", 0.6
+        args.rates, args.readers, args.sizes, args.seconds, args.idle_seconds = "1", "1,2", "1,4", 0.6, 1.0
     return args
 
 
 def make_chunk(megabytes: float, seed: int) -> tuple[str, bytes]:
-    """A real kv chunk object of about `megabytes` MB (pods accept only valid chunks)."""
-    tokens = max(1, int(megabytes * 1e6 / (LAYERS * 2 * HEADS * HEAD_DIM * 4)))
-    ids = [(seed * 1000 + i) % 32000 for i in range(tokens)]
-    key = chunk_keys(ids, tokens, tenant_salt("bench", "alpha"))[0]
-    kv = torch.randn(LAYERS, 2, HEADS, tokens, HEAD_DIM, generator=torch.Generator().manual_seed(seed))
-    obj = encode_kv_chunk(key=key, token_ids=ids, model="bench", layer_start=0, kv=kv, dtype="float32")
-    return object_name(key, "kv", 0, LAYERS), obj
+    """A real kv chunk object of about `megabytes` MB (pods accept only valid chunks): name, bytes."""
+    _, name, obj = make_kv_chunk(megabytes, seed)
+    return name, obj
 
 
 def nixl_endpoint(slot_bytes: int) -> Any:
@@ -174,6 +165,25 @@ def available(transport: str) -> bool:
     return True
 
 
+def loads(args: argparse.Namespace, work: Path, transport: str) -> tuple[list[dict[str, Any]], float]:
+    """A restore's loader against a pod, unshaped, for every size; then the pod's idle CPU share."""
+    sizes = [float(x) for x in args.sizes.split(",")]
+    pod = launch_pod(work / f"loads-{transport}", "--max-object", "128MiB", backend="memory", transport=transport)
+    try:
+        client = pod.client(nixl=nixl_endpoint(int(max(sizes) * 1.1e6)) if transport == "nixl" else None)
+        rows = []
+        for mb in sizes:
+            rows.append(loader_run(pod, client, transport, mb, seconds=args.seconds))
+            print(f"  {transport} loader {rows[-1]['chunk_mb']:.1f} MB: {rows[-1]['gbytes_per_s']:.2f} GB/s, "
+                  f"{rows[-1]['cpu_s_per_gb']:.2f} CPU-s/GB", flush=True)
+        assert pod.proc is not None
+        (idle,) = idle_cpu_share([pod.proc.pid], args.idle_seconds)
+        print(f"  {transport} idle pod: {idle:.3f} of a core", flush=True)
+        return rows, idle
+    finally:
+        pod.stop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import sys
 
@@ -181,82 +191,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     transports = [t for t in args.transports.split(",") if available(t)]
     shaped: list[dict[str, Any]] = []
     raws: list[dict[str, Any]] = []
+    loaded: list[dict[str, Any]] = []
     latency: dict[str, float] = {}
+    idle: dict[str, float] = {}
+    yardsticks = {"memcpy_cpu_s_per_gb": memcpy_cpu_s_per_gb(), "socket_ceiling": socket_ceiling()}
     with tempfile.TemporaryDirectory() as tmp:
         for transport in transports:
             print(f"[{transport}]", flush=True)
             rows, latency[transport] = raw(args, Path(tmp), transport)
             raws += rows
-            sustained = max(r["gbps"] for r in rows)
+            rows, idle[transport] = loads(args, Path(tmp), transport)
+            loaded += rows
+            sustained = max(r["gbps"] for r in raws if r["transport"] == transport)
             shaped += [dict(row, sustainable=row["rate_gbps"] <= SUSTAINABLE_SHARE * sustained)
                        for row in shaping(args, Path(tmp), transport)]
+    summary = summarize(transports, raws, loaded, shaped, latency, idle, yardsticks)
+    out = results_dir(args)
+    link = {"emulated": True, "chosen": "the configured --rates, each pod's token bucket; raw and loader runs "
+                                        "unshaped loopback"}
+    write_json(out / "storage.json", {"summary": summary, **provenance(args.quick), "link": link, "shaping": shaped,
+                                      "raw": raws, "loads": loaded, "yardsticks": yardsticks})
+    write_markdown(out / "storage.md", summary, shaped, raws, loaded)
+    plot(out / "storage.png", shaped, raws, loaded)
+    print(f"max shaping error {summary['max_shaping_error']} (sustainable rates); loader over TCP "
+          f"{summary['loader_gb_per_s_tcp']:.2f} GB/s (worst size), end to end "
+          f"{summary['cpu_s_per_gb_end_to_end_max']:.2f} CPU-s/GB (memcpy {summary['memcpy_cpu_s_per_gb']:.2f}); "
+          f"idle pod {summary['idle_pod_cpu_share_max']:.3f} of a core")
+    return 0
+
+
+def summarize(transports: list[str], raws: list[dict[str, Any]], loaded: list[dict[str, Any]],
+              shaped: list[dict[str, Any]], latency: dict[str, float], idle: dict[str, float],
+              yardsticks: dict[str, Any]) -> dict[str, Any]:
     largest = {t: max((r for r in raws if r["transport"] == t), key=lambda r: r["chunk_mb"]) for t in transports}
-    summary = {
+    speed = {(r["transport"], round(r["chunk_mb"])): r["gbytes_per_s"] for r in loaded}
+    ratios = [speed[("nixl", mb)] / tcp for (t, mb), tcp in speed.items() if t == "tcp" and ("nixl", mb) in speed]
+    worst_cpu = max(r["cpu_s_per_gb"] for r in loaded)
+    return {
         "max_shaping_error": max((r["error"] for r in shaped if r["sustainable"]), default=None),
         "max_shaping_error_all_rates": max(r["error"] for r in shaped),
         "nixl_gbps": largest["nixl"]["gbps"] if "nixl" in largest else None,
         "tcp_gbps": largest["tcp"]["gbps"] if "tcp" in largest else None,
         "small_read_latency_s": latency,
         "min_reader_share": min(r["min_share"] for r in shaped),
+        "loader_gb_per_s_tcp": min((r["gbytes_per_s"] for r in loaded if r["transport"] == "tcp"), default=None),
+        "loader_gb_per_s_nixl": min((r["gbytes_per_s"] for r in loaded if r["transport"] == "nixl"), default=None),
+        "nixl_vs_tcp_throughput_min": min(ratios, default=None),
+        "cpu_s_per_gb_end_to_end_max": worst_cpu,
+        "loader_cpu_s_per_gb_max": max(r["loader_cpu_s_per_gb"] for r in loaded),
+        "memcpy_cpu_s_per_gb": yardsticks["memcpy_cpu_s_per_gb"],
+        "cpu_per_gb_over_memcpy_max": worst_cpu / yardsticks["memcpy_cpu_s_per_gb"],
+        "socket_ceiling_gb_per_s": yardsticks["socket_ceiling"]["gbytes_per_s"],
+        "socket_ceiling_cpu_s_per_gb": yardsticks["socket_ceiling"]["cpu_s_per_gb"],
+        "idle_pod_cpu_share_max": max(idle.values()),
+        "idle_pod_cpu_share": idle,
     }
-    out = results_dir(args)
-    link = {"emulated": True, "chosen": "the configured --rates, each pod's token bucket; raw runs unshaped loopback"}
-    write_json(out / "storage.json", {"summary": summary, **provenance(args.quick), "link": link, "shaping": shaped,
-                                      "raw": raws})
-    _write_markdown(out / "storage.md", summary, shaped, raws)
-    _plot(out / "storage.png", shaped, raws)
-    print(f"max shaping error {summary['max_shaping_error']} (sustainable rates); "
-          f"raw tcp {summary['tcp_gbps']} Gbit/s, "
-          f"nixl {summary['nixl_gbps']} Gbit/s")
-    return 0
-
-
-def _write_markdown(path: Path, summary: dict[str, Any], shaped: list[dict[str, Any]],
-                    raws: list[dict[str, Any]]) -> None:
-    facts = machine_facts()
-    lines = ["# Storage data plane", "",
-             f"Machine: {facts['cpu']}, {facts['cpus']} CPUs; git {facts['git']}. Command: `{command_line()}`.", "",
-             "Shaped rates are emulated links: each pod's token bucket, at the configured rates (`--rates`: ones "
-             "this host sustains, up to half its raw rate, count towards the target); raw rates are loopback, "
-             "unshaped. No real network link is measured here.", "",
-             markdown_table(["target", "measured", "goal"], [
-                 [f"worst shaped-rate error, rates <= {SUSTAINABLE_SHARE} x raw", summary["max_shaping_error"],
-                  "<= 0.05"],
-                 ["worst shaped-rate error, all rates", summary["max_shaping_error_all_rates"], ""],
-                 ["raw TCP, largest chunk (Gbit/s)", summary["tcp_gbps"] or "-", ""],
-                 ["raw NIXL, largest chunk (Gbit/s)", summary["nixl_gbps"] or "-", ""],
-             ]), "",
-             "Small (4 KiB) read latency: " + ", ".join(f"{t} {v * 1e6:.0f} us"
-                                                        for t, v in summary["small_read_latency_s"].items()), "",
-             markdown_table(["transport", "readers", "configured Gbit/s", "achieved Gbit/s", "error", "min share",
-                             "sustainable"],
-                            [[r["transport"], r["readers"], r["rate_gbps"], r["achieved_gbps"], r["error"],
-                              r["min_share"], "yes" if r["sustainable"] else "no"] for r in shaped]), "",
-             markdown_table(["transport", "chunk MB", "GB/s", "Gbit/s"],
-                            [[r["transport"], r["chunk_mb"], r["gbytes_per_s"], r["gbps"]] for r in raws]), ""]
-    path.write_text("\n".join(lines))
-
-
-def _plot(path: Path, shaped: list[dict[str, Any]], raws: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for t in sorted({r["transport"] for r in raws}):
-        rows = [r for r in raws if r["transport"] == t]
-        a.plot([r["chunk_mb"] for r in rows], [r["gbytes_per_s"] for r in rows], marker="o", label=t)
-        rows = [r for r in shaped if r["transport"] == t]
-        b.scatter([r["rate_gbps"] for r in rows], [r["achieved_gbps"] for r in rows], label=t)
-    top = max((r["rate_gbps"] for r in shaped), default=1.0)
-    b.plot([0, top], [0, top], "k--", linewidth=0.8, label="configured")
-    a.set(xscale="log", xlabel="chunk MB", ylabel="GB/s", title="raw read throughput")
-    b.set(xlabel="configured Gbit/s", ylabel="achieved Gbit/s", title="shaped aggregate rate")
-    a.legend()
-    b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,15 @@ into a KV buffer, unshaped on loopback, its throughput and the CPU it takes in t
 loader's process; an idle pod's CPU; a memcpy of the same bytes as the yardstick.
 
 CPU is read from the kernel's accounting (`/proc/<pid>/stat` for the pod, `time.process_time()` for
-this process, all threads), so it counts every thread the data plane runs, NIXL's included.
+this process, all threads), so it counts every thread the data plane runs, NIXL's included. Plain
+loopback TCP with no CacheFlow code (`socket_ceiling`) is measured beside it: what the kernel's socket
+copies cost here bounds what any TCP loader can do.
 """
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from typing import Any
 
@@ -73,3 +77,41 @@ def loader_run(pod: LocalPod, client: ChunkStore, transport: str, megabytes: flo
     return {"transport": transport, "chunk_mb": loader.chunk_bytes(0) / 1e6, "reads": reads,
             "gbytes_per_s": gigabytes / wall, "pod_cpu_s_per_gb": pod_s / gigabytes,
             "loader_cpu_s_per_gb": loader_s / gigabytes, "cpu_s_per_gb": (pod_s + loader_s) / gigabytes}
+
+
+def socket_ceiling(nbytes: int = 64 << 20, rounds: int = 10, piece: int = 1 << 20) -> dict[str, float]:
+    """What plain loopback TCP moves with no CacheFlow code at all: one sender thread `sendall`s `nbytes`
+    in `piece`s, one receiver `recv_into`s them, in this process; GB/s and CPU seconds per GB (both sides).
+    The ceiling a TCP loader cannot pass on this host."""
+    src, dst = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8), np.empty(nbytes, np.uint8)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        sender = threading.Thread(target=_send_rounds, args=(listener, src.data, rounds + 1, piece), daemon=True)
+        sender.start()
+        with socket.create_connection(listener.getsockname()) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            out = dst.data
+            _receive_round(sock, out)  # warm-up
+            cpu, began = time.process_time(), time.perf_counter()
+            for _ in range(rounds):
+                _receive_round(sock, out)
+            wall, cpu = time.perf_counter() - began, time.process_time() - cpu
+        sender.join(10)
+    gigabytes = rounds * nbytes / 1e9
+    return {"gbytes_per_s": gigabytes / wall, "cpu_s_per_gb": cpu / gigabytes}
+
+
+def _send_rounds(listener: socket.socket, data: memoryview, rounds: int, piece: int) -> None:
+    conn, _ = listener.accept()
+    with conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(rounds):
+            conn.recv(1)  # the receiver asks for the next round
+            for at in range(0, len(data), piece):
+                conn.sendall(data[at : at + piece])
+
+
+def _receive_round(sock: socket.socket, out: memoryview) -> None:
+    sock.sendall(b"n")
+    got = 0
+    while got < len(out):
+        got += sock.recv_into(out[got:])
