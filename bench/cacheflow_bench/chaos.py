@@ -120,7 +120,7 @@ def run_phases(cluster: LocalCluster, requests: list[ReplayRequest], args: argpa
         cluster.coordinator.log_path.parent / "pod-tokens").read_text().splitlines())}
     attacks = attack_workers(cluster, requests, model_config(MODEL).hidden_size, pod_tokens)
     for worker in cluster.workers:  # whatever an attack could have queued is stored before the replay reads it
-        httpx.post(f"{worker.url}/v1/flush", headers=worker.granted_headers("flush"), timeout=120).raise_for_status()
+        worker.flush(120)
     attacks["outcomes"] = send()
     print("slowloris, a tenant filling the pools, idle gaps ...", flush=True)
     slow = slowloris(url)

@@ -9,6 +9,8 @@ costs show), every process on loopback as `cacheflow up` starts them.
   its engine -> the pointers met): the hops, grants and lookups around the restore;
 * decode: a completion's time per generated token after its first (every token crosses every stage).
 
+Each is measured twice: with the internal hops in plain TCP (as `cacheflow up` runs by default) and
+with TLS on them (as the chart runs by default): the `tls_*` keys, and TLS's overhead beside them.
 `--before FILE` joins an earlier run's JSON (e.g. on the commit before a change) to the report, side by
 side. Writes bench/results/latency.{json,md}; the JSON's `summary` holds `http_round_trip_ms_max`,
 `lone_restore_fixed_cost_ms`, `decode_ms_per_token`.
@@ -79,7 +81,9 @@ def _p99(xs: list[float]) -> float:
 def round_trips(cluster: LocalCluster, times: int) -> list[dict[str, Any]]:
     """Keep-alive round trips to every service's HTTP port, as a client of each would make them."""
     rows = []
-    with httpx.Client(timeout=30) as client:  # a plain client, as the services' users and probes have
+    tls = cluster.workers[0].tls
+    # a plain httpx client, as the services' users and probes have (trusting the cluster CA under TLS)
+    with httpx.Client(timeout=30, verify=tls.client_context() if tls else True) as client:
         bases = [("coordinator", cluster.coordinator.url), *((f"stage {w.stage}", w.url) for w in cluster.workers),
                  *((f"pod {i}", p.url("")) for i, p in enumerate(cluster.pods))]
         for name, base in bases:
@@ -109,7 +113,7 @@ def lone_restores(cluster: LocalCluster, client: httpx.Client, args: argparse.Na
     prompt = [(7 * i + 3) % 1000 for i in range(args.prefix_chunks * CHUNK + 1)]
     _complete(client, prompt, 1)  # prefilled and stored
     for worker in cluster.workers:
-        httpx.post(f"{worker.url}/v1/flush", headers=worker.internal_headers, timeout=120).raise_for_status()
+        worker.flush()
     rows = []
     for _ in range(args.restores + 1):  # the first warms the restore path
         extra = _complete(client, prompt, 1, save=False)["cacheflow"]
@@ -130,9 +134,9 @@ def decode(client: httpx.Client, tokens: int) -> float:
     return (wall - body["cacheflow"]["ttft_s"]) / max(1, generated - 1)
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace, *, tls: bool) -> dict[str, Any]:
     spec = ClusterSpec(model=MODEL, stages=2, pods=2, chunk_size=CHUNK, dtype="float32", policy="cake", port=0,
-                       transport=args.transport, threads_per_stage=1, batch_window_ms=20.0)
+                       transport=args.transport, threads_per_stage=1, batch_window_ms=20.0, tls=tls)
     with tempfile.TemporaryDirectory() as tmp:
         cluster = start_cluster(spec, Path(tmp))
         try:
@@ -154,14 +158,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     return {"summary": summary, "round_trips": trips, "restores": restores, "decode_s_per_token": per_token,
             "setup": {"model": MODEL, "stages": 2, "pods": 2, "chunk_size": CHUNK, "transport": args.transport,
-                      "prefix_tokens": args.prefix_chunks * CHUNK}}
+                      "prefix_tokens": args.prefix_chunks * CHUNK, "tls": tls}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     import sys
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    body = {**measure(args), **provenance(args.quick)}
+    body = {**measure(args, tls=False), **provenance(args.quick)}
+    with_tls = measure(args, tls=True)
+    body["tls"] = with_tls
+    for key in ("http_round_trip_ms_max", "lone_restore_fixed_cost_ms", "decode_ms_per_token"):
+        body["summary"][f"tls_{key}"] = with_tls["summary"][key]
+        body["summary"][f"tls_overhead_{key}"] = with_tls["summary"][key] - body["summary"][key]
     if args.before:
         before = json.loads(Path(args.before).read_text())
         body["before"] = {"summary": before["summary"], "git": before["machine"]["git"]}
@@ -187,9 +196,11 @@ def _markdown(body: dict[str, Any]) -> str:
              "A local cluster of the tiny model (2 stages, 2 pods, loopback): the work is small, so what shows is "
              "what every request pays around it. Times in ms.", "",
              markdown_table(head, rows), "",
-             markdown_table(["service", "call", "median ms", "P99 ms", "min ms"],
-                            [[r["service"], r["call"], r["median_ms"], r["p99_ms"], r["min_ms"]]
-                             for r in body["round_trips"]]), "",
+             markdown_table(["service", "call", "median ms", "P99 ms", "min ms", "with TLS: median ms"],
+                            [[r["service"], r["call"], r["median_ms"], r["p99_ms"], r["min_ms"], t["median_ms"]]
+                             for r, t in zip(body["round_trips"], body["tls"]["round_trips"], strict=True)]), "",
+             "TLS is on the internal hops only (coordinator -> workers, worker -> worker, workers -> pods' data "
+             "plane); the coordinator's public port and the pods' control ports stay plain HTTP.", "",
              f"Lone restores: {len(body['restores'])}; restore time spread (ms): min "
              f"{min(r['restore_s'] for r in body['restores']) * 1e3:.1f}, "
              f"stdev {statistics.pstdev([r['restore_s'] for r in body['restores']]) * 1e3:.1f}.", ""]

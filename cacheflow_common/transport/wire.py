@@ -16,6 +16,7 @@ a miss. Sizes are bounded (`MAX_NAME`, the pod's object limit) before anything i
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Sequence
@@ -76,7 +77,12 @@ def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | Non
 
 
 def recv_exact_into_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
-    """`recv_exact_into`, scattered over `views` (filled one after another, a batch of them per call)."""
+    """`recv_exact_into`, scattered over `views` (filled one after another, a batch of them per call; one
+    at a time over TLS, which has no scatter read)."""
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            recv_exact_into(sock, view)
+        return
     left = list(views)
     while left:
         n = sock.recvmsg_into(left[:IOV_MAX])[0]

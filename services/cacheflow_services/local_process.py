@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from cacheflow_common.errors import CacheFlowError
+from cacheflow_common.tls import TLSFiles
 
 STARTUP_S = 90.0  # a service imports torch and fastapi (and may load a model): seconds on a busy machine
 ReadyCallback = Callable[[str, dict[str, Any], float], None]  # (service, its ready line, seconds it took)
@@ -156,8 +157,10 @@ def _wait_ready(proc: subprocess.Popen[str], args: list[str], log_path: Path) ->
         raise ServiceStartError(f"`cacheflow {service_name(args)}` exited (status {code}) before it was ready: "
                                 f"{last_line(log_path)} (its log: {log_path})")
     ready: dict[str, Any] = json.loads(line)
+    tls = TLSFiles.in_dir(args[args.index("--tls-dir") + 1]) if ready.get("tls") else None  # the API serves TLS
     try:
-        wait_http(f"http://127.0.0.1:{ready['http_port']}/healthz")
+        wait_http(f"{'https' if tls else 'http'}://127.0.0.1:{ready['http_port']}/healthz",
+                  verify=tls.client_context() if tls else True)
     except ServiceStartError as exc:
         raise ServiceStartError(f"`cacheflow {service_name(args)}`: {exc} (its log: {log_path})") from None
     return ready
@@ -172,11 +175,11 @@ def last_line(log_path: Path) -> str:
     return lines[-1] if lines else "nothing logged"
 
 
-def wait_http(url: str) -> None:
+def wait_http(url: str, verify: Any = True) -> None:
     deadline = time.monotonic() + STARTUP_S
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -32,8 +32,7 @@ def warm_up(url: str, token: str, model: str, requests: list[ReplayRequest], wor
             if on_done:
                 on_done()
     for worker in workers:
-        flushed = httpx.post(f"{worker.url}/v1/flush", headers=worker.granted_headers("flush"), timeout=TIMEOUT_S)
-        flushed.raise_for_status()
+        worker.flush(TIMEOUT_S)
 
 
 def restore_alone(url: str, token: str, request: ReplayRequest, policy: str) -> float:

@@ -17,4 +17,5 @@ def test_latency_benchmark_quick_run(tmp_path):
     assert len(body["restores"]) == 3 and all(r["engine_s"] > 0 for r in body["restores"])
     summary = body["summary"]
     assert summary["http_round_trip_ms_max"] > 0 and summary["decode_ms_per_token"] > 0
+    assert body["tls"]["setup"]["tls"] and summary["tls_decode_ms_per_token"] > 0  # the same, over TLS
     assert (tmp_path / "latency.md").read_text().startswith("# Fixed costs")

@@ -44,7 +44,7 @@ def test_a_prefix_restored_up_to_a_chunk_no_stage_can_restore_answers_the_same(l
     first = client.post("/v1/completions", json=body)
     assert first.status_code == 200, first.text
     for worker in local.workers:
-        httpx.post(f"{worker.url}/v1/flush", headers=worker.granted_headers("flush"), timeout=60).raise_for_status()
+        worker.flush(60)
     for hidden in _stored(local, "*.hidden.L*"):
         hidden.unlink()
     damaged = _stage_1_object(local, prompt, corrupt)

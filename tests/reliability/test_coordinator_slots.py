@@ -50,7 +50,7 @@ def _stored_prefix(client: httpx.Client, local: LocalCluster, seed: int) -> list
                                               "policy": "compute-only"})
     assert r.status_code == 200, r.text
     for worker in local.workers:  # its chunks are stored off the critical path: wait for them
-        httpx.post(f"{worker.url}/v1/flush", headers=worker.granted_headers("flush"), timeout=WAIT_S).raise_for_status()
+        worker.flush(WAIT_S)
     return prefix
 
 

@@ -43,7 +43,7 @@ def _complete(client: httpx.Client, prompt: list[int], **extra: object) -> list[
 
 def _flush(local: LocalCluster) -> None:
     for worker in local.workers:
-        httpx.post(f"{worker.url}/v1/flush", headers=worker.granted_headers("flush"), timeout=WAIT_S).raise_for_status()
+        worker.flush(WAIT_S)
 
 
 def _chunk_files(local: LocalCluster) -> set[Path]:

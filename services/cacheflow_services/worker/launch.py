@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from cacheflow_common.auth import INTERNAL_TOKEN_FILE, VERIFY_KEY_FILE, GrantIssuer, read_secret
 from cacheflow_common.tls import TLSFiles
 from cacheflow_services.local_process import start_service, stop_process
@@ -58,6 +60,13 @@ class LocalWorker:
         """The headers of one call to this worker: the internal token and a fresh grant for `op` here
         (`GrantIssuer.issue`'s other arguments), as the coordinator would send them (tests, benchmarks)."""
         return self.issuer().headers_for(op, stages=[self.stage], **grant)
+
+    def flush(self, timeout_s: float = 600.0) -> None:
+        """Wait until every chunk the worker computed so far is stored (`POST /v1/flush`, granted as the
+        coordinator would grant it, over TLS where the worker serves it)."""
+        tls = self.tls
+        httpx.post(f"{self.url}/v1/flush", headers=self.granted_headers("flush"), timeout=timeout_s,
+                   verify=tls.client_context() if tls else True).raise_for_status()
 
     def kill(self) -> None:
         stop_process(self.proc, kill=True)

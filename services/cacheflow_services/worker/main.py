@@ -41,7 +41,7 @@ def serve(config: WorkerConfig, trust: WorkerTrust) -> None:
     http = listen(config.host, config.http_port)
     app = create_app(engine, max_body_bytes=max_body, max_json_bytes=max_json, trust=trust, stores=stores)
     server = http_server(app, tls=config.tls, limits=config.limits)
-    ready = {"event": "ready", "stage": config.stage, "http_port": http.getsockname()[1],
+    ready = {"event": "ready", "stage": config.stage, "http_port": http.getsockname()[1], "tls": config.tls is not None,
              "layers": [config.layers.start, config.layers.stop], "threads": torch.get_num_threads()}
     print(json.dumps(ready), flush=True)  # one line that launchers and tests wait for
     try:
