@@ -108,7 +108,8 @@ class StorageSpec:
     link_capacity_gbps: float = field(default=0.0, metadata=doc(
         "each pod's link capacity, for the dashboard's I/O utilisation (0: the shaping rate, linkRateGbps)",
         minimum=0))
-    transport: str = field(default="auto", metadata=doc("data plane (auto: NIXL when the image has it, else TCP)",
+    transport: str = field(default="auto", metadata=doc("data plane (auto: TCP, what the workers read "
+                                                            "over; nixl: NIXL as well, for readers that bring it)",
                                                         enum=["auto", "tcp", "nixl"]))
     redis_url: str = field(default="", metadata=doc("redis backend: redis://host:port/db"))
     chunk_replicas: int = field(default=1, metadata=doc("copies of each chunk over the pods", minimum=1))

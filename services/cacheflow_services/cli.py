@@ -97,7 +97,8 @@ def _add_storage_parser(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--rate-gbps", type=float, default=0.0, help="shape outgoing bytes to this link rate (0: unshaped)")
     st.add_argument("--link-capacity-gbps", type=float, default=0.0,
                     help="the outgoing link's capacity, for I/O utilisation metrics (0: the --rate-gbps shaping rate)")
-    st.add_argument("--transport", default="auto", choices=["auto", "tcp", "nixl"], help="auto: NIXL when available")
+    st.add_argument("--transport", default="auto", choices=["auto", "tcp", "nixl"],
+                    help="auto: TCP, what the cluster's workers read over; nixl: also NIXL, for readers that bring it")
     st.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     st.add_argument("--data-port", type=int, default=0, help="data-plane port (0: any free one)")
     st.add_argument("--http-port", type=int, default=0, help="control API port (0: any free one)")

@@ -1,5 +1,5 @@
 """Idle means idle: a running cluster with nothing to do takes (almost) no CPU. Every process of a local
-cluster (the storage pods with NIXL where it is installed, as `cacheflow up` starts them) is measured
+cluster (the storage pods with NIXL where it is installed: its endpoint was the one that spun) is measured
 from the kernel's accounting (/proc) over 5 s, after a request has set up every connection. An idle
 NIXL pod used to hold one thread at 100 % of a core (NIXL's progress thread polls with no timeout)."""
 
@@ -22,7 +22,7 @@ HAS_NIXL = importlib.util.find_spec("nixl") is not None
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     spec = ClusterSpec(model="tiny", stages=2, pods=2, chunk_size=32, dtype="float32", policy="cake", port=0,
-                       transport="auto", threads_per_stage=1)
+                       transport="nixl" if HAS_NIXL else "tcp", threads_per_stage=1)
     local = start_cluster(spec, tmp_path_factory.mktemp("cluster"))
     yield local
     local.stop()

@@ -19,18 +19,18 @@ log = logging.getLogger(__name__)
 
 
 def open_nixl(transport: str, name: str) -> Any:
-    """The pod's NIXL endpoint, or None for TCP; ConfigError when NIXL was asked for and cannot start."""
-    if transport == "tcp":
+    """The pod's NIXL endpoint when asked for ("nixl"), else None: TCP only; ConfigError when NIXL was
+    asked for and cannot start. "auto" serves TCP: the cluster's own readers (stage workers, the vLLM
+    connector) read over TCP, which also measured at least as fast on loopback (`cacheflow bench storage`);
+    NIXL is for readers that bring an endpoint of their own."""
+    if transport != "nixl":
         return None
     try:
         from cacheflow_common.transport.nixl_plane import NixlPodEndpoint
 
         return NixlPodEndpoint(name)
     except Exception as exc:  # ImportError, or a UCX/NIXL failure to start: both mean "no NIXL here"
-        if transport == "nixl":
-            raise ConfigError(f"NIXL transport requested but unavailable: {exc}") from exc
-        log.warning("NIXL unavailable (%s): serving over TCP", exc)
-        return None
+        raise ConfigError(f"NIXL transport requested but unavailable: {exc}") from exc
 
 
 def serve(config: StorageConfig, *, tls: TLSFiles | None = None, limits: ServerLimits = DEFAULT_LIMITS) -> None:
