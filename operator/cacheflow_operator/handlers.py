@@ -32,6 +32,7 @@ from cacheflow_operator.tls_secret import ensure_tls_secret
 MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
 RETRY_S = 30  # after the API refused a child
 RENEW_CHECK_S = 6 * 3600  # how often the TLS certificate's expiry is looked at
+log = logging.getLogger(__name__)
 
 
 @kopf.on.startup()
@@ -43,6 +44,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = logging.INFO
     memo.kube = Kube.from_environment()
+    memo.stop_renewing = threading.Event()
+    threading.Thread(target=renew_certificates, args=(memo.kube, memo.stop_renewing), name="renew-certificates",
+                     daemon=True).start()
+
+
+@kopf.on.cleanup()
+def stop_renewing(memo: kopf.Memo, **_: Any) -> None:
+    memo.stop_renewing.set()
 
 
 @kopf.on.login()
@@ -108,6 +117,7 @@ def reconcile_cluster(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_
     except ConfigError as exc:
         write_status(kube, ref, failure("InvalidSpec", exc, generation))
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+    _reconciled.add(ref)
     with exclusive(ref):
         try:
             actions = reconcile(kube, cluster)
@@ -120,16 +130,25 @@ def reconcile_cluster(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_
                                                   "observedGeneration": generation})
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RENEW_CHECK_S, initial_delay=RENEW_CHECK_S)
-def renew_certificate(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """The TLS certificate is renewed before it expires, even while nothing else changes."""
-    try:
-        cluster = Cluster.from_resource(dict(body))
-    except ConfigError:
-        return  # the spec handler reports it
-    with exclusive(Ref(API_VERSION, KIND, cluster.namespace, cluster.name)):
-        if done := ensure_tls_secret(memo.kube, cluster):
-            logger.info(done)
+_reconciled: set[Ref] = set()  # the resources this operator has reconciled: their certificates are renewed
+
+
+def renew_certificates(kube: Kube, stop: threading.Event) -> None:
+    """Every `RENEW_CHECK_S`, renew the TLS certificate of each resource reconciled so far that needs it,
+    even while nothing else changes. A thread of the operator's own, not a kopf timer: kopf puts a
+    finalizer on every resource with a timer, and nothing here should hold a deletion up."""
+    while not stop.wait(RENEW_CHECK_S):
+        for ref in list(_reconciled):
+            try:
+                resource = kube.get(ref)
+                if resource is None:
+                    _reconciled.discard(ref)
+                    continue
+                with exclusive(ref):
+                    if done := ensure_tls_secret(kube, Cluster.from_resource(resource)):
+                        log.info("%s: %s", ref, done)
+            except (ConfigError, KubeError) as exc:  # the spec handler reports a bad spec; the API may be away
+                log.warning("%s: certificate not checked: %s", ref, exc)
 
 
 def _owner(body: kopf.Body) -> Ref | None:

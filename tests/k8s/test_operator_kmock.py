@@ -39,6 +39,7 @@ CHILDREN = [("v1", "configmaps", "demo-spec"), ("v1", "services", "demo-storage"
             ("v1", "services", "demo-stage-1"), ("v1", "services", "demo-coordinator"), *WORKLOADS, *POLICIES]
 SECRET = child_path("v1", "secrets", "demo-internal")
 SECRET_KEY = ("v1", "secrets", "demo-internal")
+TLS_SECRET_KEY = ("v1", "secrets", "demo-tls")  # TLS on the internal hops: on by default
 CHILD_KINDS = {plural for _, plural, _ in CHILDREN}
 
 
@@ -126,7 +127,7 @@ async def test_spec_updates_scale_stages_and_storage(kmock, tmp_path, monkeypatc
         stage2 = await api.get(child_path("apps/v1", "deployments", "demo-stage-2"))
         assert stage2 is not None
         args = stage2["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert args[args.index("--next-stage") + 1] == "http://demo-stage-3.ml.svc:7500"
+        assert args[args.index("--next-stage") + 1] == "https://demo-stage-3.ml.svc:7500"  # TLS: on by default
 
         await api.call("PATCH", f"{CR_PATH}/demo", {"metadata": {"generation": 3}, "spec": {"stages": {"count": 1}}})
         await wait_condition(api, "Progressing", "True", generation=3)
@@ -148,9 +149,11 @@ async def test_reconciling_again_changes_nothing(kmock, tmp_path, monkeypatch, c
         for workload in WORKLOADS:
             await api.mark_ready(*workload)
         await wait_condition(api, "Ready", "True")
-        assert [w for w in api.child_writes() if not w.startswith("PATCH")] == [f"POST {child_path('v1', 'secrets')}"]
+        created = [w for w in api.child_writes() if not w.startswith("PATCH")]
+        assert created == [f"POST {child_path('v1', 'secrets')}"] * 2  # the internal and the TLS Secrets
     cr_before = stored_cluster(kmock)
-    children_before = {c: kmock.objects[f"{c[0]}/{c[1]}", NAMESPACE, c[2]].raw for c in [*CHILDREN, SECRET_KEY]}
+    kept = [*CHILDREN, SECRET_KEY, TLS_SECRET_KEY]
+    children_before = {c: kmock.objects[f"{c[0]}/{c[1]}", NAMESPACE, c[2]].raw for c in kept}
     requests_before = len(kmock)
     caplog.clear()
     caplog.set_level(logging.INFO, logger="kopf.objects")
@@ -166,8 +169,7 @@ async def test_reconciling_again_changes_nothing(kmock, tmp_path, monkeypatch, c
         assert sorted(writes_now) == sorted(f"PATCH {child_path(*c)}" for c in CHILDREN), \
             "reconciling an unchanged resource should send one apply per child and nothing else"
         assert stored_cluster(kmock) == cr_before
-        assert {c: kmock.objects[f"{c[0]}/{c[1]}", NAMESPACE, c[2]].raw for c in [*CHILDREN, SECRET_KEY]} == \
-            children_before
+        assert {c: kmock.objects[f"{c[0]}/{c[1]}", NAMESPACE, c[2]].raw for c in kept} == children_before
 
 
 async def test_children_are_applied_server_side(kmock, tmp_path, monkeypatch):
@@ -187,6 +189,12 @@ async def test_children_are_applied_server_side(kmock, tmp_path, monkeypatch):
         assert r.data == wanted[r.url.path], r.url.path
     assert not [r for r in kmock if r.method.value in ("POST", "PUT") and r.resource is not None
                 and r.resource.plural in CHILD_KINDS], "children are created by apply, not POST"
+
+
+def _secret_writes(kmock: Any) -> list[tuple[str, str]]:
+    """(method, the Secret's name) of every write to a Secret, in order."""
+    return [(r.method.value, r.name or (r.data or {}).get("metadata", {}).get("name", "")) for r in kmock
+            if r.method.value != "GET" and r.resource is not None and r.resource.plural == "secrets"]
 
 
 def internal_material(secret: dict[str, Any]) -> dict[str, bytes]:
@@ -214,9 +222,7 @@ async def test_the_internal_secret_is_created_once_and_never_replaced(kmock, tmp
     async with running_operator(kmock, tmp_path, monkeypatch) as api:  # and so does an operator restart
         await api.settled(2.0)
         assert internal_material(await api.get(SECRET) or {}) == material
-    secret_writes = [f"{r.method.value} {r.url.path}" for r in kmock if r.method.value != "GET"
-                     and r.resource is not None and r.resource.plural == "secrets"]
-    assert secret_writes == [f"POST {child_path('v1', 'secrets')}"]
+    assert _secret_writes(kmock) == [("POST", "demo-internal"), ("POST", "demo-tls")]  # each created once
 
 
 async def test_an_existing_internal_secret_is_kept(kmock, tmp_path, monkeypatch):
@@ -228,8 +234,7 @@ async def test_an_existing_internal_secret_is_kept(kmock, tmp_path, monkeypatch)
         await create_and_wait(api)
         await api.settled()
         assert (await api.get(SECRET) or {}).get("data") == mine["data"]
-        assert [r.method.value for r in kmock if r.resource is not None and r.resource.plural == "secrets"
-                and r.method.value != "GET"] == ["POST"]  # the test's own
+        assert _secret_writes(kmock) == [("POST", "demo-internal"), ("POST", "demo-tls")]  # the test's own, and TLS
 
 
 async def test_workers_get_the_internal_secret_not_the_pod_tokens(kmock, tmp_path, monkeypatch):
@@ -241,7 +246,9 @@ async def test_workers_get_the_internal_secret_not_the_pod_tokens(kmock, tmp_pat
         assert [v["secret"] for v in pod["volumes"] if "secret" in v] == [
             {"secretName": "demo-internal", "defaultMode": 0o440,
              "items": [{"key": "internal-token", "path": "internal-token"},
-                       {"key": "grant-verify-key.pem", "path": "grant-verify-key.pem"}]}]
+                       {"key": "grant-verify-key.pem", "path": "grant-verify-key.pem"}]},
+            {"secretName": "demo-tls", "defaultMode": 0o440,  # its certificate: no tenant's token either
+             "items": [{"key": k, "path": k} for k in ("ca.crt", "tls.crt", "tls.key")]}]
         args = pod["containers"][0]["args"]
         assert args[args.index("--host") + 1] == "$(POD_IP)" and "--pod-token-file" not in args
 
