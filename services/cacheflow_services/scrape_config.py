@@ -26,7 +26,8 @@ import yaml
 if TYPE_CHECKING:
     from cacheflow_services.local_cluster import LocalCluster
 
-PORT_NAME = "http"  # the ServiceMonitor's endpoint port (charts/cacheflow/templates/servicemonitor.yaml)
+PORT_NAME = "http"  # the ServiceMonitor's endpoint port (charts/cacheflow/templates/servicemonitor.yaml) ...
+TLS_PORT_NAME = "https"  # ... and the one for the stage workers when they serve TLS
 TARGET_LABELS = ("cacheflow.io/cluster",)  # its targetLabels
 CLUSTER_LABEL = "cacheflow.io/cluster"  # the label every Service of a cluster carries (its name)
 NAMESPACE = "local"  # what `namespace` reads for a local cluster
@@ -54,13 +55,14 @@ class Target:
     pod: str
     container: str
     service_labels: Mapping[str, str] = field(default_factory=dict)
+    endpoint: str = PORT_NAME  # the ServiceMonitor endpoint (port name) it is scraped through: http | https
 
 
-def operator_labels(target: Target, *, namespace: str = NAMESPACE, port_name: str = PORT_NAME,
+def operator_labels(target: Target, *, namespace: str = NAMESPACE,
                     target_labels: Sequence[str] = TARGET_LABELS) -> dict[str, str]:
-    """The labels the Prometheus Operator attaches to `target` for a ServiceMonitor endpoint on `port_name`."""
+    """The labels the Prometheus Operator attaches to `target` (scraped through its endpoint)."""
     labels = {"namespace": namespace, "service": target.service, "pod": target.pod, "container": target.container,
-              "endpoint": port_name, "job": target.service}
+              "endpoint": target.endpoint, "job": target.service}
     for key in target_labels:
         if key in target.service_labels:
             labels[prometheus_label(key)] = target.service_labels[key]
@@ -76,8 +78,8 @@ def local_targets(cluster: LocalCluster, name: str = "local") -> list[Target]:
     labels = {CLUSTER_LABEL: name}
     targets = [Target(_host_port(cluster.coordinator.url), f"{name}-coordinator", f"{name}-coordinator-0",
                       "coordinator", labels)]
-    targets += [Target(_host_port(w.url), f"{name}-stage-{w.stage}", f"{name}-stage-{w.stage}-0", "worker", labels)
-                for w in cluster.workers]
+    targets += [Target(_host_port(w.url), f"{name}-stage-{w.stage}", f"{name}-stage-{w.stage}-0", "worker", labels,
+                       TLS_PORT_NAME if w.tls else PORT_NAME) for w in cluster.workers]
     targets += [Target(f"127.0.0.1:{p.http_port}", f"{name}-storage", f"{name}-storage-{i}", "storage", labels)
                 for i, p in enumerate(cluster.pods)]
     return targets
@@ -86,11 +88,17 @@ def local_targets(cluster: LocalCluster, name: str = "local") -> list[Target]:
 def scrape_config(targets: Sequence[Target], *, interval_s: float = INTERVAL_S, **labelling: Any) -> dict[str, Any]:
     """A prometheus.yml: one job per Service (as the operator makes them), `honor_labels` off."""
     jobs: dict[str, list[dict[str, Any]]] = {}
+    tls = {t.service for t in targets if t.endpoint == TLS_PORT_NAME}
     for t in targets:
         jobs.setdefault(t.service, []).append({"targets": [t.address], "labels": operator_labels(t, **labelling)})
     return {"global": {"scrape_interval": f"{interval_s:g}s", "evaluation_interval": f"{interval_s:g}s"},
             "scrape_configs": [{"job_name": job, "metrics_path": "/metrics", "honor_labels": False,
-                                "static_configs": static} for job, static in jobs.items()]}
+                                **(_HTTPS if job in tls else {}), "static_configs": static}
+                               for job, static in jobs.items()]}
+
+
+# as the chart's ServiceMonitor scrapes TLS workers: /metrics holds no tenant data, the certificate is not checked
+_HTTPS = {"scheme": "https", "tls_config": {"insecure_skip_verify": True}}
 
 
 def write(cluster: LocalCluster, directory: Path, name: str = "local", *, interval_s: float = INTERVAL_S) -> Path:

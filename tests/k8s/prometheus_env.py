@@ -34,17 +34,19 @@ Manifest = dict[str, Any]
 
 @dataclass(frozen=True)
 class Monitoring:
-    """The rendered ServiceMonitor's endpoint port and target labels, and the local processes as targets."""
+    """The rendered ServiceMonitor's target labels, and the local processes as targets (each with the
+    endpoint the ServiceMonitor scrapes its Service through)."""
 
-    port_name: str
     target_labels: tuple[str, ...]
     targets: list[Target]
 
 
-def render_chart(stages: int, pods: int) -> list[Manifest]:
-    """`helm template` with the ServiceMonitor on and a CacheFlowCluster of `stages` stages and `pods` pods."""
+def render_chart(stages: int, pods: int, *, tls: bool) -> list[Manifest]:
+    """`helm template` with the ServiceMonitor on and a CacheFlowCluster of `stages` stages and `pods` pods,
+    with TLS on its internal hops or not."""
     values = {"metrics": {"serviceMonitor": {"enabled": True}},
-              "cluster": {"name": CLUSTER_NAME, "spec": {"stages": {"count": stages}, "storage": {"pods": pods}}}}
+              "cluster": {"name": CLUSTER_NAME, "spec": {"stages": {"count": stages}, "storage": {"pods": pods},
+                                                         "tls": {"enabled": tls}}}}
     with helm.Chart.load(CHART) as chart:
         rendered = chart.render(values, name="cacheflow", namespace=NAMESPACE, is_install=True)
     return [doc for path, text in rendered.items() if path.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc]
@@ -68,21 +70,22 @@ def _container(workload: Manifest, port_name: str) -> str:
 
 def monitoring(local: LocalCluster) -> Monitoring:
     """Every process of `local` as the target the ServiceMonitor makes of the pod it stands for."""
-    rendered = render_chart(len(local.workers), len(local.pods))
+    rendered = render_chart(len(local.workers), len(local.pods), tls=local.workers[0].tls is not None)
     (monitor,) = [o for o in rendered if o["kind"] == "ServiceMonitor"]
     (resource,) = [o for o in rendered if o["kind"] == KIND]
     objs = children(Cluster.from_resource({**resource, "metadata": {**resource["metadata"], "uid": "u"}}))
-    (endpoint,) = monitor["spec"]["endpoints"]
-    port = endpoint["port"]
+    endpoints = {e["port"] for e in monitor["spec"]["endpoints"]}
     services = [s for s in objs if s["kind"] == "Service"
                 and _selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
     targets = []
     for service in services:
         workload, labels = _workload(objs, service), service["metadata"]["labels"]
         name = workload["metadata"]["name"]
+        (port,) = [p["name"] for p in service["spec"]["ports"] if p["name"] in endpoints]  # scraped through
         for address, pod in _local_processes(local, labels, name):
-            targets.append(Target(address, service["metadata"]["name"], pod, _container(workload, port), labels))
-    return Monitoring(port, tuple(monitor["spec"]["targetLabels"]), targets)
+            targets.append(Target(address, service["metadata"]["name"], pod, _container(workload, port), labels,
+                                  port))
+    return Monitoring(tuple(monitor["spec"]["targetLabels"]), targets)
 
 
 def _local_processes(local: LocalCluster, labels: dict[str, str], workload: str) -> list[tuple[str, str]]:

@@ -247,7 +247,7 @@ def test_every_dashboard_query_returns_its_series_from_a_real_prometheus(local, 
     config = scrape_config.write(local, tmp_path, CLUSTER_NAME, interval_s=SCRAPE_S)  # what `cacheflow up` writes
     jobs = yaml.safe_load(config.read_text())["scrape_configs"]
     written = {static["targets"][0]: static["labels"] for job in jobs for static in job["static_configs"]}
-    derived = {t.address: operator_labels(t, namespace=NAMESPACE, port_name=setup.port_name,
+    derived = {t.address: operator_labels(t, namespace=NAMESPACE,
                                           target_labels=setup.target_labels) for t in setup.targets}
     assert written == derived, "`cacheflow up`'s scrape configuration no longer matches the chart and operator"
     assert all(job["honor_labels"] is False for job in jobs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from cacheflow_services.coordinator.metrics import CoordinatorMetrics
-from cacheflow_services.scrape_config import RESERVED, Target, operator_labels
+from cacheflow_services.scrape_config import RESERVED, Target, operator_labels, scrape_config
 from cacheflow_services.storage.metrics import StorageMetrics
 from cacheflow_services.worker.metrics import WorkerMetrics
 
@@ -35,3 +35,12 @@ def test_no_metric_label_is_a_target_label():
 def test_the_reserved_names_are_every_label_a_target_gets():
     labels = operator_labels(Target("127.0.0.1:1", "c-stage-0", "c-stage-0-0", "worker", {"cacheflow.io/cluster": "c"}))
     assert set(labels) | {"instance"} == RESERVED
+
+
+def test_workers_serving_tls_are_scraped_over_it_as_the_chart_scrapes_them():
+    plain = Target("127.0.0.1:1", "c-storage", "c-storage-0", "storage")
+    tls = Target("127.0.0.1:2", "c-stage-0", "c-stage-0-0", "worker", endpoint="https")
+    jobs = {job["job_name"]: job for job in scrape_config([plain, tls])["scrape_configs"]}
+    assert jobs["c-stage-0"]["scheme"] == "https" and jobs["c-stage-0"]["tls_config"] == {"insecure_skip_verify": True}
+    assert "scheme" not in jobs["c-storage"]  # http, Prometheus's default
+    assert jobs["c-stage-0"]["static_configs"][0]["labels"]["endpoint"] == "https"
