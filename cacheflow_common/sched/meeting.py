@@ -8,71 +8,61 @@ and every load the channels would serve before this request's.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
-from cacheflow_common.restore.pointers import Unit
 from cacheflow_common.sched.calibration import Calibration
+from cacheflow_common.sched.exact import seconds
+from cacheflow_common.sched.index import BatchIndex
 from cacheflow_common.sched.loads import InFlightLoad, LoadsInFlight
-from cacheflow_common.sched.plan import NOT_STORED
 from cacheflow_common.sched.ranking import ChannelRanking
-from cacheflow_common.sched.work import RequestWork, StageWork
-
-NEVER = float("inf")  # a unit no channel is loading for its request: it will not arrive on its own
+from cacheflow_common.sched.work import RequestWork
 
 
 class BatchMeetingPoint:
     """Where compute and storage should meet on a request's stage, given everything else in the batch."""
 
     def __init__(self, requests: Mapping[str, RequestWork], loads: LoadsInFlight, calibration: Calibration,
-                 ranking: ChannelRanking) -> None:
+                 ranking: ChannelRanking, index: BatchIndex) -> None:
         self._requests = requests  # the active batch (a live view, in arrival order)
         self._loads = loads
         self._calibration = calibration
         self._ranking = ranking
+        self._index = index
 
     def compute_takes(self, request: RequestWork, stage: int, unit: int, now: float) -> bool:
-        """May compute take `unit`, which storage could still deliver?"""
+        """May compute take `unit`, which storage could still deliver?
+
+        The pending units are split where the restore ends first: compute takes the k lowest, one per
+        step, while each channel holding any of them first loads what it serves before this request (its
+        load in flight, then every request it ranks higher), then this request's units from the top
+        down to the k-th. Compute takes `unit` (the lowest) if some k >= 1 ends sooner than k = 0; where
+        several splits end at once, the lowest wins. A unit between the pointers that is already taken,
+        restored or missed can only be computed after the ones below it: then the split cannot fall at 0.
+        """
         policy = request.policy
         if not policy.computes_pending:
             return False
         if not policy.plans_meeting:
             return True  # Cake: the pointers meet wherever they meet
         work = request.stages[stage]
-        pending = list(work.pointers.pending_span())  # the units between the pointers, `unit` first
-        channels = {work.plan.load_channel[u] for u in pending if work.pointers.states[u] is Unit.PENDING}
-        busy = self._loads.busy_on(channels)
+        span = work.whole_pending_span()  # the units between the pointers, `unit` first, if all are PENDING
+        if span is None:
+            return True
+        channels = work.pending_channels()
+        busy = {c: load for c in channels if (load := self._loads.latest_on(c)) is not None}
         if not busy:
             return True  # no load is in flight on its channels: no event is sure to come, compute goes on
         step_s = self._calibration.step_s(stage) or work.plan.compute_s[unit]
-        load_after, lowest = self._channel_times(request, work, pending, busy, now)
-        return _best_split(load_after, lowest, len(pending), step_s) > 0
+        scale = self._calibration.load_scale
+        end = span.stop
+        ahead = {c: self._ahead_on(c, request, busy.get(c), now) for c in channels}
 
-    def _channel_times(self, request: RequestWork, work: StageWork, pending: list[int],
-                       busy: dict[int, InFlightLoad], now: float) -> tuple[list[list[float]], int]:
-        """Per channel holding any of `pending` (lowest first): seconds until its loads of the units from
-        the k-th on are done, for every k; and the lowest split every unit allows (a unit no channel holds
-        stays on the compute side, and so does every unit below it).
+        def loaded_by(k: int) -> float:
+            """When every channel is done loading the pending units from the k-th on (0.0 if none holds any)."""
+            return max((seconds(work.load_between(c, span.start + k, end)) * scale + ahead[c] for c in channels),
+                       default=0.0)
 
-        A channel gets to this request's units once it has loaded what is in flight on it and the pending
-        units of every request it ranks higher; then it loads this request's units from the top down.
-        """
-        position = {u: i for i, u in enumerate(pending)}
-        load_after: list[list[float]] = []
-        on_channels: set[int] = set()
-        for channel in {work.plan.load_channel[u] for u in pending} - {NOT_STORED}:
-            mine = [0.0] * (len(pending) + 1)
-            for u in work.pending_on_channel(channel):
-                on_channels.add(u)
-                mine[position[u]] += self._calibration.load_s(work, u)
-            for k in reversed(range(len(pending))):
-                mine[k] += mine[k + 1]
-            ahead = self._ahead_on(channel, request, busy.get(channel), now)
-            load_after.append([t + ahead for t in mine])
-        lowest = 0
-        for i, u in enumerate(pending):
-            if u not in on_channels:
-                lowest = i + 1
-        return load_after, lowest
+        return _compute_takes_some(len(span), step_s, loaded_by)
 
     def _ahead_on(self, channel: int, request: RequestWork, in_flight: InFlightLoad | None, now: float) -> float:
         """Seconds before `channel` can load for `request`: its load in flight, then every request it
@@ -81,11 +71,7 @@ class BatchMeetingPoint:
         if request.policy.ranks_units:
             return ahead + self._units_ahead(channel, request, now)
         rank = request.policy.load_rank(request, now)
-        for other in self._rivals(request, channel):
-            if other.policy.load_rank(other, now) > rank:
-                ahead += sum(self._calibration.load_s(w, u)
-                             for w in other.stages for u in w.pending_on_channel(channel))
-        return ahead
+        return ahead + seconds(self._index.load_above(rank, channel)) * self._calibration.load_scale
 
     def _units_ahead(self, channel: int, request: RequestWork, now: float) -> float:
         """Load seconds `channel` spends on other requests' units before this request's I/O pointer: every
@@ -108,12 +94,17 @@ class BatchMeetingPoint:
         return (other for other in self._requests.values() if other is not request and other.loads_from(channel))
 
 
-def _best_split(load_after: list[list[float]], lowest: int, n_pending: int, step_s: float) -> int:
-    """How many pending units (lowest first) compute should take: the split that ends the restore first,
-    compute taking one unit per `step_s` and each channel done at `load_after[channel][split]`."""
-    best_k, best_t = n_pending, NEVER
-    for k in range(lowest, n_pending + 1):
-        t = max(k * step_s, max((channel_s[k] for channel_s in load_after), default=0.0))
-        if t < best_t:
-            best_k, best_t = k, t
-    return best_k
+def _compute_takes_some(n_pending: int, step_s: float, loaded_by: Callable[[int], float]) -> bool:
+    """Whether the split of `n_pending` units that ends the restore first gives compute at least one: with
+    compute taking the k lowest, one per `step_s`, the restore ends at max(k * step_s, loaded_by(k)).
+
+    Compute's end rises with k and the channels' end falls (costs are never negative), so some k >= 1 ends
+    strictly sooner than k = 0 exactly when the largest k whose compute ends before k = 0's end does.
+    """
+    at_zero = max(0.0, loaded_by(0))
+    k = n_pending if step_s <= 0 else min(n_pending, int(at_zero / step_s))
+    while k > 0 and k * step_s >= at_zero:  # the division may round either way: settle on the exact product
+        k -= 1
+    while k < n_pending and (k + 1) * step_s < at_zero:
+        k += 1
+    return k > 0 and loaded_by(k) < at_zero
