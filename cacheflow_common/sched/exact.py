@@ -1,8 +1,9 @@
-"""Exact running sums of predicted seconds, so the scheduler's aggregates never drift.
+"""Exact arithmetic on predicted seconds, so the scheduler's aggregates never drift and its comparisons
+never depend on the order a sum was taken in.
 
 A float is an integer number of 2**-1074 seconds (the smallest subnormal), so a sum kept as that integer
 is exact: adding and removing units in any order gives the same total as summing the units left from
-scratch, and the total becomes a float by one correctly rounded division.
+scratch. A product with a float factor (`ratio`) stays an integer, in units 2**shift times finer.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ def exact(seconds: float) -> int:
     return numerator * (EXACT_ONE // denominator)
 
 
-def seconds(total: int) -> float:
-    """An exact total back in seconds (the nearest float)."""
-    return total / EXACT_ONE
+def ratio(x: float) -> tuple[int, int]:
+    """(numerator, shift) with `x == numerator / 2**shift`, exactly."""
+    numerator, denominator = x.as_integer_ratio()
+    return numerator, denominator.bit_length() - 1
+

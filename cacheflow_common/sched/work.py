@@ -28,13 +28,16 @@ class StageWork:
         self._load = tuple(exact(s) for s in plan.load_s)  # each unit's predicted load seconds, exact
         self._by_channel: dict[int, list[int]] = {}  # channel -> the units it holds, highest first
         self._cursor: dict[int, int] = {}  # channel -> index in _by_channel of its highest PENDING unit
+        self._pending_here: Counter[int] = Counter()  # channel -> PENDING units of this stage
         self._lowest = 0  # no unit below this one is PENDING (units never return to PENDING)
+        self._highest = plan.n_units - 1  # nor above this one
         for unit in reversed(range(plan.n_units)):
             channel = plan.load_channel[unit]
             if channel == NOT_STORED:
                 self.pointers.missed(unit)
             else:
                 self._by_channel.setdefault(channel, []).append(unit)
+                self._pending_here[channel] += 1
                 pending_on[channel] += 1
                 pending_load[channel] += self._load[unit]
         # channel -> exact load seconds of the units it holds below each unit (plan order; n_units + 1 entries)
@@ -56,19 +59,24 @@ class StageWork:
 
     def pending_channels(self) -> list[int]:
         """The channels holding a PENDING unit of this stage."""
-        return [channel for channel in self._by_channel if self.highest_pending_on(channel) is not None]
+        return [channel for channel, n in self._pending_here.items() if n > 0]
 
     def whole_pending_span(self) -> range | None:
         """The units from the lowest PENDING one to the highest, if every one of them is PENDING; else None
         (no unit is PENDING, or one between them is taken, restored or missed)."""
-        states = self.pointers.states
-        while self._lowest < len(states) and states[self._lowest] is not Unit.PENDING:
-            self._lowest += 1
         count = self.pointers.count(Unit.PENDING)
         if not count:
             return None
-        highest = max(u for channel in self._by_channel if (u := self.highest_pending_on(channel)) is not None)
-        return range(self._lowest, highest + 1) if highest - self._lowest + 1 == count else None
+        states = self.pointers.states
+        while states[self._lowest] is not Unit.PENDING:
+            self._lowest += 1
+        while states[self._highest] is not Unit.PENDING:
+            self._highest -= 1
+        return range(self._lowest, self._highest + 1) if self._highest - self._lowest + 1 == count else None
+
+    def exact_load(self, unit: int) -> int:
+        """The unit's predicted load seconds, exact (`exact`)."""
+        return self._load[unit]
 
     def load_between(self, channel: int, start: int, end: int) -> int:
         """Exact predicted load seconds of the units in [start, end) that `channel` holds, whatever their state."""
@@ -95,6 +103,7 @@ class StageWork:
             state = self.pointers.states[unit]
             if state is Unit.PENDING:
                 self.pointers.missed(unit)
+                self._pending_here[channel] -= 1
                 self._pending_on[channel] -= 1
                 self._pending_load[channel] -= self._load[unit]
             elif state is Unit.LOADING:
@@ -105,6 +114,7 @@ class StageWork:
             self.open_s -= self.plan.compute_s[unit]
         if was is Unit.PENDING:
             channel = self.plan.load_channel[unit]
+            self._pending_here[channel] -= 1
             self._pending_on[channel] -= 1
             self._pending_load[channel] -= self._load[unit]
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cacheflow_common.restore.pointers import Unit
-from cacheflow_common.sched import POLICIES, BatchScheduler, index
+from cacheflow_common.sched import POLICIES, BatchScheduler, rank_order
 from cacheflow_common.sched.exact import exact
 from cacheflow_common.sched.index import BatchIndex
 from cacheflow_common.sched.work import RequestWork, StageWork
@@ -49,12 +49,14 @@ def _check_request(request: RequestWork, rng: random.Random) -> None:
 def _check_index(batch: BatchIndex, active: list[RequestWork], now: float, channels: range) -> None:
     loading = [r for r in active if r.policy.loads]
     by_request = sorted((r.policy.load_rank(r, now), r.order, r) for r in loading if not r.policy.ranks_units)
-    assert [(rank, r) for rank, _, r in by_request] == list(batch.ranks.requests())
-    for block in batch.ranks._blocks:  # each block's totals are its requests' sums
-        assert +block.units == +sum((r.pending_on for r in block.requests), Counter())
-        assert +block.load == +sum((r.pending_load for r in block.requests), Counter())
+    for rank, _, request in by_request:
+        assert batch.ranks.filed(request) == (rank, {c: request.pending_load[c] for c in request.pending_on
+                                                     if request.pending_on[c] > 0})
     for channel in channels:
-        holders = [(rank, r) for rank, _, r in by_request if r.pending_on[channel] > 0]
+        holders = [(rank, r, r.pending_load[channel]) for rank, _, r in by_request if r.pending_on[channel] > 0]
+        order = batch.ranks.orders().get(channel)
+        assert (list(order.entries()) if order else []) == holders
+        assert all(kept == summed for kept, summed in (order.block_totals() if order else []))
         assert batch.ranks.top(channel) is (holders[-1][1] if holders else None)
         for request in loading:
             rank = request.policy.load_rank(request, now)
@@ -85,14 +87,14 @@ def _check(scheduler: BatchScheduler, now: float, n_channels: int, rng: random.R
     n_requests=st.integers(1, 80),
     n_stages=st.integers(1, 3),
     n_channels=st.integers(1, 3),
-    block=st.sampled_from((1, 2, index.BLOCK)),  # small blocks: a rank order of a few requests spans many
+    block=st.sampled_from((1, 2, rank_order.BLOCK)),  # small blocks: a rank order of a few requests spans many
     seed=st.integers(0, 2**32 - 1),
 )
 def test_incremental_state_equals_a_recount_after_random_events(policy, mixed, costs, n_requests, n_stages,
                                                                  n_channels, block, seed):
     rng = random.Random(seed)
     plans = random_plans(rng, n_requests, n_stages, n_channels, costs)
-    with mock.patch.object(index, "BLOCK", block):
+    with mock.patch.object(rank_order, "BLOCK", block):
         driver = Lockstep(policy, n_stages, n_channels, plans, rng, costs=costs, mixed=mixed)
         for step in range(100_000):
             if not driver.random_step() and driver.quiescent():

@@ -10,7 +10,7 @@ from unittest import mock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cacheflow_common.sched import POLICIES, index
+from cacheflow_common.sched import POLICIES, rank_order
 from tests.common.sched_lockstep import COSTS, Lockstep, random_plans
 
 
@@ -43,8 +43,8 @@ def test_long_batches_decide_as_the_oracle():
     benchmarks time."""
     for policy in ("cacheflow", "cacheflow-srpt", "cake"):
         for costs in COSTS:
-            for block in (2, index.BLOCK):
+            for block in (2, rank_order.BLOCK):
                 rng = random.Random(f"{policy}/{costs}")
                 plans = random_plans(rng, 150, 1, 2, costs)
-                with mock.patch.object(index, "BLOCK", block):
+                with mock.patch.object(rank_order, "BLOCK", block):
                     Lockstep(policy, 1, 2, plans, rng, costs=costs, mixed=False).run(max_steps=200_000)
