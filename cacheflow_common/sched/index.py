@@ -37,13 +37,18 @@ class BatchIndex:
         self.unit_ranked: dict[RequestWork, None] = {}  # loading requests a channel ranks by unit, in arrival order
         self._unit_sizes: Counter[int] = Counter()  # each request's fewest tokens in a unit, counted
         self._smallest: int | None = None  # their least (None: to recount)
+        self._kept: dict[RequestWork, tuple[bool, bool]] = {}  # request -> in the rank order, in the few's order
 
     def add(self, request: RequestWork) -> None:
         """A request arrived."""
         policy = request.policy
+        ranked = policy.loads and not policy.ranks_units
+        self._kept[request] = (ranked, policy.advances_few)
         (self._few_arrived if policy.advances_few else self._every)[request] = None
         if policy.loads and policy.ranks_units:
             self.unit_ranked[request] = None
+        if ranked and policy.rank_moves_with_time:
+            self._moving[request] = None
         self._unit_sizes[request.smallest_unit] += 1
         self._smallest = None
         self.refresh(request)
@@ -53,6 +58,7 @@ class BatchIndex:
         if request in self._few_arrived:
             del self._few_arrived[request]
             self._unfile_fewest(request)
+        del self._kept[request]
         self._every.pop(request, None)
         self.unit_ranked.pop(request, None)
         self.ranks.drop(request)
@@ -64,12 +70,10 @@ class BatchIndex:
 
     def refresh(self, request: RequestWork) -> None:
         """`request`'s units changed state: refile it where its remaining work or PENDING units count."""
-        policy = request.policy
-        if policy.loads and not policy.ranks_units:
-            self.ranks.file(request, policy.load_rank(request, self._ranked_at))
-            if policy.rank_moves_with_time:
-                self._moving[request] = None
-        if policy.advances_few:
+        ranked, few = self._kept[request]
+        if ranked:
+            self.ranks.file(request, request.policy.load_rank(request, self._ranked_at))
+        if few:
             self._unfile_fewest(request)
             key = self._fewest_key[request] = (request.remaining_s, request.order)
             i = bisect_left(self._fewest, key)
@@ -85,9 +89,11 @@ class BatchIndex:
 
     def load_above(self, rank: Rank, channel: int) -> int:
         """Exact load seconds of the PENDING units on `channel` of every loading request ranked above `rank`."""
-        unit_ranked = sum(r.pending_load[channel] for r in self.unit_ranked
-                          if r.pending_on[channel] > 0 and r.policy.load_rank(r, self._ranked_at) > rank)
-        return self.ranks.load_above(rank, channel) + unit_ranked
+        above = self.ranks.load_above(rank, channel)
+        if self.unit_ranked:
+            above += sum(r.pending_load[channel] for r in self.unit_ranked
+                         if r.pending_on[channel] > 0 and r.policy.load_rank(r, self._ranked_at) > rank)
+        return above
 
     def fewest_first(self) -> list[RequestWork]:
         """The advance-few requests, least remaining recomputation first (ties: arrival order); a live view."""

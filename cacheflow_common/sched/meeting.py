@@ -29,7 +29,6 @@ class BatchMeetingPoint:
         self._calibration = calibration
         self._ranking = ranking
         self._index = index
-        self._exact: dict[float, int] = {}  # a decision's clock readings and step times, made exact once
 
     def compute_takes(self, request: RequestWork, stage: int, unit: int, now: float) -> bool:
         """May compute take `unit`, which storage could still deliver?
@@ -57,27 +56,27 @@ class BatchMeetingPoint:
         if not busy:
             return True  # no load is in flight on its channels: no event is sure to come, compute goes on
         scale, shift = ratio(self._calibration.load_scale)  # seconds below are exact, times 2**shift
-        step = self._exactly(self._calibration.step_s(stage) or work.plan.compute_s[unit]) << shift
+        step = exact(self._calibration.step_s(stage) or work.plan.compute_s[unit]) << shift
         rank = None if policy.ranks_units else policy.load_rank(request, now)
-        ahead = {c: self._ahead_on(c, request, rank, busy.get(c), now, scale, shift) for c in channels}
-        end = span.stop
+        clock = exact(now)
+        ahead = [(c, self._ahead_on(c, request, rank, busy.get(c), clock, now, scale, shift)) for c in channels]
+        start, end = span.start, span.stop
 
         def loaded_by(k: int) -> int:
             """When every channel is done loading the pending units from the k-th on."""
-            return max(work.load_between(c, span.start + k, end) * scale + ahead[c] for c in channels)
+            return max(work.load_between(c, start + k, end) * scale + before for c, before in ahead)
 
         return _compute_takes_some(len(span), step, loaded_by)
 
     def _ahead_on(self, channel: int, request: RequestWork, rank: Rank | None, in_flight: InFlightLoad | None,
-                  now: float, scale: int, shift: int) -> int:
+                  clock: int, now: float, scale: int, shift: int) -> int:
         """Exact seconds (times 2**shift) before `channel` can load for `request`: its load in flight, then
         every request it ranks higher than `rank` (the whole batch's claim on the channel, at the current
         ranking; None: a unit-ranking policy's, unit by unit); predicted loads count `scale / 2**shift`
-        times their plan's seconds."""
+        times their plan's seconds. `clock` is `now`, exact."""
         ahead = 0
         if in_flight is not None:
-            ends = self._exactly(in_flight.started_s) + self._exactly(in_flight.predicted_s)
-            ahead = max(0, ends - self._exactly(now)) << shift
+            ahead = max(0, exact(in_flight.started_s) + exact(in_flight.predicted_s) - clock) << shift
         load = self._units_ahead(channel, request, now) if rank is None else self._index.load_above(rank, channel)
         return ahead + load * scale
 
@@ -96,15 +95,6 @@ class BatchMeetingPoint:
                     if other.policy.unit_rank(other, work.plan.compute_s[u], load_s, now) > mine:
                         ahead += work.exact_load(u)
         return ahead
-
-    def _exactly(self, seconds: float) -> int:
-        """`exact(seconds)`, remembered: one decision asks it of the same few numbers for every request."""
-        value = self._exact.get(seconds)
-        if value is None:
-            if len(self._exact) > 64:
-                self._exact.clear()
-            value = self._exact[seconds] = exact(seconds)
-        return value
 
     def _rivals(self, request: RequestWork, channel: int) -> Iterator[RequestWork]:
         """The other requests of the batch `channel` could serve instead, in arrival order."""

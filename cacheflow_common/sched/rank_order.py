@@ -111,22 +111,27 @@ class RankOrder:
 
     def file(self, request: RequestWork, rank: Rank) -> None:
         """(Re)file `request` at `rank` on every channel holding a PENDING unit of it, with its load there."""
-        loads = {c: request.pending_load[c] for c, n in request.pending_on.items() if n > 0}
         before = self._filed.get(request)
-        self._filed[request] = (rank, loads)
         if before is not None and before[0] == rank:  # its rank stayed: update its loads in place
-            for channel, load in before[1].items():
-                if channel not in loads:
+            loads = before[1]
+            for channel, n in request.pending_on.items():  # every channel it ever held a unit on
+                filed = loads.get(channel)
+                if n > 0:
+                    load = request.pending_load[channel]
+                    if filed is None:
+                        self._order(channel).insert(rank, request, load)
+                    elif filed != load:
+                        self._orders[channel].set_load(rank, load)
+                    loads[channel] = load
+                elif filed is not None:
                     self._orders[channel].remove(rank)
-                elif loads[channel] != load:
-                    self._orders[channel].set_load(rank, loads[channel])
-            for channel, load in loads.items():
-                if channel not in before[1]:
-                    self._order(channel).insert(rank, request, load)
+                    del loads[channel]
             return
         if before is not None:
             for channel in before[1]:
                 self._orders[channel].remove(before[0])
+        loads = {c: request.pending_load[c] for c, n in request.pending_on.items() if n > 0}
+        self._filed[request] = (rank, loads)
         for channel, load in loads.items():
             self._order(channel).insert(rank, request, load)
 

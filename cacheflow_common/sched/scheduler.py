@@ -39,6 +39,9 @@ The parts, each in its own module: `records` (who is active, finished, failed; l
 `events` (applying what the caller reports) are the bases of `BatchScheduler`, which makes the
 decisions; `meeting` holds the meeting point rule, `ranking` the channels' choice, `calibration` what
 measured loads and steps teach the predictions, `loads` the loads in flight, `tasks` what is handed out.
+A decision costs what the requests it decides about cost, not a pass over the batch: `work` keeps each
+request's aggregates and `index` (with `rank_order`) the batch's orders up to date at every event, in
+exact sums of seconds (`exact`).
 """
 
 from __future__ import annotations
@@ -79,10 +82,12 @@ class BatchScheduler(SchedulerEvents):
         if stage in self._lost_stages:
             return []
         self._index.sync(now)
-        chosen = sorted(self._chosen_few(stage, now, ready), key=_arrival)
+        able: dict[RequestWork, bool] = {}  # the few asked before anything was claimed, and the answers
+        chosen = sorted(self._chosen_few(stage, now, ready, able), key=_arrival)
         batch: list[ComputeTask] = []
         tokens = 0
-        for request in heapq.merge(self._index.every_by_arrival(), chosen, key=_arrival):
+        every = self._index.every_by_arrival()
+        for request in heapq.merge(every, chosen, key=_arrival) if chosen else every:
             if batch and max_tokens is not None and max_tokens - tokens < self._index.smallest_unit():
                 break
             unit = _next_unit(request, stage)
@@ -92,7 +97,8 @@ class BatchScheduler(SchedulerEvents):
             size = work.plan.tokens[unit]
             if batch and max_tokens is not None and tokens + size > max_tokens:
                 continue
-            if not self._may_compute(request, stage, unit, now, ready):
+            if not (able[request] if not batch and request in able  # nothing claimed since it was asked
+                    else self._may_compute(request, stage, unit, now, ready)):
                 continue
             work.claim_compute(unit)
             self._index.refresh(request)
@@ -116,12 +122,13 @@ class BatchScheduler(SchedulerEvents):
         self._loads.start(task, InFlightLoad(channel, now, self._calibration.load_s(work, unit)))
         return task
 
-    def _chosen_few(self, stage: int, now: float, ready: Ready | None) -> set[RequestWork]:
+    def _chosen_few(self, stage: int, now: float, ready: Ready | None, able: dict[RequestWork, bool]
+                    ) -> set[RequestWork]:
         """Of the requests whose policy advances few, those this step advances on `stage`: among the ones
         with a unit to compute now, those with the least remaining recomputation (all that tie: equal
         prefixes) and the oldest. Walks them by remaining recomputation up to the first able to compute
-        and its ties, and by arrival up to the first able."""
-        able: dict[RequestWork, bool] = {}  # asked once each: nothing changes until the batch claims
+        and its ties, and by arrival up to the first able; `able` gets every answer (each asked once:
+        nothing changes until the batch claims)."""
 
         def can(request: RequestWork) -> bool:
             if request not in able:

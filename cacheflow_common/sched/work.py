@@ -6,6 +6,7 @@ highest PENDING unit per channel and the lowest PENDING unit.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 
 from cacheflow_common.restore.pointers import OPEN, TwoPointers, Unit
@@ -26,23 +27,23 @@ class StageWork:
         self._pending_on = pending_on
         self._pending_load = pending_load
         self._load = tuple(exact(s) for s in plan.load_s)  # each unit's predicted load seconds, exact
-        self._by_channel: dict[int, list[int]] = {}  # channel -> the units it holds, highest first
-        self._cursor: dict[int, int] = {}  # channel -> index in _by_channel of its highest PENDING unit
+        self._held: dict[int, list[int]] = {}  # channel -> the units it holds, lowest first
+        self._held_load: dict[int, list[int]] = {}  # channel -> exact load of its lowest i units, for every i
         self._pending_here: Counter[int] = Counter()  # channel -> PENDING units of this stage
-        self._lowest = 0  # no unit below this one is PENDING (units never return to PENDING)
-        self._highest = plan.n_units - 1  # nor above this one
-        for unit in reversed(range(plan.n_units)):
-            channel = plan.load_channel[unit]
+        for unit, channel in enumerate(plan.load_channel):
             if channel == NOT_STORED:
                 self.pointers.missed(unit)
-            else:
-                self._by_channel.setdefault(channel, []).append(unit)
-                self._pending_here[channel] += 1
-                pending_on[channel] += 1
-                pending_load[channel] += self._load[unit]
-        # channel -> exact load seconds of the units it holds below each unit (plan order; n_units + 1 entries)
-        self._load_below = {channel: _loads_below(self._load, plan.load_channel, channel)
-                            for channel in self._by_channel}
+                continue
+            self._held.setdefault(channel, []).append(unit)
+            below = self._held_load.setdefault(channel, [0])
+            below.append(below[-1] + self._load[unit])
+            self._pending_here[channel] += 1
+            pending_on[channel] += 1
+            pending_load[channel] += self._load[unit]
+        self._by_channel = {channel: units[::-1] for channel, units in self._held.items()}  # highest first
+        self._cursor: dict[int, int] = {}  # channel -> index in _by_channel of its highest PENDING unit
+        self._lowest = 0  # no unit below this one is PENDING (units never return to PENDING)
+        self._highest = plan.n_units - 1  # nor above this one
 
     def pending_on_channel(self, channel: int) -> list[int]:
         """The units `channel` could still load for this stage, highest first (the order it loads them)."""
@@ -80,8 +81,8 @@ class StageWork:
 
     def load_between(self, channel: int, start: int, end: int) -> int:
         """Exact predicted load seconds of the units in [start, end) that `channel` holds, whatever their state."""
-        below = self._load_below[channel]
-        return below[end] - below[start]
+        held, below = self._held[channel], self._held_load[channel]
+        return below[bisect_left(held, end)] - below[bisect_left(held, start)]
 
     def claim_compute(self, unit: int) -> None:
         was = self.pointers.states[unit]
@@ -98,7 +99,8 @@ class StageWork:
 
     def lose_channel(self, channel: int) -> None:
         """Storage behind `channel` is gone: its pending and in-flight units become compute work."""
-        self._load_below.pop(channel, None)
+        self._held.pop(channel, None)
+        self._held_load.pop(channel, None)
         for unit in self._by_channel.pop(channel, []):
             state = self.pointers.states[unit]
             if state is Unit.PENDING:
@@ -117,14 +119,6 @@ class StageWork:
             self._pending_here[channel] -= 1
             self._pending_on[channel] -= 1
             self._pending_load[channel] -= self._load[unit]
-
-
-def _loads_below(loads: tuple[int, ...], channels: tuple[int, ...], channel: int) -> list[int]:
-    """Running totals of `loads` over the units `channel` holds: entry u is the sum below unit u."""
-    below = [0]
-    for load, held_by in zip(loads, channels, strict=True):
-        below.append(below[-1] + load if held_by == channel else below[-1])
-    return below
 
 
 class RequestWork:
