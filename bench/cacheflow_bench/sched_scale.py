@@ -5,8 +5,8 @@ decisions stay the same, and what the scheduler costs the simulator and the engi
     cacheflow bench sched-scale --quick                 # a smoke run (a minute), into bench/results/tmp
     cacheflow bench sched-scale --baseline before.json  # also side by side with a run of other code
 
-1. Decision cost: the wall time of each compute pick (`next_compute_batch`) and channel pick
-   (`next_load`) of one stage's scheduler at 1 to 1,024 concurrent restores of 16 and 64 units, for
+1. Decision cost: the wall time (and the CPU time) of each compute pick (`next_compute_batch`) and
+   channel pick (`next_load`) of one stage's scheduler at 1 to 1,024 concurrent restores of 16 and 64 units, for
    `cacheflow`, `cacheflow-srpt` and `cake`, in a closed loop with GPU-like unit costs
    (`sched_scale_drive`): median, P99 and worst per cell, and the exponent k of cost ~ n^k fitted to the
    median compute pick over 8 to 1,024 restores.
@@ -93,7 +93,8 @@ def cell(policy: str, restores: int, units: int, picks: int, budget_s: float, ch
                            "compute_picks": len(run.compute_ns), "channel_picks": len(run.channel_ns),
                            "finished": run.finished, "stopped_by_budget": run.stopped_by_budget,
                            "digests": {str(k): v for k, v in run.digests.items()}}
-    for name, samples in (("compute", run.compute_ns), ("channel", run.channel_ns)):
+    for name, samples in (("compute", run.compute_ns), ("channel", run.channel_ns),
+                          ("compute_cpu", run.compute_cpu_ns), ("channel_cpu", run.channel_cpu_ns)):
         row[f"{name}_ms"] = {"median": percentile(samples, 0.5), "p99": percentile(samples, 0.99),
                              "worst": max(samples) / 1e6}
     return row

@@ -70,6 +70,9 @@ class Run:
 
     compute_ns: list[int] = field(default_factory=list)  # next_compute_batch, one per compute pick
     channel_ns: list[int] = field(default_factory=list)  # next_load, one per channel pick
+    # the same decisions' CPU time (this thread's): what the machine's other jobs cannot add to
+    compute_cpu_ns: list[int] = field(default_factory=list)
+    channel_cpu_ns: list[int] = field(default_factory=list)
     finished: int = 0  # restores completed
     digests: dict[int, str] = field(default_factory=dict)  # compute picks made -> digest of every decision so far
     stopped_by_budget: bool = False  # the wall-time budget ended the run before `picks` compute picks
@@ -126,9 +129,10 @@ def drive(policy: str, restores: int, units: int, *, picks: int, budget_s: float
             run.stopped_by_budget = True
             break
         if not stage_busy:
-            started = time.perf_counter_ns()
+            cpu, started = time.thread_time_ns(), time.perf_counter_ns()
             batch = sched.next_compute_batch(0, STEP_TOKENS, now=now)
             run.compute_ns.append(time.perf_counter_ns() - started)
+            run.compute_cpu_ns.append(time.thread_time_ns() - cpu)
             digest.add(f"c{now!r}:{','.join(f'{t.request_id}/{t.unit}' for t in batch)};")
             digest.compute_pick()
             if batch:
@@ -138,9 +142,10 @@ def drive(policy: str, restores: int, units: int, *, picks: int, budget_s: float
                 sequence += 1
         for channel in range(N_CHANNELS):
             if loading[channel] is None:
-                started = time.perf_counter_ns()
+                cpu, started = time.thread_time_ns(), time.perf_counter_ns()
                 task = sched.next_load(channel, now)
                 run.channel_ns.append(time.perf_counter_ns() - started)
+                run.channel_cpu_ns.append(time.thread_time_ns() - cpu)
                 digest.add(f"l{channel}:{task};")
                 if task is not None:
                     loading[channel] = task
