@@ -43,6 +43,7 @@ class SchedulerEvents(RequestRecords):
         for channel in self._lost_channels:
             for stage in request.stages:
                 stage.lose_channel(channel)
+        self._index.add(request)
         lost = sorted(s for s in self._lost_stages if plan.stages[s].n_units)
         if lost:
             self._fail(request, f"stage {lost[0]} lost")
@@ -72,7 +73,9 @@ class SchedulerEvents(RequestRecords):
         """The load failed (absent, corrupt, unreachable): the unit goes back to compute."""
         if self._loads.end(LoadTask(request_id, stage, unit)) is None:
             return False
-        self._active[request_id].stages[stage].load_missed(unit)
+        request = self._active[request_id]
+        request.stages[stage].load_missed(unit)
+        self._index.refresh(request)
         self.misses[reason] += 1
         return True
 
@@ -87,6 +90,7 @@ class SchedulerEvents(RequestRecords):
         for request in self._active.values():
             for stage in request.stages:
                 stage.lose_channel(channel)
+            self._index.refresh(request)
 
     def stage_lost(self, stage: int) -> None:
         """A stage's worker is gone: every request with units on it fails (later events for it are stale)."""

@@ -117,6 +117,11 @@ class Policy:
         return self.ranking == "saving"
 
     @property
+    def rank_moves_with_time(self) -> bool:
+        """`load_rank` changes as the clock runs, not only when the request's units change state."""
+        return self.ranking == "response-ratio"
+
+    @property
     def plans_meeting(self) -> bool:
         """The meeting point is planned from predicted costs (needs a profile); else found greedily."""
         return self.planner == "planned"

@@ -6,9 +6,8 @@ long before a channel gets to it), so both rank with one rule.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from cacheflow_common.sched.calibration import Calibration
+from cacheflow_common.sched.index import BatchIndex
 from cacheflow_common.sched.work import RequestWork
 
 Rank = tuple[float, ...]
@@ -17,14 +16,21 @@ Rank = tuple[float, ...]
 class ChannelRanking:
     """Ranks the requests (or their I/O-pointer units) a channel could load, by each request's policy."""
 
-    def __init__(self, calibration: Calibration) -> None:
+    def __init__(self, calibration: Calibration, index: BatchIndex) -> None:
         self._calibration = calibration
+        self._index = index
 
-    def best(self, requests: Iterable[RequestWork], channel: int, now: float) -> tuple[RequestWork, int, int] | None:
-        """(request, stage, unit) `channel` should load next: the top-ranked request's choice (the first
-        of equals); None if no request has a unit pending on it."""
+    def best(self, channel: int, now: float) -> tuple[RequestWork, int, int] | None:
+        """(request, stage, unit) `channel` should load next: the top-ranked request's choice; None if no
+        request has a unit pending on it. The top of the rank order is its top request-ranked candidate
+        (its rank is its policy's `load_rank`); a unit-ranking policy's requests rank by their best unit
+        here, so each of them is asked. Two requests never rank equal: every rank ends in arrival order."""
         best: tuple[Rank, RequestWork, int, int] | None = None
-        for request in requests:
+        top = self._index.ranks.top(channel)
+        if top is not None:
+            stage, unit, rank = self.choice(top, channel, now)
+            best = (rank, top, stage, unit)
+        for request in self._index.unit_ranked:
             if not request.loads_from(channel):
                 continue
             stage, unit, rank = self.choice(request, channel, now)

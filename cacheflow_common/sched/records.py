@@ -1,5 +1,6 @@
-"""The scheduler's records of its batch: which requests are being restored, which finished (in order)
-and which failed (and why), and the loads in flight; and what the caller reads of them.
+"""The scheduler's records of its batch: which requests are being restored (also in the orders the
+decisions walk them: `index`), which finished (in order) and which failed (and why), and the loads in
+flight; and what the caller reads of them.
 
 A base of `BatchScheduler`, so callers read these from the scheduler itself.
 """
@@ -7,6 +8,7 @@ A base of `BatchScheduler`, so callers read these from the scheduler itself.
 from __future__ import annotations
 
 from cacheflow_common.restore.pointers import InvalidTransitionError, Unit
+from cacheflow_common.sched.index import BatchIndex
 from cacheflow_common.sched.loads import LoadsInFlight
 from cacheflow_common.sched.work import RequestWork
 
@@ -16,6 +18,7 @@ class RequestRecords:
 
     def __init__(self) -> None:
         self._active: dict[str, RequestWork] = {}  # in arrival order
+        self._index = BatchIndex()  # the active requests again, in the orders decisions walk them
         self._loads = LoadsInFlight()
         self._finished: dict[str, None] = {}  # in the order they finished
         self._failed: dict[str, str] = {}  # request -> why
@@ -55,9 +58,11 @@ class RequestRecords:
     def _finish_if_complete(self, request: RequestWork) -> None:
         if request.complete():
             del self._active[request.request_id]
+            self._index.remove(request)
             self._finished[request.request_id] = None
 
     def _fail(self, request: RequestWork, reason: str) -> None:
         del self._active[request.request_id]
+        self._index.remove(request)
         self._failed[request.request_id] = reason
         self._loads.drop_request(request.request_id)

@@ -39,23 +39,27 @@ The parts, each in its own module: `records` (who is active, finished, failed; l
 `events` (applying what the caller reports) are the bases of `BatchScheduler`, which makes the
 decisions; `meeting` holds the meeting point rule, `ranking` the channels' choice, `calibration` what
 measured loads and steps teach the predictions, `loads` the loads in flight, `tasks` what is handed out.
+A decision costs what the requests it decides about cost, not a pass over the batch: `work` keeps each
+request's aggregates and `index` (with `rank_order`) the batch's orders up to date at every event, in
+exact sums of seconds (`exact`).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 
 from cacheflow_common.restore.pointers import WAIT, Unit
 from cacheflow_common.sched.calibration import CALIBRATION_WEIGHT
 from cacheflow_common.sched.events import SchedulerEvents
 from cacheflow_common.sched.loads import InFlightLoad
-from cacheflow_common.sched.meeting import NEVER, BatchMeetingPoint
+from cacheflow_common.sched.meeting import BatchMeetingPoint
 from cacheflow_common.sched.policies import Policy
 from cacheflow_common.sched.ranking import ChannelRanking
 from cacheflow_common.sched.tasks import ComputeTask, LoadTask
 from cacheflow_common.sched.work import RequestWork
 
-__all__ = ["CALIBRATION_WEIGHT", "NEVER", "BatchScheduler", "ComputeTask", "LoadTask", "Ready"]
+__all__ = ["CALIBRATION_WEIGHT", "BatchScheduler", "ComputeTask", "LoadTask", "Ready"]
 
 Ready = Callable[[str, int], bool]  # (request id, unit) -> may the unit be computed now
 
@@ -65,28 +69,39 @@ class BatchScheduler(SchedulerEvents):
 
     def __init__(self, policy: Policy | str, *, n_stages: int) -> None:
         super().__init__(policy, n_stages=n_stages)
-        self._ranking = ChannelRanking(self._calibration)
-        self._meeting = BatchMeetingPoint(self._active, self._loads, self._calibration, self._ranking)
+        self._ranking = ChannelRanking(self._calibration, self._index)
+        self._meeting = BatchMeetingPoint(self._active, self._loads, self._calibration, self._ranking, self._index)
 
     def next_compute_batch(self, stage: int, max_tokens: int | None = None, *, now: float = 0.0,
                            ready: Ready | None = None) -> list[ComputeTask]:
-        """Claim the next compute unit of every active request on `stage` that should compute one now."""
+        """Claim the next compute unit of every active request on `stage` that should compute one now.
+
+        Requests are taken in arrival order (every-request ones, and the chosen few); a unit that does not
+        fit the step's token budget is passed over before its meeting point is asked, and once no unit of
+        any active request could fit, the rest are not looked at."""
         if stage in self._lost_stages:
             return []
-        chosen = self._chosen_few(stage, now, ready)
+        self._index.sync(now)
+        able: dict[RequestWork, bool] = {}  # the few asked before anything was claimed, and the answers
+        chosen = sorted(self._chosen_few(stage, now, ready, able), key=_arrival)
         batch: list[ComputeTask] = []
         tokens = 0
-        for request in self._active.values():
-            if request.policy.advances_few and request.request_id not in chosen:
-                continue
-            unit = self._unit_to_compute(request, stage, now, ready)
+        every = self._index.every_by_arrival()
+        for request in heapq.merge(every, chosen, key=_arrival) if chosen else every:
+            if batch and max_tokens is not None and max_tokens - tokens < self._index.smallest_unit():
+                break
+            unit = _next_unit(request, stage)
             if unit is None:
                 continue
             work = request.stages[stage]
             size = work.plan.tokens[unit]
             if batch and max_tokens is not None and tokens + size > max_tokens:
                 continue
+            if not (able[request] if not batch and request in able  # nothing claimed since it was asked
+                    else self._may_compute(request, stage, unit, now, ready)):
+                continue
             work.claim_compute(unit)
+            self._index.refresh(request)
             batch.append(ComputeTask(request.request_id, unit))
             tokens += size
         return batch
@@ -95,34 +110,57 @@ class BatchScheduler(SchedulerEvents):
         """Claim the next load for `channel`: the top-ranked request, its busiest stage, its highest unit."""
         if channel in self._lost_channels:
             return None
-        best = self._ranking.best(self._active.values(), channel, now)
+        self._index.sync(now)
+        best = self._ranking.best(channel, now)
         if best is None:
             return None
         request, stage, unit = best
         work = request.stages[stage]
         work.claim_load(unit)
+        self._index.refresh(request)
         task = LoadTask(request.request_id, stage, unit)
         self._loads.start(task, InFlightLoad(channel, now, self._calibration.load_s(work, unit)))
         return task
 
-    def _chosen_few(self, stage: int, now: float, ready: Ready | None) -> set[str]:
+    def _chosen_few(self, stage: int, now: float, ready: Ready | None, able: dict[RequestWork, bool]
+                    ) -> set[RequestWork]:
         """Of the requests whose policy advances few, those this step advances on `stage`: among the ones
         with a unit to compute now, those with the least remaining recomputation (all that tie: equal
-        prefixes) and the oldest."""
-        able = [r for r in self._active.values()
-                if r.policy.advances_few and self._unit_to_compute(r, stage, now, ready) is not None]
-        if not able:
-            return set()
-        least = min(r.remaining_s for r in able)
-        return {r.request_id for r in able if r.remaining_s <= least} | {able[0].request_id}
+        prefixes) and the oldest. Walks them by remaining recomputation up to the first able to compute
+        and its ties, and by arrival up to the first able; `able` gets every answer (each asked once:
+        nothing changes until the batch claims)."""
 
-    def _unit_to_compute(self, request: RequestWork, stage: int, now: float, ready: Ready | None) -> int | None:
-        """The unit `request` should compute on `stage` now: its compute pointer's, if its input is `ready`
+        def can(request: RequestWork) -> bool:
+            if request not in able:
+                unit = _next_unit(request, stage)
+                able[request] = unit is not None and self._may_compute(request, stage, unit, now, ready)
+            return able[request]
+
+        chosen: set[RequestWork] = set()
+        least: float | None = None
+        for request in self._index.fewest_first():
+            if least is not None and request.remaining_s > least:
+                break
+            if can(request):
+                least = request.remaining_s if least is None else least
+                chosen.add(request)
+        oldest = next((request for request in self._index.few_by_arrival() if can(request)), None)
+        return chosen | {oldest} if oldest is not None else chosen
+
+    def _may_compute(self, request: RequestWork, stage: int, unit: int, now: float, ready: Ready | None) -> bool:
+        """Whether `request` should compute `unit` (its compute pointer's) on `stage` now: its input is `ready`
         and, when storage could still deliver it, the meeting point gives it to compute."""
+        if ready is not None and not ready(request.request_id, unit):
+            return False
         work = request.stages[stage]
-        unit = work.pointers.next_compute()
-        if unit is None or unit == WAIT or (ready is not None and not ready(request.request_id, unit)):
-            return None
-        if work.pointers.states[unit] is Unit.PENDING and not self._meeting.compute_takes(request, stage, unit, now):
-            return None
-        return unit
+        return work.pointers.states[unit] is not Unit.PENDING or self._meeting.compute_takes(request, stage, unit, now)
+
+
+def _next_unit(request: RequestWork, stage: int) -> int | None:
+    """The unit `request`'s compute pointer would take on `stage` now, if any (not `WAIT`)."""
+    unit = request.stages[stage].pointers.next_compute()
+    return None if unit is None or unit == WAIT else unit
+
+
+def _arrival(request: RequestWork) -> int:
+    return request.order

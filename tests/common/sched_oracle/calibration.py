@@ -1,0 +1,43 @@
+"""What the scheduler has learned from measurements: how much slower loads run than predicted, and how
+long each stage's compute step takes.
+
+Predictions come from a cost model profiled once; the machine that runs them drifts (other tenants,
+thermal limits, a busier link). The meeting point compares predicted load seconds with measured step
+seconds, so both are corrected here, in one place, with one weight.
+"""
+
+from __future__ import annotations
+
+from tests.common.sched_oracle.loads import InFlightLoad
+from tests.common.sched_oracle.work import StageWork
+
+# How fast calibration follows measurements: 0.3 tracks a machine whose speed drifts without chasing
+# one noisy load or step.
+CALIBRATION_WEIGHT = 0.3
+
+
+class Calibration:
+    """Measured / predicted load time (one scale for every channel) and each stage's measured step time."""
+
+    def __init__(self) -> None:
+        self.load_scale = 1.0  # measured / predicted load time
+        self._step_s: dict[int, float] = {}  # stage -> measured seconds per compute step (moving average)
+
+    def load_landed(self, load: InFlightLoad, now: float | None) -> None:
+        """`load` landed at `now` (None: the caller keeps no clock, nothing is learned)."""
+        if now is not None and load.predicted_s > 0:
+            measured = (now - load.started_s) / load.predicted_s * self.load_scale
+            self.load_scale += CALIBRATION_WEIGHT * (measured - self.load_scale)
+
+    def step_done(self, stage: int, seconds: float) -> None:
+        """A compute step of `stage` took `seconds`: what the next one is expected to take."""
+        previous = self._step_s.get(stage)
+        self._step_s[stage] = seconds if previous is None else previous + CALIBRATION_WEIGHT * (seconds - previous)
+
+    def step_s(self, stage: int) -> float | None:
+        """The expected seconds of `stage`'s next compute step; None before any was measured."""
+        return self._step_s.get(stage)
+
+    def load_s(self, work: StageWork, unit: int) -> float:
+        """The predicted seconds to load `unit` of `work`, scaled by what loads have measured."""
+        return work.plan.load_s[unit] * self.load_scale
