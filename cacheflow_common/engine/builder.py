@@ -68,6 +68,8 @@ class RestoreBuilder:
                           kv_bytes_per_token_layer=self.model.kv_bytes_per_token_per_layer,
                           place=self._placement(store, loader, spec.mode))
         inputs, closers = (inputs, ()) if inputs is not None else self._inputs(job, store)
+        if isinstance(inputs, BoundaryInput) and units:
+            inputs.ready(*units[0])  # its first read starts now, not when a compute step first looks at it
         return StageRestore(spec, plan=plan, kv=kv, loader=loader, inputs=inputs, unit_tokens=units,
                             on_computed=on_computed, closers=closers)
 
