@@ -35,7 +35,8 @@ from cacheflow_bench.batch_report import target_rows
 from cacheflow_bench.common import RESULTS_DIR, SCRATCH_DIR, machine_facts, markdown_table, results_dir
 from cacheflow_bench.readme_table import commit_of, commit_problems
 
-SUITE = ("restore_single", "storage", "stages", "batch", "sweep", "chaos", "vllm", "vllm_memory")
+SUITE = ("restore_single", "storage", "latency", "stages", "batch", "sched_scale", "sweep", "chaos", "vllm",
+         "vllm_memory")
 Section = Callable[[dict[str, dict[str, Any]], Path, bool], list[str]]
 
 
@@ -178,7 +179,9 @@ def single_rows(s: dict[str, Any]) -> list[list[Any]]:
 
 def other_sections(results: dict[str, dict[str, Any]], out: Path, mixed: bool) -> list[str]:
     lines = []
-    for name, title in (("storage", "Storage data plane"), ("stages", "Parallel stages from boundary activations"),
+    for name, title in (("storage", "Storage data plane"), ("latency", "Fixed costs: hops, a lone restore, decode"),
+                        ("stages", "Parallel stages from boundary activations"),
+                        ("sched_scale", "The batch scheduler at production batch sizes"),
                         ("sweep", "Trace sweep: the batch scheduler over windows and load levels"),
                         ("chaos", "Kills and abuse (chaos)"), ("vllm", "vLLM connector"),
                         ("vllm_memory", "vLLM memory with the connector")):
@@ -187,7 +190,7 @@ def other_sections(results: dict[str, dict[str, Any]], out: Path, mixed: bool) -
             continue
         summary = body.get("headline", body["summary"])  # the sweep's summary is per level; its headline is flat
         rows = [[k, v] for k, v in summary.items() if not isinstance(v, dict | list)]
-        figure = {"sweep": "sweep.png", "vllm": "vllm_rates.png"}.get(name)
+        figure = {"sweep": "sweep.png", "vllm": "vllm_rates.png", "sched_scale": "sched_scale.png"}.get(name)
         plot = [f"![{name}]({figure})", ""] if figure and (out / figure).exists() else []
         lines += [heading(title, body, mixed), "", provenance(body), "", markdown_table(["summary", "value"], rows),
                   "", *plot, f"Details: [{name}.md]({name}.md).", ""]
