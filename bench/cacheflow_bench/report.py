@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cacheflow_bench import readme_table
+from cacheflow_bench import before_after, readme_table
 from cacheflow_bench import report_figures as figs
 from cacheflow_bench.batch_report import target_rows
 from cacheflow_bench.common import RESULTS_DIR, SCRATCH_DIR, machine_facts, markdown_table, results_dir
@@ -197,7 +197,12 @@ def other_sections(results: dict[str, dict[str, Any]], out: Path, mixed: bool) -
     return lines
 
 
-SECTIONS: tuple[Section, ...] = (batch_sections, single_sections, other_sections)
+def before_after_section(results: dict[str, dict[str, Any]], out: Path, mixed: bool) -> list[str]:
+    path = out / "before_after.json"
+    return before_after.section(results, json.loads(path.read_text())) if path.exists() else []
+
+
+SECTIONS: tuple[Section, ...] = (batch_sections, single_sections, other_sections, before_after_section)
 
 
 def write_report(out: Path, results: dict[str, dict[str, Any]], *, smoke: bool = False) -> Path:

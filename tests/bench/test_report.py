@@ -208,3 +208,15 @@ def test_run_passes_the_published_settings(tmp_path, monkeypatch):
     report.run_suite(tmp_path, quick=False)
     assert seen["restore_single"] == ["--out", str(tmp_path), *report.PUBLISHED["restore_single"]]
     assert seen["batch"] == ["--out", str(tmp_path)]
+
+
+def test_the_before_and_after_section_sets_an_earlier_commits_headlines_beside_todays():
+    from cacheflow_bench import before_after
+
+    earlier = {"rev": "abc1234", "commits": {"batch": "abc1234"},
+               "before": {"batch:calibration.slowdown": 2.9, "batch:summary.mean_ratio_vs_cake_b8": 0.95}}
+    now = {"batch": {"calibration": {"slowdown": 1.2}, "summary": {"mean_ratio_vs_cake_b8": 0.9}}}
+    lines = "\n".join(before_after.section(now, earlier))
+    assert "| compute slowdown while loading (calibrated) | 2.900 | abc1234 | 1.200 |" in lines
+    assert "| batch 8: CacheFlow / Cake, mean TTFT | 0.950 | abc1234 | 0.900 |" in lines
+    assert "| raw TCP read, largest chunk (Gbit/s) | - | ? | - |" in lines  # neither has it
