@@ -61,7 +61,9 @@ async def wait_condition(api: Api, kind: str, status: str, *, generation: int | 
         observed = generation is None or (cr or {}).get("status", {}).get("observedGeneration") == generation
         return cr if ok and observed else None
 
-    result: dict[str, Any] = await api.eventually(probe)
+    # generous: a spec change is a few hundred requests to the fake API, and its waits took up to ~50 s on 2 busy
+    # cores (a liveness bound, not a speed check)
+    result: dict[str, Any] = await api.eventually(probe, timeout_s=180)
     return result
 
 
