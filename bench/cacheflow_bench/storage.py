@@ -38,6 +38,7 @@ LATENCY_BYTES = 4096
 LATENCY_READS = 300
 
 
+SHAPED_MB_MAX = 64.0  # a shaped run's object at most (at 40 Gbit/s, 50 ms would be a 250 MB object per reader)
 SUSTAINABLE_SHARE = 0.5  # a shaped rate counts as one the host sustains up to half its raw rate
 
 
@@ -104,7 +105,8 @@ def shaping(args: argparse.Namespace, work: Path, transport: str) -> list[dict[s
         pod = launch_pod(work / f"shaped-{transport}-{rate_gbps}", "--rate-gbps", str(rate_gbps),
                          backend="memory", transport=transport)
         try:
-            name, obj = make_chunk(max(1.0, rate_gbps / 8 * 1e3 * 0.05), seed=1)  # ~50 ms per read at this rate
+            # ~50 ms per read at this rate, within the sizes the raw runs measure
+            name, obj = make_chunk(min(SHAPED_MB_MAX, max(1.0, rate_gbps / 8 * 1e3 * 0.05)), seed=1)
             pod.client().put(name, obj)
             for readers in (int(x) for x in args.readers.split(",")):
                 nixl = nixl_endpoint(len(obj)) if transport == "nixl" else None

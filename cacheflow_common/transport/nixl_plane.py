@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import torch
-from nixl._api import nixl_agent, nixl_agent_config
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.store.base import scatter, views_within
@@ -44,8 +44,12 @@ def _agent(name: str) -> nixl_agent:
     """An agent with no thread of its own. No listener: metadata goes over our own connection. No
     progress thread: NIXL's polls its UCX worker with a zero timeout (its Python API fixes the delay at 0),
     a core at 100 % even with nothing to do; instead each side drives UCX only while a transfer of its
-    own is in flight (the pod while it writes, the reader while it waits for the pod's answer)."""
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]))
+    own is in flight (the pod while it writes, the reader while it waits for the pod's answer). Several
+    threads do so at once (a pod's connections, a process's readers), so the agent synchronizes its calls
+    (without a progress thread NIXL would otherwise leave UCX single-threaded: concurrent readers missed)."""
+    config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
+                               sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    return nixl_agent(name, config)
 
 
 class RegisteredBuffer:

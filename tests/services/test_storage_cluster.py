@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from cacheflow_common.engine import restore
@@ -96,5 +98,28 @@ def test_nixl_data_plane_round_trip(tmp_path):
         parts = [bytearray(n) for n in (100, 64 * 1024, 0, 20_000)]  # across a slot's end
         assert client.readv_into(name, [memoryview(p) for p in parts], 7)
         assert b"".join(parts) == obj[7 : 7 + sum(len(p) for p in parts)]
+    finally:
+        pod.stop()
+
+
+def test_nixl_readers_in_many_threads_at_once(tmp_path):
+    """Several readers share a process's endpoint and a pod's agent, each driving UCX while it waits (no
+    progress thread): every read lands whole. Without the agents' own synchronization they all missed."""
+    nixl_plane = pytest.importorskip("cacheflow_common.transport.nixl_plane")
+    pod = start_pod(tmp_path, transport="nixl")
+    try:
+        endpoint = nixl_plane.NixlClientEndpoint(slots=4, slot_bytes=256 * 1024)
+        clients = [pod.client(nixl=endpoint) for _ in range(4)]
+        chunks = make_chunks(4, tokens=96, seed=23)
+        for name, obj in chunks:
+            clients[0].put(name, obj)
+
+        def reads(i: int) -> bool:
+            name, obj = chunks[i]
+            buf = bytearray(len(obj))
+            return all(clients[i].read_into(name, memoryview(buf)) and bytes(buf) == obj for _ in range(25))
+
+        with ThreadPoolExecutor(max_workers=4) as readers:
+            assert list(readers.map(reads, range(4))) == [True] * 4
     finally:
         pod.stop()
