@@ -129,7 +129,7 @@ README_AROUND = ("# Project\n\nProse before.\n\n", "\n\nProse after, with | a | 
 
 def test_the_readme_table_is_rewritten_between_its_markers_and_nothing_else(tmp_path):
     fake_results(tmp_path, {"storage": "abc1234", "stages": "abc1234", "batch": "abc1234"},
-                 {"storage": {"tcp_gbps": 10.84}, "stages": {"speedup_s2_vs_s1": 1.478},
+                 {"storage": {"loader_gb_per_s_tcp": 1.084}, "stages": {"speedup_s2_vs_s1": 1.478},
                   "batch": {"p99_ratio_vs_cake_b8": 1.16, "mean_ratio_vs_cake_b8": 0.909}})
     readme = tmp_path / "README.md"
     before, after = README_AROUND
@@ -138,7 +138,8 @@ def test_the_readme_table_is_rewritten_between_its_markers_and_nothing_else(tmp_
     text = readme.read_text()
     assert text.startswith(before) and text.endswith(after) and "hand-written" not in text
     block = readme_table.current_block(text)
-    assert "| storage data plane (`cacheflow bench storage`) | raw TCP 10.8 Gbit/s" in block
+    assert ("| storage data plane (`cacheflow bench storage`) | one loader into a KV buffer, unshaped loopback, "
+            "worst of 1–64 MB: TCP **1.08 GB/s**") in block
     assert "| parallel stages (`cacheflow bench stages`) | S = 2 from boundary activations vs S = 1: 1.48×" in block
     assert re.search(r"\*\*CacheFlow [0-9.]+ s\*\*, Cake [0-9.]+ s, load-only [0-9.]+ s, compute-only [0-9.]+ s", block)
     assert "CacheFlow / Cake: mean 0.909×, P99 1.16× (**CacheFlow does not beat Cake at P99**)" in block
