@@ -1,7 +1,7 @@
 """`cacheflow bench report`: the paper's figures on our system, from the benchmarks' results.
 
-With `--run` it first runs the suite (`restore`, `storage`, `stages`, `batch`, `chaos`, and `vllm` where
-vLLM's virtual environment exists; `--quick` for their smoke settings, into bench/results/tmp), then it
+With `--run` it first runs the suite (`restore`, `storage`, `latency`, `stages`, `batch`, `sched-scale`,
+`sweep`, `chaos`, and `vllm` and `vllm_memory` where vLLM's virtual environment exists; `--quick` for their smoke settings, into bench/results/tmp), then it
 (re)writes `REPORT.md` and its figures in the results folder from whatever results are there, and, for
 the committed results, the benchmark table of the repository's README.md (between its
 `<!-- benchmark-table:begin -->` and `<!-- benchmark-table:end -->` markers). One report, one commit:
