@@ -2,8 +2,9 @@
 
 * create / update (of the spec) / resume (operator restart): reconcile the children, then the status.
 * an event on a Deployment, StatefulSet or NetworkPolicy the operator manages: recompute its owner's
-  status from the workloads' readiness (patched only when it changed); a deleted child is recreated (a
-  deleted NetworkPolicy would leave its pods open to more than they need).
+  status from the workloads' readiness (patched only when it changed; the events that queued behind one
+  such refresh share the next, `coalesce`); a deleted child is recreated (a deleted NetworkPolicy would
+  leave its pods open to more than they need).
 * status writes and reconciles of one resource never overlap (`exclusive`), so the last status written
   is computed from the latest view.
 * deletion needs no handler: every child carries an ownerReference to the resource (controller: true),
@@ -24,6 +25,7 @@ import kopf
 from cacheflow_common.errors import ConfigError
 from cacheflow_operator import status as st
 from cacheflow_operator.apply import reconcile
+from cacheflow_operator.coalesce import Coalescer
 from cacheflow_operator.kube import Kube, KubeError, Ref
 from cacheflow_operator.manifests.common import MANAGER, coordinator_url
 from cacheflow_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, Cluster
@@ -130,6 +132,7 @@ def reconcile_cluster(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_
                                                   "observedGeneration": generation})
 
 
+_refreshes = Coalescer()  # the status refreshes after child events, per (resource, its uid)
 _reconciled: set[Ref] = set()  # the resources this operator has reconciled: their certificates are renewed
 
 
@@ -180,4 +183,14 @@ def child_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: 
                 logger.info(f"{action} (a child was deleted)")
         return observe(kube, cluster, resource)
 
-    write_status(kube, ref, refresh)
+    if event.get("type") == "DELETED":  # never skipped: the child is recreated
+        write_status(kube, ref, refresh)
+        return
+    key = (ref, owner_uid)
+    ticket = _refreshes.arrive(key)
+    with exclusive(ref):
+        if _refreshes.covered(key, ticket):
+            return  # a refresh that read everything after this event has finished
+        started_at = _refreshes.start(key)
+        write_status(kube, ref, refresh)
+        _refreshes.finish(key, started_at)
