@@ -19,9 +19,8 @@ from cacheflow_bench.common import BENCH_DIR, RESULTS_DIR, markdown_table, write
 
 # (result, dotted path into its JSON, what it is): the values compared
 HEADLINES: tuple[tuple[str, str, str], ...] = (
-    ("storage", "summary.tcp_gbps", "raw TCP read, largest chunk (Gbit/s)"),
-    ("storage", "summary.nixl_gbps", "raw NIXL read, largest chunk (Gbit/s)"),
-    ("storage", "summary.max_shaping_error", "worst shaped-rate error, sustainable rates"),
+    # the storage bench was rewritten after REV (its raw rates are not measured as they were): it is compared on
+    # one bench in storage_before.json instead, this commit's bench run on REV's code
     ("stages", "summary.speedup_s2_vs_s1", "S = 2 from boundaries vs S = 1 (x faster)"),
     ("stages", "summary.speedup_s2_vs_pipelined", "S = 2 from boundaries vs pipelined (x faster)"),
     ("batch", "calibration.slowdown", "compute slowdown while loading (calibrated)"),

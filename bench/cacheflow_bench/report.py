@@ -1,16 +1,16 @@
 """`cacheflow bench report`: the paper's figures on our system, from the benchmarks' results.
 
 With `--run` it first runs the suite (`restore`, `storage`, `latency`, `stages`, `batch`, `sched-scale`,
-`sweep`, `chaos`, and `vllm` and `vllm_memory` where vLLM's virtual environment exists; `--quick` for their smoke settings, into bench/results/tmp), then it
-(re)writes `REPORT.md` and its figures in the results folder from whatever results are there, and, for
-the committed results, the benchmark table of the repository's README.md (between its
-`<!-- benchmark-table:begin -->` and `<!-- benchmark-table:end -->` markers). One report, one commit:
-it refuses results of different commits, or of uncommitted code (`-dirty`), unless given
-`--allow-mixed`, which marks every section with its commit (as a smoke report does). It refuses
-results of `--quick` runs (each result file records the flag) unless given `--quick` itself, which
-makes a smoke report, marked as such. Real measurements on this machine, the simulator's
-cluster-scale figures labelled as simulated; a figure whose benchmark has not run is listed as
-missing, not drawn.
+`sweep`, `chaos`, and `vllm` and `vllm_memory` where vLLM's virtual environment exists; `--quick` for their
+smoke settings, into bench/results/tmp), then it (re)writes `REPORT.md` and its figures in the results
+folder from whatever results are there, and, for the committed results, the benchmark table of the
+repository's README.md (between its `<!-- benchmark-table:begin -->` and `<!-- benchmark-table:end -->`
+markers). One report, one commit: it refuses results of different commits, or of uncommitted code
+(`-dirty`), unless given `--allow-mixed`, which marks every section with its commit (as a smoke report
+does). It refuses results of `--quick` runs (each result file records the flag) unless given `--quick`
+itself, which makes a smoke report, marked as such. Real measurements on this machine, the simulator's
+cluster-scale figures labelled as simulated; a figure whose benchmark has not run is listed as missing, not
+drawn.
 
     Fig. 4  TTFT CDF per policy (batch replay of the trace, largest batch)        batch.json
     Fig. 5  compute and I/O utilisation during restore (simulated cluster)        batch.json

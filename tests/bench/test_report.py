@@ -220,4 +220,4 @@ def test_the_before_and_after_section_sets_an_earlier_commits_headlines_beside_t
     lines = "\n".join(before_after.section(now, earlier))
     assert "| compute slowdown while loading (calibrated) | 2.900 | abc1234 | 1.200 |" in lines
     assert "| batch 8: CacheFlow / Cake, mean TTFT | 0.950 | abc1234 | 0.900 |" in lines
-    assert "| raw TCP read, largest chunk (Gbit/s) | - | ? | - |" in lines  # neither has it
+    assert "| vLLM serving: worst P99 vs best baseline | - | ? | - |" in lines  # neither has it
