@@ -106,7 +106,8 @@ class StorageSpec:
     link_rate_gbps: float = field(default=0.0, metadata=doc("shape each pod's outgoing link to this rate "
                                                             "(0: unshaped)", minimum=0))
     link_capacity_gbps: float = field(default=0.0, metadata=doc(
-        "each pod's link capacity, for the dashboard's I/O utilisation (0: the shaping rate, linkRateGbps)",
+        "each pod's link capacity, for the dashboard's I/O utilisation (0: the shaping rate, linkRateGbps; "
+        "unshaped: the speed the pod's network interface reports, else 10)",
         minimum=0))
     transport: str = field(default="auto", metadata=doc("data plane (auto: TCP, what the workers read "
                                                             "over; nixl: NIXL as well, for readers that bring it)",

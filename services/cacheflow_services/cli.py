@@ -96,7 +96,8 @@ def _add_storage_parser(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--capacity", default="0", help="evict LRU above this size, e.g. 100GiB (0: no limit)")
     st.add_argument("--rate-gbps", type=float, default=0.0, help="shape outgoing bytes to this link rate (0: unshaped)")
     st.add_argument("--link-capacity-gbps", type=float, default=0.0,
-                    help="the outgoing link's capacity, for I/O utilisation metrics (0: the --rate-gbps shaping rate)")
+                    help="the outgoing link's capacity, for I/O utilisation metrics (0: the --rate-gbps shaping rate, "
+                         "else the network interface's speed, else 10)")
     st.add_argument("--transport", default="auto", choices=["auto", "tcp", "nixl"],
                     help="auto: TCP, what the cluster's workers read over; nixl: also NIXL, for readers that bring it")
     st.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 UNAUTHORIZED = "missing or wrong bearer token"
@@ -67,26 +67,22 @@ def bearer_token(authorization: str) -> str:
 
 
 class BearerFirst:
-    """ASGI middleware: a request on a path that `needs_token` is answered 401 at once, its body unread,
-    unless `authenticate` knows its bearer token; the tenant it names is left in `request.state.tenant`.
-    `on_refused` is told the path of every request refused; `detail` is the refusal's reason."""
+    """ASGI middleware: a request on a path that `needs_token` is answered at once, its body unread, with
+    what `refuse` makes of it (a 401 saying why), unless `authenticate` knows its bearer token; the tenant
+    it names is left in `request.state.tenant`."""
 
     def __init__(self, app: ASGIApp, *, authenticate: Callable[[str], str | None], needs_token: Callable[[str], bool],
-                 on_refused: Callable[[str], None] = lambda path: None, detail: str = UNAUTHORIZED) -> None:
+                 refuse: Callable[[Scope], Response]) -> None:
         self.app = app
         self.authenticate = authenticate  # token -> tenant, or None
         self.needs_token = needs_token
-        self.on_refused = on_refused
-        self.detail = detail
+        self.refuse = refuse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.needs_token(scope["path"]):
             tenant = self.authenticate(bearer_token(Headers(scope=scope).get("authorization", "")))
             if tenant is None:
-                self.on_refused(scope["path"])
-                refused = JSONResponse({"detail": self.detail, "error": "UnauthorizedError"}, status_code=401,
-                                       headers={"WWW-Authenticate": "Bearer"})
-                await refused(scope, receive, send)
+                await self.refuse(scope)(scope, receive, send)
                 return
             scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)

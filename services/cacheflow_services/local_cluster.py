@@ -49,7 +49,7 @@ class ClusterSpec:
     redis_url: str = ""
     directory: str = ""  # chunks, tokens and logs (default: <cache>/cluster)
     rate_gbps: float = 0.0  # shape each pod's link (0: unshaped)
-    link_capacity_gbps: float = 0.0  # each pod's link capacity, for I/O utilisation (0: rate_gbps)
+    link_capacity_gbps: float = 0.0  # each pod's link capacity, for I/O utilisation (0: rate_gbps, else the NIC's)
     transport: str = "auto"  # data plane: auto (TCP, what the workers read over) | tcp | nixl (NIXL as well)
     port: int = 8000  # the coordinator's (0: any free one)
     max_batch: int = 8

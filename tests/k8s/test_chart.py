@@ -16,6 +16,7 @@ import yaml
 
 from cacheflow_operator import chart_schema, crd
 from cacheflow_operator.manifests.build import children
+from cacheflow_operator.manifests.common import pod_addresses
 from cacheflow_operator.spec import API_VERSION, DEFAULT_IMAGE, DEFAULT_TAG, KIND, Cluster
 from cacheflow_services.storage.config import read_token_file
 from tests.k8s.checks import CHART, by_kind, check_wiring, container, parse_args, validate_all, validate_cr
@@ -104,6 +105,18 @@ def test_the_operators_manifests_for_the_rendered_cluster_are_valid_and_wired(va
     secret = {v["secret"]["secretName"] for o in objs if "template" in o.get("spec", {})
               for v in o["spec"]["template"]["spec"]["volumes"] if v["name"] == "auth"}
     assert secret == {"my-tokens" if values else f"{RELEASE}-auth"}
+
+
+@pytest.mark.parametrize("values", VALUES.values(), ids=VALUES.keys())
+def test_the_notes_print_the_pods_of_a_vllm_connector_as_the_operator_names_them(values):
+    """Placement hashes the pods' ids: the list `helm install` prints for vLLM's connector is the operator's."""
+    with helm.Chart.load(CHART) as chart:
+        rendered = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    notes = rendered["cacheflow/templates/NOTES.txt"]
+    (line,) = [line.strip() for line in notes.splitlines() if line.strip().startswith('"pods": ')]
+    (resource,) = [o for o in render(values) if o["kind"] == KIND]
+    resource["metadata"]["uid"] = "uid-from-the-api-server"
+    assert json.loads("{" + line + "}")["pods"] == pod_addresses(Cluster.from_resource(resource))
 
 
 def test_the_operator_runs_a_real_command_line_with_least_privilege():

@@ -89,7 +89,7 @@ def test_more_refused_requests_than_slots_then_a_good_one_is_served(client, loca
     for body, reason in refused:
         for _ in range(MAX_BATCH + 2):
             r = client.post("/v1/completions", json=body)
-            assert r.status_code == 400 and reason in r.json()["detail"], (body, r.text)
+            assert r.status_code == 400 and reason in r.json()["error"]["message"], (body, r.text)
     assert client.post("/v1/completions", json=_body()).status_code == 200
     assert _slots_free(local.coordinator.url)
 
@@ -109,7 +109,8 @@ def test_streamed_requests_whose_client_left_before_the_answer_hold_no_slot(clie
 
 def test_a_seed_must_keep_the_samplers_seed_a_64_bit_integer(client):
     r = client.post("/v1/completions", json=_body(seed=1 << 31, temperature=0.7))
-    assert r.status_code == 400 and "seed" in r.json()["detail"] and str(1 << 31) in r.json()["detail"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    assert str(1 << 31) in r.json()["error"]["message"]
     assert client.post("/v1/completions", json=_body(seed=(1 << 31) - 1, temperature=0.7)).status_code == 200
 
 
@@ -133,27 +134,27 @@ def test_a_seed_must_keep_the_samplers_seed_a_64_bit_integer(client):
 ])
 def test_fields_this_server_does_not_implement_are_refused_by_name(client, refused, field, neutral):
     r = client.post("/v1/completions", json=_body(**refused))
-    assert r.status_code == 400 and field in r.json()["detail"], r.text
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
     assert client.post("/v1/completions", json=_body(**neutral)).status_code == 200  # asks for nothing: served
 
 
 def test_booleans_are_not_token_ids_in_a_restore(client):
     r = client.post("/v1/restore", json={"token_ids": [1, 2, True]})
-    assert r.status_code == 400 and "token_ids.2" in r.json()["detail"], r.text
+    assert r.status_code == 400 and "token_ids.2" in r.json()["error"]["message"], r.text
 
 
 def test_a_body_over_the_limit_gets_413_naming_it_with_or_without_a_length(client):
     limit = 8 << 20  # the default
     big = json.dumps(_body(prompt=[1] * (limit // 2))).encode()  # 2 bytes per token id: over the limit
     declared = client.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
-    assert declared.status_code == 413 and str(limit) in declared.json()["detail"], declared.text[:300]
+    assert declared.status_code == 413 and str(limit) in declared.json()["error"]["message"], declared.text[:300]
 
     def chunked() -> Iterator[bytes]:
         for i in range(0, len(big), 1 << 16):
             yield big[i : i + (1 << 16)]
 
     streamed = client.post("/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
-    assert streamed.status_code == 413 and str(limit) in streamed.json()["detail"], streamed.text[:300]
+    assert streamed.status_code == 413 and str(limit) in streamed.json()["error"]["message"], streamed.text[:300]
     assert client.post("/v1/completions", json=_body()).status_code == 200
 
 
@@ -176,7 +177,7 @@ def test_no_token_is_a_401_before_any_of_the_body_is_read(local, declared, autho
 def test_no_token_with_a_malformed_body_is_a_401_and_a_token_makes_it_a_400(local):
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/restore"):
         r = post(local.coordinator.url, "wrong", path, content=b"{not json")
-        assert r.status_code == 401 and r.json()["detail"] == "missing or wrong bearer token", r.text
+        assert r.status_code == 401 and r.json()["error"]["message"] == "missing or wrong bearer token", r.text
         assert r.headers["WWW-Authenticate"] == "Bearer"
         assert post(local.coordinator.url, local.token, path, content=b"{not json").status_code == 400
 
@@ -186,7 +187,7 @@ def test_a_lone_surrogate_in_text_is_a_400_with_the_reason(local, texts):
                       ("/v1/chat/completions",
                        rb'{"model": "tiny", "messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2}')]:
         r = post(texts.url, local.token, path, content=raw)
-        assert r.status_code == 400 and "surrogate" in r.json()["detail"], r.text
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
 
 
 def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(local, texts):
@@ -197,12 +198,13 @@ def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(local
     longest_piece = max(map(len, AutoTokenizer.from_pretrained(str(directory)).get_vocab()))  # no normalizer
     bound = max_tokens * longest_piece  # more characters than this need more tokens than the context holds
     r = post(texts.url, local.token, "/v1/completions", {"model": MODEL, "prompt": "a" * (bound + 1)})
-    assert r.status_code == 400 and f"a text of {bound + 1} characters cannot fit" in r.json()["detail"], r.text
+    assert r.status_code == 400, r.text
+    assert f"a text of {bound + 1} characters cannot fit" in r.json()["error"]["message"], r.text
 
 
 def test_a_tenant_the_storage_pods_refuse_gets_403(texts):
     r = post(texts.url, GHOST_TOKEN, "/v1/completions", _body())
-    assert r.status_code == 403 and "refuse tenant 'ghost'" in r.json()["detail"], r.text
+    assert r.status_code == 403 and "refuse tenant 'ghost'" in r.json()["error"]["message"], r.text
     assert _slots_free(texts.url)
 
 
@@ -218,6 +220,72 @@ def test_the_openai_sdk_streams_a_completion_with_its_usage_last(local):
     assert content[-1].choices[0].finish_reason == "length"
     assert last.choices == [] and last.usage is not None, last
     assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (40, 3, 43)
+
+
+def test_the_openai_sdk_shows_the_servers_reason_on_a_400_a_401_and_a_404(local):
+    sdk = _sdk(local.coordinator.url, local.token)
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.completions.create(model=MODEL, prompt=_prompt(40, seed=5), max_tokens=2, seed=1 << 31)
+    assert "seed" in str(bad.value) and str(1 << 31) in bad.value.message, bad.value
+    assert (bad.value.type, bad.value.code, bad.value.param) == ("invalid_request_error", "invalid_value", "seed")
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        sdk.completions.create(model=MODEL, prompt=_prompt(40, seed=5), max_tokens=2, n=2)
+    assert "n = 2 is not supported by this server" in str(unsupported.value)
+    assert (unsupported.value.code, unsupported.value.param) == ("unsupported_value", "n")
+    with pytest.raises(openai.AuthenticationError) as refused:
+        _sdk(local.coordinator.url, "not-a-token").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert "missing or wrong bearer token" in str(refused.value), refused.value
+    assert (refused.value.type, refused.value.code) == ("authentication_error", "invalid_api_key")
+    with pytest.raises(openai.NotFoundError) as unknown:
+        sdk.completions.create(model="gpt-4o", prompt=_prompt(40, seed=5), max_tokens=2)
+    assert "'gpt-4o' is not served here" in str(unknown.value) and unknown.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize(("method", "path", "status", "code"), [
+    ("GET", "/v1/restore/rst-nope", 404, "restore_not_found"),
+    ("DELETE", "/v1/restore/rst-nope", 404, "restore_not_found"),
+    ("POST", "/v1/restore", 400, "invalid_request"),  # neither token_ids nor prompt
+    ("GET", "/v1/nowhere", 404, "unknown_url"),
+    ("PUT", "/v1/completions", 405, "method_not_allowed"),
+])
+def test_the_restore_api_and_unknown_urls_answer_in_the_same_envelope(client, method, path, status, code):
+    r = client.request(method, path, json={} if method == "POST" else None)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    assert error["code"] == code, error
+
+
+def _series(url: str) -> list[str]:
+    """The lines of the process's /metrics without their values: one per series, and the HELP/TYPE lines."""
+    return [line.rsplit(" ", 1)[0] if not line.startswith("#") else line
+            for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines()]
+
+
+def test_unknown_restore_ids_and_paths_do_not_grow_the_metrics(client, local):
+    url = local.coordinator.url
+    wrong_token = {"Authorization": "Bearer wrong"}
+
+    def refusals(n: int, salt: str) -> None:
+        for i in range(n):
+            assert client.get(f"/v1/restore/rst-{salt}{i}").status_code == 404
+            assert client.delete(f"/v1/restore/rst-{salt}{i}").status_code == 404
+        for i in range(max(1, n // 20)):
+            assert client.get(f"/v1/no-such-{salt}{i}").status_code == 404
+            assert httpx.get(f"{url}/v1/restore/rst-{salt}{i}", headers=wrong_token).status_code == 401
+            assert httpx.get(f"{url}/v1/elsewhere-{salt}{i}", headers=wrong_token).status_code == 401
+
+    refusals(1, "warm")  # each kind of refusal once: its series exist now
+    before = _series(url)
+    refusals(100, "x")
+    after = _series(url)
+    assert len(after) == len(before) and set(after) == set(before), sorted(set(after) ^ set(before))
+    counted = {(labels["route"], labels["status"]): value
+               for labels, value in samples(url, "cacheflow_requests_total")}
+    assert counted[("/v1/restore/{restore_id}", "404")] >= 2 * 101  # counted, under the route's template
+    assert counted[("/v1/restore/{restore_id}", "401")] >= 6 and counted[("unmatched", "401")] >= 6
+    assert counted[("unmatched", "404")] >= 6
 
 
 def _events(client: httpx.Client, body: dict[str, object]) -> list[str]:
@@ -252,7 +320,7 @@ def test_a_stage_that_dies_mid_request_is_the_stage_named(client, local):
         errors = [json.loads(e[len("data: "):])["error"] for e in events
                   if e.startswith("data: ") and '"error"' in e]
     assert len(errors) == 1 and errors[0]["message"].startswith("stage 1: unreachable"), errors
-    assert errors[0]["type"] == "ChainError"
+    assert (errors[0]["type"], errors[0]["code"]) == ("server_error", "stage_failed")
     failures = {labels["cause"] for labels, value in samples(local.coordinator.url, "cacheflow_failures_total")
                 if value}
     assert failures == {"stage1:unreachable"}, failures  # the stage that failed, and how

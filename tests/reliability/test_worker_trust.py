@@ -264,7 +264,7 @@ def test_a_tenant_holds_at_most_its_share_of_restores(local, client, tmp_path):
             held = [c.post("/v1/restore", json={"token_ids": prompt[:-1]}) for _ in range(2)]
             assert all(r.status_code == 200 for r in held), [r.text for r in held]
             third = c.post("/v1/restore", json={"token_ids": prompt[:-1]})
-            assert third.status_code == 429 and "the limit per tenant" in third.json()["detail"]
+            assert third.status_code == 429 and "the limit per tenant" in third.json()["error"]["message"]
             assert c.delete(f"/v1/restore/{held[0].json()['id']}").status_code == 200
             assert c.post("/v1/restore", json={"token_ids": prompt[:-1]}).status_code == 200
     finally:

@@ -189,7 +189,7 @@ def test_restore_api_restores_holds_and_releases(client):
 def test_bad_requests_get_a_reason(client, body, status, reason):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == status, r.text
-    assert reason in r.json()["detail"]
+    assert reason in r.json()["error"]["message"]
 
 
 def test_a_compute_only_completion_prefills_the_whole_prompt_as_vllm_does_on_a_miss(client, reference):
@@ -205,7 +205,7 @@ def test_a_compute_only_completion_prefills_the_whole_prompt_as_vllm_does_on_a_m
 def test_requests_refused_for_their_policy_hold_no_batch_slot(client, reference):
     for _ in range(6):  # more than the cluster's max_batch of 4: a leaked slot each would lock it up
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "policy": "fastest"})
-        assert r.status_code == 400 and "unknown policy 'fastest'" in r.json()["detail"]
+        assert r.status_code == 400 and "unknown policy 'fastest'" in r.json()["error"]["message"]
     prompt = _prompt(40, seed=77)
     assert _complete(client, prompt, n_new=2)["choices"][0]["token_ids"] == greedy_reference(reference, prompt, 2)[1]
     metrics = client.get("/metrics").text
@@ -214,7 +214,7 @@ def test_requests_refused_for_their_policy_hold_no_batch_slot(client, reference)
 
 def test_malformed_json_unknown_restore_and_missing_token_are_refused(client, cluster):
     r = client.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
-    assert r.status_code == 400 and r.json()["detail"]
+    assert r.status_code == 400 and r.json()["error"]["message"]
     assert client.get("/v1/restore/rst-nope").status_code == 404
     local, _ = cluster
     anonymous = httpx.post(f"{local.coordinator.url}/v1/completions", json={"model": MODEL, "prompt": [1]})
@@ -252,7 +252,7 @@ def test_a_full_queue_answers_429(cluster, tmp_path):
                            json={"model": MODEL, "prompt": _prompt(3000, seed=30), "max_tokens": 1}, timeout=120)
             statuses.append(r.status_code)
             if r.status_code == 429:
-                assert r.headers["Retry-After"] and "waiting" in r.json()["detail"]
+                assert r.headers["Retry-After"] and "waiting" in r.json()["error"]["message"]
 
         threads = [threading.Thread(target=run) for _ in range(5)]
         for t in threads:
@@ -286,13 +286,13 @@ def test_a_killed_stage_worker_fails_requests_with_a_reason_not_a_hang(client, c
     local.workers[1].kill()
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": _prompt(50, seed=50), "max_tokens": 2})
     assert r.status_code in (502, 503), r.text
-    assert "unreachable" in r.json()["detail"] or "not answering" in r.json()["detail"]
+    assert "unreachable" in r.json()["error"]["message"] or "not answering" in r.json()["error"]["message"]
     deadline = time.monotonic() + 15  # the health probe (every 2 s) marks the stage down
     while time.monotonic() < deadline:
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": _prompt(50, seed=51), "max_tokens": 2})
         if r.status_code == 503:
             break
         time.sleep(0.5)
-    assert r.status_code == 503 and "stage worker(s) 1 not answering" in r.json()["detail"]
+    assert r.status_code == 503 and "stage worker(s) 1 not answering" in r.json()["error"]["message"]
     assert httpx.get(f"{local.coordinator.url}/readyz").status_code == 503
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from cacheflow_services.coordinator.metrics import CoordinatorMetrics
+from cacheflow_services.coordinator.metrics import ROUTES, CoordinatorMetrics
 from cacheflow_services.scrape_config import RESERVED, Target, operator_labels, scrape_config
 from cacheflow_services.storage.metrics import StorageMetrics
 from cacheflow_services.worker.metrics import WorkerMetrics
@@ -22,7 +22,7 @@ def test_no_metric_label_is_a_target_label():
     coordinator = CoordinatorMetrics()
     coordinator.declare(2, ["pod-0", "pod-1"])  # labelled series exist from start-up: their labels are visible
     coordinator.pod_up.labels("pod-0").set(1)  # as the /metrics handler sets them
-    coordinator.requests.labels("chat", "200").inc()
+    coordinator.requests.labels(ROUTES["chat"], "200").inc()
     registries = {"coordinator": coordinator.registry, "worker": WorkerMetrics(n_channels=2).registry,
                   "storage": StorageMetrics().registry}
     clashes = {f"{process} {metric}: {sorted(labels & RESERVED)}" for process, registry in registries.items()

@@ -56,10 +56,18 @@ def tls_hosts(c: Cluster) -> list[str]:
     return [f"*.{ns}.svc", f"*.{sts}.{ns}.svc", f"*.{ns}.svc.cluster.local", f"*.{sts}.{ns}.svc.cluster.local"]
 
 
+def storage_pod_id(c: Cluster, i: int) -> str:
+    """Storage pod i's id, `<cluster>-storage-<i>`: its StatefulSet pod's name. Placement hashes the ids, so every
+    client of the pods uses these: the workers and coordinator (`pod_addresses`), and a vLLM connector (the
+    `pods` the chart's NOTES print, the README's example: tests/k8s/test_chart.py, tests/services/test_pod_ids.py)."""
+    return f"{storage_name(c)}-{i}"
+
+
 def pod_addresses(c: Cluster) -> list[str]:
-    """`id=host:port` of every storage pod's data plane: the StatefulSet's stable DNS names."""
+    """`id=host:port` of every storage pod's data plane: its id, at the StatefulSet's stable DNS name for it."""
     sts = storage_name(c)
-    return [f"{sts}-{i}={sts}-{i}.{sts}.{c.namespace}.svc:{STORAGE_DATA_PORT}" for i in range(c.spec.storage.pods)]
+    return [f"{storage_pod_id(c, i)}={storage_pod_id(c, i)}.{sts}.{c.namespace}.svc:{STORAGE_DATA_PORT}"
+            for i in range(c.spec.storage.pods)]
 
 
 def stage_urls(c: Cluster) -> list[str]:

@@ -6,9 +6,11 @@
 * `GET /v1/models`, `GET /v1/cluster` (workers' and pods' health), `/healthz`, `/readyz`, `/metrics`.
 
 Every `/v1` call needs `Authorization: Bearer <token>`; the token names the tenant. Errors carry
-their reason: 400 bad input (or a field this server does not implement), 401 no or wrong token, 403
-the storage pods refuse the tenant, 404 unknown model or restore, 413 a body over `max_body_bytes`,
-429 queue full, 502 a stage worker failed (naming it), 503 a stage is down. Everything is checked
+their reason in OpenAI's envelope (`errors.py`): 400 bad input (or a field this server does not
+implement), 401 no or wrong token, 403 the storage pods refuse the tenant, 404 unknown model, restore or
+URL, 413 a body over `max_body_bytes`, 429 queue full, 502 a stage worker failed (naming it), 503 a stage
+is down. Request counts are labelled by the route's template (`/v1/restore/{restore_id}`, `unmatched`
+for none), never by the path, so no client can grow /metrics. Everything is checked
 before a request takes its place in the queue (the bearer token before any of the body is read); a
 completion whose client goes away, streamed or not, is stopped at once (`streaming.py`) and counted
 with status 499. `/readyz` answers 503 while a stage is down, a stage's KV pool is full, or no batch slot
@@ -28,16 +30,25 @@ from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
+from starlette.types import Scope
 
 from cacheflow_common.auth import tenant_of_token
 from cacheflow_common.errors import BadRequestError
-from cacheflow_services.coordinator.admission import AdmissionTimeoutError, QueueFullError
-from cacheflow_services.coordinator.chain_error import ChainError
-from cacheflow_services.coordinator.cluster import StageDownError
 from cacheflow_services.coordinator.completion import Completion
+from cacheflow_services.coordinator.errors import (
+    BODY_TOO_LARGE,
+    KINDS,
+    UNAUTHENTICATED,
+    ErrorKind,
+    UnknownModelError,
+    field_kind,
+    http_kind,
+    kind_of,
+)
 from cacheflow_services.coordinator.first_token import Plan
-from cacheflow_services.coordinator.held_restores import UnknownRestoreError
-from cacheflow_services.coordinator.intake import TenantRefusedError
+from cacheflow_services.coordinator.metrics import ROUTES, UNMATCHED
 from cacheflow_services.coordinator.openai_api import (
     ChatBody,
     CompletionBody,
@@ -56,17 +67,7 @@ from cacheflow_services.coordinator.streaming import CompletionStream, Departure
 from cacheflow_services.coordinator.tokenizer import TextCodec
 from cacheflow_services.http_limits import UNAUTHORIZED, BearerFirst, BodyLimit, BodyTooLargeError
 
-_STATUS: list[tuple[type[Exception], int]] = [
-    (UnknownRestoreError, 404), (TenantRefusedError, 403), (BadRequestError, 400), (QueueFullError, 429),
-    (StageDownError, 503), (AdmissionTimeoutError, 503), (ChainError, 502),
-]
-
-
 CLIENT_LEFT = "499"  # the status counted for a request whose client went away before its answer (as nginx does)
-
-
-class UnknownModelError(BadRequestError):
-    """The request names a model this cluster does not serve (HTTP 404)."""
 
 
 def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: int = 0) -> FastAPI:
@@ -80,24 +81,43 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
 
     app = FastAPI(title="CacheFlow coordinator", docs_url=None, redoc_url=None, lifespan=lifespan)
     config, metrics = coordinator.config, coordinator.metrics
+
+    def error(scope: Scope, kind: ErrorKind, message: str, param: str | None = None) -> JSONResponse:
+        """The answer to a refused or failed request, counted under its route's template."""
+        metrics.requests.labels(route_label(app.router.routes, scope), str(kind.status)).inc()
+        return error_response(kind, message, param)
+
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     # added last, so outermost: no token is a 401 before a byte of the body is read (not a 400 or 413)
     app.add_middleware(BearerFirst, authenticate=lambda token: tenant_of_token(config.api_tokens, token),
                        needs_token=lambda path: path.startswith("/v1/"),
-                       on_refused=lambda path: metrics.requests.labels(_endpoint(path), "401").inc())
+                       refuse=lambda scope: error(scope, UNAUTHENTICATED, UNAUTHORIZED))
 
-    for exc_type, status in [(UnknownModelError, 404), *_STATUS]:
-        app.add_exception_handler(exc_type, _handler(status, metrics))
+    async def raised(request: HttpRequest, exc: Exception) -> JSONResponse:
+        return error(request.scope, kind_of(exc), str(exc))
+
+    for exc_type in [*KINDS, Exception]:  # Exception: a bug, still answered in the envelope (500)
+        app.add_exception_handler(exc_type, raised)
 
     @app.exception_handler(BodyTooLargeError)
     async def too_large(request: HttpRequest, exc: BodyTooLargeError) -> JSONResponse:
-        return _error(413, exc.detail, "BodyTooLargeError", request, metrics)
+        return error(request.scope, BODY_TOO_LARGE, exc.detail)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
+        """What Starlette refuses itself: no such URL (404), a method the route lacks (405)."""
+        message = f"no route for {request.method} {request.url.path}" if exc.status_code == 404 else exc.detail
+        answer = error(request.scope, http_kind(exc.status_code), message)
+        answer.headers.update(exc.headers or {})  # a 405's Allow
+        return answer
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: HttpRequest, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"] if p != "body")
-        return _error(400, f"{where}: {first['msg']}" if where else first["msg"], "BadRequestError", request, metrics)
+        message = f"{where}: {first['msg']}" if where else first["msg"]
+        param = None if first["type"] == "json_invalid" else where or first.get("ctx", {}).get("name")
+        return error(request.scope, field_kind(first["type"]), message, param)
 
     def tenant(request: HttpRequest) -> str:
         found = getattr(request.state, "tenant", None)  # set by BearerFirst on every /v1 path
@@ -144,7 +164,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
         return {**status, "policy": config.policy, "waiting": coordinator.admission.waiting,
                 "running": coordinator.admission.running}
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post(ROUTES["completions"], response_model=None)
     async def completions(body: CompletionBody, who: Annotated[str, Depends(tenant)],
                           http: HttpRequest) -> Response | dict[str, Any]:
         return await while_connected(http.receive, lambda departure: text_completion(body, who, departure))
@@ -153,7 +173,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
         check_model(body.model)
         return generate("text", encode(body.prompt), who, body, body.max_tokens, departure)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post(ROUTES["chat"], response_model=None)
     async def chat(body: ChatBody, who: Annotated[str, Depends(tenant)],
                    http: HttpRequest) -> Response | dict[str, Any]:
         return await while_connected(http.receive, lambda departure: chat_completion(body, who, departure))
@@ -184,7 +204,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
         except BaseException as exc:
             tokens.abort()  # whatever went wrong, the request holds no slot and no KV
             if departure.gone and isinstance(exc, Exception):  # what failed was the stopping: nobody to tell
-                metrics.requests.labels("chat" if kind == "chat" else "completions", CLIENT_LEFT).inc()
+                metrics.requests.labels(_route_of(kind), CLIENT_LEFT).inc()
                 return Response(status_code=int(CLIENT_LEFT))
             raise
 
@@ -192,7 +212,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
                stop_ids: frozenset[int], prompt_tokens: int, departure: Departure) -> Response | dict[str, Any]:
         deltas = _decoded(tokens, codec, stops, stop_ids, request.arrived)
         created = now()
-        endpoint = "chat" if kind == "chat" else "completions"
+        endpoint = _route_of(kind)
         if body.stream:
             metrics.requests.labels(endpoint, "200").inc()
             head = StreamHead(kind, request.id, body.model, created, prompt_tokens, body.stream_options)
@@ -202,7 +222,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
         metrics.requests.labels(endpoint, CLIENT_LEFT if departure.gone else "200").inc()
         return response(kind, request.id, body.model, created, output, prompt_tokens, _extra(request, output))
 
-    @app.post("/v1/restore")
+    @app.post(ROUTES["restore"])
     def restore(body: RestoreBody, who: Annotated[str, Depends(tenant)]) -> dict[str, Any]:
         if (body.token_ids is None) == (body.prompt is None):
             raise BadRequestError("give the prefix as exactly one of token_ids or prompt")
@@ -210,7 +230,7 @@ def create_app(coordinator: Coordinator, codec: TextCodec | None, *, threads: in
         coordinator.checks.prompt(prefix, 1)
         request = coordinator.intake.admit(prefix, who, prefix_limit=len(prefix), policy=body.policy or config.policy,
                                            kind="rst")
-        metrics.requests.labels("restore", "200").inc()
+        metrics.requests.labels(ROUTES["restore"], "200").inc()
         return coordinator.restores.start(request).view()
 
     @app.get("/v1/restore/{restore_id}")
@@ -268,19 +288,20 @@ def _extra(request: Request, output: Output) -> dict[str, Any]:
             "stages": [s.model_dump() for s in request.stages]}
 
 
-def _endpoint(path: str) -> str:
-    """The request metrics' endpoint label of a path: its last part."""
-    return path.rstrip("/").rsplit("/", 1)[-1] or "root"
+def _route_of(kind: str) -> str:
+    """The route label of a completion of `kind` ("chat" or "text")."""
+    return ROUTES["chat" if kind == "chat" else "completions"]
 
 
-def _error(status: int, detail: str, error: str, request: HttpRequest, metrics: Any) -> JSONResponse:
-    metrics.requests.labels(_endpoint(request.url.path), str(status)).inc()
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return JSONResponse({"detail": detail, "error": error}, status_code=status, headers=headers)
+def route_label(routes: list[BaseRoute], scope: Scope) -> str:
+    """The request metrics' route label: the template of the route a request matches (`/v1/restore/{restore_id}`),
+    or "unmatched"; a fixed set, whatever paths clients send."""
+    return next((getattr(r, "path", UNMATCHED) for r in routes if r.matches(scope)[0] != Match.NONE), UNMATCHED)
 
 
-def _handler(status: int, metrics: Any) -> Any:
-    async def handle(request: HttpRequest, exc: Exception) -> JSONResponse:
-        return _error(status, str(exc), type(exc).__name__, request, metrics)
-
-    return handle
+def error_response(kind: ErrorKind, message: str, param: str | None = None) -> JSONResponse:
+    """`kind`'s status with OpenAI's error body; Retry-After on 429 and 503, the scheme to use on 401."""
+    headers = {"Retry-After": "1"} if kind.status in (429, 503) else {}
+    if kind.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(kind.body(message, param), status_code=kind.status, headers=headers)

@@ -22,7 +22,10 @@ from cacheflow_common.stage_api import RestoreSummary
 LATENCY_BUCKETS = (0.01, 0.03, 0.1, 0.3, 0.5, 1, 2, 5, 10, 30, 60, 120)
 SHARE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 TIME_SHARE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5, 2.0, 5.0)  # over 1: slower than recompute
-ROUTES = ("chat", "completions", "restore")  # the routes a 200 is counted for
+# The routes a 200 is counted for, by what they serve. The `route` label of every request count is the
+# template of the route it matched (`/v1/restore/{restore_id}`), or UNMATCHED: never a path a client chose.
+ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "restore": "/v1/restore"}
+UNMATCHED = "unmatched"
 # Why a stage's load missed (the unit was recomputed): the store did not serve it ("absent": also a copy the
 # pod found corrupt), a section failed its check when it landed, or the loader itself failed.
 MISS_CAUSES = ("absent", "crc", "truncated", "magic", "key", "layer", "tokens", "loader-error")
@@ -33,8 +36,9 @@ class CoordinatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("cacheflow_requests", "Requests answered, by route (chat, completions, restore, "
-                                "...) and HTTP status", ["route", "status"], registry=r)
+        self.requests = Counter("cacheflow_requests", "Requests answered, by route (its template: /v1/completions, "
+                                "/v1/restore/{restore_id}, ...; unmatched) and HTTP status", ["route", "status"],
+                                registry=r)
         self.ttft = Histogram("cacheflow_ttft_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.restore_seconds = Histogram("cacheflow_restore_seconds", "Restore time of a prefix on all stages",
                                          buckets=LATENCY_BUCKETS, registry=r)
@@ -65,7 +69,7 @@ class CoordinatorMetrics:
         self.pod_up = Gauge("cacheflow_pod_up", "Whether a storage pod answers its probe", ["storage_pod"],
                             registry=r)
         self._restore_shape_metrics(r)
-        for route in ROUTES:
+        for route in ROUTES.values():
             self.requests.labels(route, "200")
         for cause in MISS_CAUSES:
             self.misses.labels(cause)

@@ -37,6 +37,7 @@ from pydantic_core import PydanticCustomError
 
 from cacheflow_common.errors import CacheFlowError
 from cacheflow_common.stage_api import SEED_LIMIT
+from cacheflow_services.coordinator.errors import kind_of
 
 MAX_PROMPT_TOKENS = 1 << 20
 
@@ -220,7 +221,7 @@ def sse(head: StreamHead, deltas: Iterator[tuple[str, Output, bool]],
     With `include_usage`, every chunk carries `usage` (null, or the usage so far with
     `continuous_usage_stats`) and one more chunk, with no choices and the usage, comes before [DONE], as
     OpenAI and vLLM send them. A failure after the stream began (the status line is sent) becomes an
-    `error` event before [DONE].
+    event with the error in OpenAI's envelope (`errors.py`, as a non-streamed answer has it) before [DONE].
     """
     sent = 0  # tokens streamed so far
     output = Output()
@@ -236,7 +237,7 @@ def sse(head: StreamHead, deltas: Iterator[tuple[str, Output, bool]],
         if head.include_usage:
             yield f"data: {json.dumps({**head.chunk([]), 'usage': usage(head.prompt_tokens, output)})}\n\n"
     except CacheFlowError as exc:
-        yield f"data: {json.dumps({'error': {'message': str(exc), 'type': type(exc).__name__}})}\n\n"
+        yield f"data: {json.dumps(kind_of(exc).body(str(exc)))}\n\n"
     yield "data: [DONE]\n\n"
 
 

@@ -20,7 +20,7 @@ class StorageConfig:
     redis_url: str = ""  # redis only, e.g. redis://127.0.0.1:6379/0
     capacity_bytes: int = 0  # memory/filesystem: LRU eviction above this; 0 = unlimited (redis: use maxmemory)
     rate_bytes_per_s: float = 0.0  # outgoing link shaping; 0 = unshaped
-    link_capacity_bytes_per_s: float = 0.0  # the outgoing link's capacity (metrics); 0 = the shaped rate
+    link_capacity_bytes_per_s: float = 0.0  # the outgoing link's capacity (metrics); 0: see metrics.link_capacity
     transport: str = "auto"  # tcp | nixl | auto (TCP: what the cluster's own readers use; see storage/main.py)
     host: str = "127.0.0.1"
     data_port: int = 0  # 0: any free port (printed when ready)

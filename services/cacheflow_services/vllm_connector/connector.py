@@ -3,8 +3,11 @@
     --kv-transfer-config '{"kv_connector": "CacheFlowConnector",
                            "kv_connector_module_path": "cacheflow_services.vllm_connector.connector",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                           "kv_connector_extra_config": {"pods": ["pod-0=10.0.0.5:7400"], "tenant": "acme",
-                                                         "pod_token_file": "/etc/cacheflow/tokens"}}'
+                           "kv_connector_extra_config": {"pods": ["cacheflow-storage-0=10.0.0.5:7400"],
+                                                         "tenant": "acme", "pod_token_file": "/etc/cacheflow/tokens"}}'
+
+(a pod's id is the name the operator gives it, `<cluster>-storage-<i>`: placement hashes the ids, so they are
+the same on every client; `helm install` prints the list)
 
 The protocol, as vLLM drives it (`vllm/distributed/kv_transfer/kv_connector/v1/base.py`):
   scheduler: get_num_new_matched_tokens (a hit, loaded asynchronously by default: the request waits in
