@@ -78,6 +78,30 @@ def test_a_spec_number_may_be_written_as_an_integer(tmp_path):
     assert loaded.rate_gbps == 1.0 and isinstance(loaded.rate_gbps, float) and loaded.stages == 3
 
 
+UNKNOWN_MODEL = "model 'llama-7b' is neither 'tiny', 'qwen3-8b', 'smollm2' nor a directory with a config.json"
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--model", "llama-7b"],
+    ["up", "--model", "llama-7b", "--port", "0"],
+    ["profile", "--model", "llama-7b"],
+    ["worker", "--model", "llama-7b", "--stage", "0", "--layers", "0:8", "--pods", "127.0.0.1:1",
+     "--internal-token-file", "missing", "--grant-key-file", "missing"],
+    ["coordinator", "--model", "llama-7b", "--stages", "http://127.0.0.1:1", "--pods", "127.0.0.1:1",
+     "--pod-token-file", "missing", "--token-file", "missing", "--internal-token-file", "missing",
+     "--grant-signing-key-file", "missing"],
+    ["bench", "restore", "--models", "tiny,llama-7b", "--quick"],
+], ids=lambda argv: argv[0] if argv[0] != "bench" else "bench-restore")
+def test_an_unknown_model_is_refused_before_any_work(tmp_path, monkeypatch, capsys, argv):
+    monkeypatch.setenv("CACHEFLOW_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    printed = capsys.readouterr()
+    assert printed.err == f"cacheflow: error: {UNKNOWN_MODEL}\n"
+    assert printed.out == ""  # nothing announced (no "profiling ..."), nothing measured
+    assert list(tmp_path.iterdir()) == []  # no cache, no profile, no results
+
+
 @pytest.fixture
 def restored_logging():
     root = logging.getLogger()
