@@ -28,7 +28,7 @@ from cacheflow_bench import restore_runs as runs
 from cacheflow_bench.common import add_out_option, median, provenance, results_dir, write_json
 from cacheflow_bench.restore_single_report import POLICIES, plot, render_markdown, summarize
 from cacheflow_common.engine import restore
-from cacheflow_common.model.sources import default_device, load_model, parse_dtype
+from cacheflow_common.model.sources import check_model, default_device, load_model, parse_dtype
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.restore.profile import Profile
@@ -69,6 +69,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(list(argv) if argv is not None else __import__("sys").argv[1:])
+    for name in args.models.split(","):  # every model checked before the first one is measured
+        check_model(name)
     torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
     ratios = [float(x) for x in args.ratios.split(",")]

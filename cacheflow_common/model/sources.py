@@ -96,7 +96,13 @@ def model_config(spec: str) -> ModelConfig:
         from cacheflow_common.model.smollm2 import smollm2_dir
 
         return ModelConfig.from_dir(smollm2_dir())
-    if not (Path(spec) / "config.json").is_file():
+    check_model(spec)
+    return ModelConfig.from_dir(spec)
+
+
+def check_model(spec: str) -> None:
+    """ConfigError, in one line naming what is accepted, unless `spec` names a model `load_model` takes;
+    checked without loading, converting or profiling anything (a command refuses a wrong name at once)."""
+    if spec not in (*RANDOM_SHAPES, "smollm2") and not (Path(spec) / "config.json").is_file():
         raise ConfigError(f"model {spec!r} is neither {', '.join(map(repr, RANDOM_SHAPES))}, 'smollm2' "
                           "nor a directory with a config.json")
-    return ModelConfig.from_dir(spec)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.layer_split import balanced_split, parse_split
+from cacheflow_common.typed_values import typed_value
 
 GROUP = "cacheflow.io"
 VERSION = "v1alpha1"
@@ -252,13 +253,4 @@ def parse(cls: type[T], data: Any, path: str) -> T:
 def _value(hint: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return parse(hint, value, path)  # type: ignore[arg-type]
-    origin = typing.get_origin(hint)
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise ConfigError(f"{path} must be a list")
-        return tuple(value)
-    types: dict[Any, type | tuple[type, ...]] = {dict: dict, str: str, bool: bool, int: int, float: (int, float)}
-    ok = isinstance(value, types[origin or hint]) and (hint is bool or not isinstance(value, bool))
-    if not ok:
-        raise ConfigError(f"{path} must be of type {getattr(hint, '__name__', hint)}, not {type(value).__name__}")
-    return float(value) if hint is float else value  # an integer where a number is expected
+    return typed_value(hint, value, path)

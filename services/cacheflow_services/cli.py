@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from cacheflow_common.errors import CacheFlowError
+from cacheflow_common.model.sources import check_model
 from cacheflow_services import up
 from cacheflow_services.demo import run as demo_run
 from cacheflow_services.service_flags import add_service_flags, limits_of, tls_of
@@ -343,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.command, args.verbose)
     try:
+        if getattr(args, "model", None) is not None:  # a wrong model name is refused before any work
+            check_model(args.model)
         if args.command == "profile":
             return _profile(args)
         if args.command == "bench":

@@ -15,6 +15,7 @@ import fcntl
 import os
 import secrets
 import socket
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,12 +28,14 @@ from cacheflow_common.errors import ConfigError
 from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import model_config
 from cacheflow_common.tls import ensure_local_tls
+from cacheflow_common.typed_values import typed_value
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
 from cacheflow_services.storage.launch import LocalPod, launch_pod
 from cacheflow_services.supervisor import RESTARTS_FILE, RestartPolicy, Service, Supervisor
 from cacheflow_services.worker.launch import LocalWorker, launch_stages
 
 LOCK_FILE = "up.lock"
+MAX_PORT = 65535
 SECRETS_DIR = "internal"  # the cluster's internal token and grant keys (cacheflow_common.auth), made once
 
 
@@ -76,10 +79,17 @@ class ClusterSpec:
         known = {f.name for f in fields(cls)}
         if unknown := sorted(set(data) - known):
             raise ConfigError(f"unknown cluster spec keys {unknown}; known: {sorted(known)}")
+        hints = typing.get_type_hints(cls)
+        try:
+            data = {key: typed_value(hints[key], value, key) for key, value in data.items()}
+        except ConfigError as exc:
+            raise ConfigError(f"cluster spec {path}: {exc}") from None
         data.update({k: v for k, v in overrides.items() if v is not None})
         spec = cls(**data)
         if spec.stages < 1 or spec.pods < 1:
             raise ConfigError("a cluster needs at least one stage and one storage pod")
+        if not 0 <= spec.port <= MAX_PORT:
+            raise ConfigError(f"port must be 0 (any free one) to {MAX_PORT}, not {spec.port}")
         if spec.stage_cpus and len(spec.stage_cpus) != spec.stages:
             raise ConfigError(f"stage_cpus lists {len(spec.stage_cpus)} CPU sets for {spec.stages} stages")
         return spec

@@ -164,7 +164,8 @@ def test_the_config_map_is_a_spec_cacheflow_up_runs(tmp_path):
     ({"storage": {"pods": 1, "chunkReplicas": 2}}, "demo", "chunkReplicas 2 > storage.pods 1"),
     ({"storage": {"backend": "redis", "redisUrl": "redis://r:6379/0", "capacity": "1GiB"}}, "demo", "maxmemory"),
     ({"stages": {"cont": 2}}, "demo", "spec.stages: unknown keys ['cont']"),
-    ({"stages": {"count": "2"}}, "demo", "spec.stages.count must be of type int"),
+    ({"stages": {"count": "2"}}, "demo", "spec.stages.count must be an integer, not '2'"),
+    ({"image": {"pullSecrets": ["a", 3]}}, "demo", "spec.image.pullSecrets[1] must be a string, not 3"),
     ({}, "a" * 41, "at most 40"),
     ({}, "Demo", "lowercase"),
 ])

@@ -46,6 +46,62 @@ def test_a_cluster_spec_pins_each_stage_or_none(tmp_path):
         ClusterSpec.load(spec)
 
 
+@pytest.mark.parametrize(("text", "error"), [
+    ("stages: two\n", "stages must be an integer, not 'two'"),
+    ('port: "eight thousand"\n', "port must be an integer, not 'eight thousand'"),
+    ("rate_gbps: fast\n", "rate_gbps must be a number, not 'fast'"),
+    ("tls: 1\n", "tls must be true or false, not 1"),
+    ("pods: true\n", "pods must be an integer, not True"),
+    ("stages: 2\nstage_cpus: [0, 1]\n", "stage_cpus[0] must be a string, not 0"),
+    ("worker_args: --step-tokens 512\n", "worker_args must be a list of strings, not '--step-tokens 512'"),
+])
+def test_a_spec_value_of_the_wrong_type_is_one_line_naming_it(tmp_path, capsys, text, error):
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text(text)
+    assert main(["up", "--spec", str(spec), "--model", "tiny", "--dir", str(tmp_path / "cluster")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"cacheflow: error: cluster spec {spec}: {error}\n"
+    assert not (tmp_path / "cluster").exists()
+
+
+def test_a_spec_port_out_of_range_is_refused_in_one_line(tmp_path, capsys):
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text("port: 70000\n")
+    assert main(["up", "--spec", str(spec), "--model", "tiny", "--dir", str(tmp_path / "cluster")]) == 2
+    assert capsys.readouterr().err == "cacheflow: error: port must be 0 (any free one) to 65535, not 70000\n"
+
+
+def test_a_spec_number_may_be_written_as_an_integer(tmp_path):
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text("rate_gbps: 1\nbatch_window_ms: 5\nstages: 3\n")
+    loaded = ClusterSpec.load(spec)
+    assert loaded.rate_gbps == 1.0 and isinstance(loaded.rate_gbps, float) and loaded.stages == 3
+
+
+UNKNOWN_MODEL = "model 'llama-7b' is neither 'tiny', 'qwen3-8b', 'smollm2' nor a directory with a config.json"
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--model", "llama-7b"],
+    ["up", "--model", "llama-7b", "--port", "0"],
+    ["profile", "--model", "llama-7b"],
+    ["worker", "--model", "llama-7b", "--stage", "0", "--layers", "0:8", "--pods", "127.0.0.1:1",
+     "--internal-token-file", "missing", "--grant-key-file", "missing"],
+    ["coordinator", "--model", "llama-7b", "--stages", "http://127.0.0.1:1", "--pods", "127.0.0.1:1",
+     "--pod-token-file", "missing", "--token-file", "missing", "--internal-token-file", "missing",
+     "--grant-signing-key-file", "missing"],
+    ["bench", "restore", "--models", "tiny,llama-7b", "--quick"],
+], ids=lambda argv: argv[0] if argv[0] != "bench" else "bench-restore")
+def test_an_unknown_model_is_refused_before_any_work(tmp_path, monkeypatch, capsys, argv):
+    monkeypatch.setenv("CACHEFLOW_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    printed = capsys.readouterr()
+    assert printed.err == f"cacheflow: error: {UNKNOWN_MODEL}\n"
+    assert printed.out == ""  # nothing announced (no "profiling ..."), nothing measured
+    assert list(tmp_path.iterdir()) == []  # no cache, no profile, no results
+
+
 @pytest.fixture
 def restored_logging():
     root = logging.getLogger()

@@ -12,9 +12,10 @@ import pytest
 
 from cacheflow_common.sim.replay import load_slice
 from cacheflow_services.cli import main
+from cacheflow_services.demo import report as demo_report
 from cacheflow_services.demo import run as demo_run
-from cacheflow_services.demo.report import POLICY_KEY, cdf_figure
-from cacheflow_services.demo.run import POLICIES, SLICE, DemoError, replay_policies, round_orders, step
+from cacheflow_services.demo.report import POLICY_KEY, LinkChoice, cdf_figure
+from cacheflow_services.demo.run import POLICIES, PROBES, SLICE, DemoError, replay_policies, round_orders, step
 from cacheflow_services.local_cluster import hold_workdir
 from cacheflow_services.replay import ReplayError
 
@@ -59,19 +60,36 @@ def test_demo_replays_every_policy_and_writes_its_report(tmp_path, monkeypatch, 
     assert "max (s)" in report and "P99 (s)" not in report
     assert all(POLICY_KEY[p] in report for p in POLICIES)  # the key: what each policy stands for
     assert (out / "demo.png").stat().st_size > 0
-    assert body["link_gbps_per_pod"] > 0
+    for run in body["runs"]:  # the spread across rounds: each round's mean
+        means = run["round_means_s"]
+        assert len(means) == 2 and min(means) <= run["mean_s"] <= max(means)
+    by_policy = {r["policy"]: r for r in body["runs"]}
+    summary = body["summary"]
+    assert summary["cacheflow_vs_cake_mean"] == by_policy["cacheflow"]["mean_s"] / by_policy["cake"]["mean_s"]
+    assert summary["cacheflow_vs_cake_slowest"] == by_policy["cacheflow"]["max_s"] / by_policy["cake"]["max_s"]
+    winner = min(body["runs"], key=lambda r: r["mean_s"])["policy"]
+    assert summary["verdict"].startswith(f"{winner} won on mean TTFT") and summary["verdict"] in report
+    assert "speed-up over compute-only (mean)" in report and "round means (s)" in report
+    link = body["link"]  # the rate, and how it was chosen: the profile's, checked (and maybe rescaled) here
+    assert body["link_gbps_per_pod"] == link["gbps"] == body["cluster"]["rate_gbps"] > 0
+    assert link["profile_gbps"] > 0 and link["measured_io_over_compute"] > 0
+    assert f"links of {link['gbps'] * 1000:.1f} Mbit/s per storage pod, the profile's balanced rate" in report
+    assert f"--link-gbps {link['gbps']:.6g}" in report
     assert list((tmp_path / "cache").glob("profile-quick-tiny-*.json"))  # profiled once, kept for the next run
     printed = capsys.readouterr()
     assert "profiling tiny on this machine" in printed.out and "worker (stage 1) ready on port" in printed.out
+    assert f"`--link-gbps {link['gbps']:.6g}` runs at this rate again" in printed.out  # for a rerun
+    assert summary["verdict"] in printed.out
     assert " INFO " not in printed.err  # no library's INFO lines (matplotlib's) among the demo's output
 
 
 def test_a_wrong_model_fails_in_one_line_before_anything_starts(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CACHEFLOW_CACHE", str(tmp_path / "cache"))
     assert main(["demo", "--model", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "is neither 'tiny'" in err and "Traceback" not in err
-    assert not (tmp_path / "cache" / "demo-cluster").exists()
+    printed = capsys.readouterr()
+    assert printed.err.count("\n") == 1 and "is neither 'tiny'" in printed.err and "Traceback" not in printed.err
+    assert printed.out == ""  # refused before anything is announced: no "profiling ... about a minute"
+    assert not (tmp_path / "cache").exists()
 
 
 def test_a_second_demo_on_the_same_cache_fails_in_one_line_and_empties_nothing(tmp_path, monkeypatch, capsys):
@@ -92,6 +110,64 @@ def test_bad_demo_settings_fail_in_one_line(capsys):
     assert main(["demo", "--policies", "cake,fastest"]) == 2
     assert "unknown policies ['fastest']" in capsys.readouterr().err
     assert main(["demo", "--rounds", "0"]) == 2
+    assert main(["demo", "--link-gbps", "0"]) == 2
+    assert "--link-gbps must be a rate above 0 Gbit/s, not 0.0" in capsys.readouterr().err
+
+
+def _run(policy: str, ttfts_by_round: list[list[float]]) -> dict[str, Any]:
+    """A policy's results as replay_policies gives them (its statistics from replay_policies' own helpers)."""
+    requests = [{"ttft_s": t, "round": n} for n, ttfts in enumerate(ttfts_by_round) for t in ttfts]
+    return {"policy": policy, **demo_run.ttft_summary([r["ttft_s"] for r in requests]),
+            "round_means_s": demo_run.round_means(requests, len(ttfts_by_round)), "requests": requests}
+
+
+def test_the_report_names_the_winner_and_sets_cacheflow_against_cake():
+    runs = [_run("compute-only", [[8.0, 12.0], [10.0, 10.0]]), _run("cake", [[5.0, 7.0], [5.0, 7.0]]),
+            _run("cacheflow", [[4.0, 6.0], [4.5, 5.5]])]
+    ratios = demo_report.ratios_to_cake(runs)
+    assert ratios == {"cacheflow_vs_cake_mean": 5.0 / 6.0, "cacheflow_vs_cake_slowest": 6.0 / 7.0}
+    said = demo_report.verdict(runs)
+    assert said.startswith("cacheflow won on mean TTFT: 5.00 s, 1.00 s ahead of cake (the round means of either "
+                           "spread by up to 0.00 s: a clear margin). Fastest slowest request: cacheflow, 6.00 s.")
+    assert said.endswith("CacheFlow / Cake: 0.833x on the mean, 0.857x on the slowest request (below 1: CacheFlow "
+                         "faster).")
+    rows = {row[0]: dict(zip(demo_report.COLUMNS, row, strict=True)) for row in demo_report.table_rows(runs)}
+    assert rows["cacheflow"]["round means (s)"] == "5.00-5.00" and rows["cake"]["round means (s)"] == "6.00-6.00"
+    assert rows["cacheflow"]["speed-up over compute-only (mean)"] == "2.00x"
+
+
+def test_a_win_within_the_rounds_spread_is_not_called_clear_and_a_missing_policy_gives_no_ratio():
+    runs = [_run("cake", [[5.0], [6.0]]), _run("load-only", [[5.6], [5.6]])]
+    said = demo_report.verdict(runs)
+    assert "cake won on mean TTFT: 5.50 s, 0.10 s ahead of load-only" in said and "1.00 s: not a clear win" in said
+    assert "CacheFlow / Cake" not in said
+    assert demo_report.ratios_to_cake(runs) == {"cacheflow_vs_cake_mean": None, "cacheflow_vs_cake_slowest": None}
+
+
+def test_the_balance_is_measured_after_one_untimed_pair_as_the_median_of_the_timed_ones(monkeypatch):
+    times = {"load-only": iter([9.0, 2.0, 3.0, 100.0]), "compute-only": iter([9.0, 1.0, 1.5, 1.0])}
+    asked: list[tuple[str, float]] = []
+
+    def restore_alone(url: str, token: str, request: Any, policy: str) -> float:
+        asked.append((policy, request.trace.arrival_s))
+        return next(times[policy])
+
+    monkeypatch.setattr(demo_run, "restore_alone", restore_alone)
+    requests = demo_run.choose_requests(argparse.Namespace(trace="", start=0, requests=3, token_scale=8,
+                                                           max_tokens=1536, time_scale=1.0, chunk_size=128))
+    cluster = SimpleNamespace(coordinator=SimpleNamespace(url="http://nowhere"), token="t")
+    assert demo_run.measured_io_over_compute(cluster, requests) == 3.0 / 1.0  # type: ignore[arg-type]
+    assert asked == [("load-only", 0.0), ("compute-only", 0.0)] * (PROBES + 1)  # alternating, each alone
+
+
+def test_a_given_link_rate_is_used_as_is_and_nothing_is_measured(tmp_path, monkeypatch):
+    cluster = SimpleNamespace()
+    monkeypatch.setattr(demo_run, "stored_cluster", lambda spec, workdir, requests: cluster)
+    monkeypatch.setattr(demo_run, "measured_io_over_compute", lambda *a: pytest.fail("measured a given rate"))
+    spec = demo_run.ClusterSpec(model="tiny", rate_gbps=0.25)
+    got = demo_run.demo_cluster(argparse.Namespace(link_gbps=0.25), spec, tmp_path, [])
+    assert got == (cluster, spec, LinkChoice(0.25, "given with --link-gbps"))
+    assert got[2].said() == "links of 250.0 Mbit/s per storage pod, given with --link-gbps"
 
 
 def test_a_failed_step_is_one_line_naming_it_and_the_logs(tmp_path):
