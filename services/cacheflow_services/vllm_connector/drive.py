@@ -4,8 +4,9 @@
 
 run.json: {"model": dir, "prompts": [[token ids], ...], "max_tokens": 8, "out": path,
            "connector": {extra config} or null, "max_model_len": 4096, "dtype": "float32", "prefix_caching": false,
-           "block_size": 128, "max_num_batched_tokens": vLLM's default,
-           "batches": [[prompt indices submitted together], ...] (default: each prompt alone, in order)}
+           "block_size": 128, "max_num_batched_tokens": vLLM's default, "kv_cache_dtype": "auto",
+           "batches": [[prompt indices submitted together], ...] (default: each prompt alone, in order),
+           "cache_salts": [a prompt's cache_salt or null, ...] (default: none)}
 
 Writes to `out`: per prompt the greedy tokens, their logprobs and the request's wall time (with
 max_tokens=1 that is its TTFT; measured from its batch's submission) and when its first token came, and the
@@ -42,11 +43,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), skip_tokenizer_init=True, seed=0,
               max_model_len=spec.get("max_model_len", 4096), enforce_eager=True,
               enable_prefix_caching=spec.get("prefix_caching", False), block_size=spec.get("block_size", 128),
-              **budget,
+              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), **budget,
               kv_transfer_config=transfer_config(extra) if extra is not None else None)
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1)
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+    salts = spec.get("cache_salts") or [None] * len(spec["prompts"])
+    prompts = [TokensPrompt(prompt_token_ids=ids, **({"cache_salt": salt} if salt else {}))  # type: ignore[typeddict-item]
+               for ids, salt in zip(spec["prompts"], salts, strict=True)]
     results: list[dict[str, Any]] = [{} for _ in prompts]
     for batch in spec.get("batches") or [[i] for i in range(len(prompts))]:
         for i, result in zip(batch, _together(llm.llm_engine, [prompts[i] for i in batch], params), strict=True):
