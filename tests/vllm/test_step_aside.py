@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ TINY_LLAMA = {
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("step-aside")
     tokens = write_tokens(root / "tokens", ["alpha"])
     pod = launch_pod(root / "pod0", tenants=("alpha",), tokens=tokens)

@@ -48,7 +48,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1)
     salts = spec.get("cache_salts") or [None] * len(spec["prompts"])
-    prompts = [TokensPrompt(prompt_token_ids=ids, **({"cache_salt": salt} if salt else {}))  # type: ignore[typeddict-item]
+    prompts = [TokensPrompt(prompt_token_ids=ids, **({"cache_salt": salt} if salt else {}))
                for ids, salt in zip(spec["prompts"], salts, strict=True)]
     results: list[dict[str, Any]] = [{} for _ in prompts]
     for batch in spec.get("batches") or [[i] for i in range(len(prompts))]:
