@@ -99,6 +99,9 @@ class CacheFlowConnector(KVConnectorBase_V1):
             return
         block_size = vllm_config.cache_config.block_size
         dtype = model_config.dtype
+        if vllm_config.parallel_config.pipeline_parallel_size > 1 and self.cfg.runtime == "vllm":
+            log.info("pipeline ranks restore from boundary activations with CacheFlow's runtime (runtime: cacheflow)")
+            self.cfg = replace(self.cfg, runtime="cacheflow")
         if role == KVConnectorRole.SCHEDULER:
             pp_size = vllm_config.parallel_config.pipeline_parallel_size
             self._plan = _scheduler_plan(self.cfg, block_size, dtype, pp_size)
@@ -108,7 +111,8 @@ class CacheFlowConnector(KVConnectorBase_V1):
             layout = _paged_layout(isa) if device == "cpu" else "split"
             self._engine = WorkerEngine(self.cfg, dtype=dtype, block_size=block_size, device=device, layout=layout,
                                         vllm_model=lambda: find_vllm_model(vllm_config),
-                                        layers=_rank_layers(self.cfg, vllm_config), attention_isa=isa)
+                                        layers=_rank_layers(self.cfg, vllm_config), attention_isa=isa,
+                                        vllm_config=vllm_config)
 
     def _resolve_model(self, revision: str | None) -> str:
         """Point `cfg.model` at the checkpoint's directory (a Hub id resolved in the local cache); the reason

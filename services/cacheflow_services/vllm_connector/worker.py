@@ -43,10 +43,12 @@ from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.model.weights import checkpoint_fingerprint
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.save import make_job
+from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.store.placement import ClusterStore
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
 from cacheflow_common.transport.shaping import gbps
 from cacheflow_services.vllm_connector.async_loads import AsyncLoads
+from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather, layer_index, scatter
 from cacheflow_services.vllm_connector.paged_attention import PagedKV
@@ -55,6 +57,7 @@ from cacheflow_services.vllm_connector.ranks import BoundaryCapture, rank_layers
 from cacheflow_services.vllm_connector.restorer import engine_settings
 from cacheflow_services.vllm_connector.runtime import RuntimeChoice, VllmModel
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
+from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +88,12 @@ class StatsLog:
 class WorkerEngine:
     def __init__(self, cfg: ConnectorConfig, *, dtype: torch.dtype, block_size: int, device: str,
                  layout: str, vllm_model: VllmModel | None = None, layers: range | None = None,
-                 attention_isa: str = "") -> None:
+                 attention_isa: str = "", vllm_config: Any = None) -> None:
         """`vllm_model` finds vLLM's loaded model module (None while it cannot); it is asked now, and if it
         has no answer yet, again at `register` and at the first load, before falling back to a copy.
         `layers`: this pipeline rank's layers, where known before `register` (its copy then loads only them).
-        `attention_isa`: vLLM's CPU attention kernel, where restores attend with it (`PagedKV`); "": CacheFlow's."""
+        `attention_isa`: vLLM's CPU attention kernel, where CacheFlow's runtime attends with it (`PagedKV`); "":
+        CacheFlow's. `vllm_config`: vLLM's, which `runtime: "vllm"` runs vLLM's model with."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown paged KV layout {layout!r}; known: {LAYOUTS}")
         self.cfg = cfg
@@ -103,8 +107,9 @@ class WorkerEngine:
         self.store = open_store(cfg)
         self.profile = Profile.load(cfg.profile) if cfg.profile else None
         self.stats = StatsLog(cfg.stats_file)
-        self._runtime = RuntimeChoice(cfg.model, self.config, share_weights=cfg.share_weights, dtype=dtype,
-                                      device=device, vllm_model=self._vllm_model, event=self.stats.event)
+        self._runtime = RuntimeChoice(cfg.model, self.config, runtime=cfg.runtime, share_weights=cfg.share_weights,
+                                      dtype=dtype, device=device, vllm_model=self._vllm_model, vllm_config=vllm_config,
+                                      event=self.stats.event)
         self.saves = ConnectorSaves(self.store, self.stats.event, fingerprint=self.fingerprint, dtype=dtype,
                                     chunk_size=cfg.chunk_size, tenant=cfg.tenant)
         self.caches: list[tuple[int, torch.Tensor]] = []  # (decoder layer, its vLLM cache), by layer
@@ -207,6 +212,10 @@ class WorkerEngine:
         """The restore's KV: also written into the request's blocks and attended over there with vLLM's CPU
         kernel where it runs (`attention_isa`), else CacheFlow's own buffer and attention."""
         n = max(1, len(job.token_ids))
+        if isinstance(self.model, VllmRuntime):
+            return BlockKV(layers=job.layers, num_kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim,
+                           capacity=n, dtype=self.model.dtype, caches=dict(self.caches), layout=self.layout,
+                           block_ids=spec.block_ids, block_size=self.block_size, first_writable=spec.start)
         if not self.attention_isa:
             return self.model.new_kv(job.layers, n)
         return PagedKV(self.config, layers=job.layers, capacity=n, dtype=self.model.dtype,
@@ -228,6 +237,8 @@ class WorkerEngine:
         n = len(spec.token_ids)
         if isinstance(result.kv, PagedKV):  # what it computed is there already: the loaded positions
             result.kv.fill_all(n)
+        elif isinstance(result.kv, BlockKV):
+            result.kv.sync(n)
         else:
             kv = result.kv.data  # [b - a, 2, Hkv, N, D]: this rank's layers
             for layer, cache in self.caches:
@@ -239,7 +250,7 @@ class WorkerEngine:
                          loaded=sources.count("loaded"), misses=dict(result.misses),
                          bytes_loaded=result.bytes_loaded, elapsed_s=result.elapsed_s, batch=batch,
                          runtime=self.runtime, asynchronous=self._async is not None,
-                         attention="vllm" if isinstance(result.kv, PagedKV) else "cacheflow")
+                         attention="vllm" if isinstance(result.kv, PagedKV | BlockKV) else "cacheflow")
         return self._after_misses(spec, job, result)
 
     def engine(self) -> RestoreEngine:
@@ -247,7 +258,8 @@ class WorkerEngine:
         (in the step, or between steps for background restores: `async_loads.py` says why)."""
         if self._engine is None:
             settings = engine_settings(self.cfg, self.layers, self.profile, self.link, self.policy,
-                                       paged_attention=bool(self.attention_isa))
+                                       paged_attention=bool(self.attention_isa) or self.runtime == "vllm",
+                                       token_only=self.runtime == "vllm")
             self._engine = RestoreEngine(settings, self.model, loop_thread=False)
         return self._engine
 
@@ -263,6 +275,9 @@ class WorkerEngine:
                              blocks=len(failed), error="miss")
             return failed
         keys = [job.keys[i] for i in missed] if result.mode == "token" else list(job.keys)
+        if self.cfg.save and isinstance(result.kv, BlockKV):  # vLLM's model wrote what it recomputed to the blocks
+            for key in keys:
+                result.kv.pull(key.token_start, key.token_end)
         if self.cfg.save:
             self.saves.store_again(spec.req_id, result.kv, job, keys)
         return set()
@@ -298,10 +313,14 @@ class WorkerEngine:
 
 
 def connector_policy(cfg: ConnectorConfig, profile: Profile | None) -> tuple[str, float | None]:
-    """The restore policy and the link its costs are for; the CacheFlow ones need a profile (else Cake)."""
+    """The restore policy and the link its costs are for; the CacheFlow ones need a profile (else Cake), and
+    vLLM's own model restores token-wise."""
     link = gbps(cfg.link_gbps) if cfg.link_gbps else None
     if cfg.policy.startswith("cacheflow") and profile is None:
         return "cake", link
+    if cfg.runtime == "vllm" and POLICIES[cfg.policy].mode == "layer":
+        log.warning("policy %s restores layer-wise; vLLM's model restores token-wise: cacheflow-token", cfg.policy)
+        return "cacheflow-token", link
     return cfg.policy, link
 
 
