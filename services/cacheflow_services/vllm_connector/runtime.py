@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_services.vllm_connector.model_identity import KVGeometry
 from cacheflow_services.vllm_connector.shared import Unsupported, shared_bytes, shared_runtime
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
@@ -28,11 +29,14 @@ Event = Callable[..., None]  # the connector's stats log: event(kind, **fields)
 
 
 class RuntimeChoice:
-    def __init__(self, model_dir: str, config: ModelConfig, *, runtime: str, share_weights: bool, dtype: torch.dtype,
-                 device: str, vllm_model: VllmModel, vllm_config: Any, event: Event) -> None:
+    def __init__(self, model_dir: str, config: ModelConfig | KVGeometry, *, runtime: str, share_weights: bool,
+                 dtype: torch.dtype, device: str, vllm_model: VllmModel, vllm_config: Any, fingerprint: str,
+                 event: Event) -> None:
+        """`config`: CacheFlow's model config, or (`runtime: "vllm"`) the KV geometry of the model vLLM serves."""
         self.model_dir = model_dir
         self.runtime = runtime
         self.vllm_config = vllm_config
+        self.fingerprint = fingerprint
         self.config = config
         self.share_weights = share_weights
         self.dtype = dtype
@@ -58,6 +62,7 @@ class RuntimeChoice:
             if final:
                 self._separate(layers, "vLLM's loaded model could not be reached from the connector")
             return
+        assert isinstance(self.config, ModelConfig), "CacheFlow's runtime needs the model's config"
         try:
             self.model = shared_runtime(module, self.config, dtype=self.dtype, source=Path(self.model_dir))
         except Unsupported as exc:
@@ -76,7 +81,9 @@ class RuntimeChoice:
             if final:
                 raise RuntimeError("vLLM's loaded model could not be reached from the connector")
             return
-        self.model = VllmRuntime(self.config, module, self.vllm_config, layers=layers, source=Path(self.model_dir))
+        geometry = KVGeometry.from_vllm(self.vllm_config)
+        runtime = VllmRuntime(geometry, module, self.vllm_config, layers=layers, fingerprint=self.fingerprint)
+        self.model = cast(Transformer, runtime)  # it offers what the restore engine calls of a Transformer
         self.kind = "vllm"
         log.info("CacheFlow recomputes with vLLM's own model (%s) and attention backend", type(module).__name__)
         self.event("runtime", runtime="vllm", reason="", shared_bytes=0, own_bytes=0)

@@ -11,32 +11,53 @@ batch of requests. Loaded chunks are copied into the blocks before a unit attend
 
 Token-wise only: a layer-wise unit would run the model's decoder layers one at a time, whose signatures
 differ by family. Called on vLLM's thread only (the connector computes there: `async_loads.py` says why).
+
+It holds no weights and no model code of its own, so it is not a CacheFlow `Transformer`: it offers the
+part of one the restore engine calls (`embed`, `forward_layers`, `new_kv`, `fingerprint`, the KV size).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from cacheflow_common.errors import ConfigError
-from cacheflow_common.model.config import ModelConfig
-from cacheflow_common.model.transformer import Span, Transformer
+from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.model.transformer import Span
 from cacheflow_services.vllm_connector.block_kv import BlockKV
+from cacheflow_services.vllm_connector.model_identity import KVGeometry
 
 
-class VllmRuntime(Transformer):
+class VllmRuntime:
     """The restore engine's model, backed by vLLM's loaded `module` over all the rank's `layers`."""
 
-    def __init__(self, config: ModelConfig, module: Any, vllm_config: Any, *, layers: range, source: Path) -> None:
-        device, dtype = next(module.parameters()).device, vllm_config.model_config.dtype
-        no_weights = {"model.embed_tokens.weight": torch.empty(0, dtype=dtype, device=device)}  # vLLM's module has them
-        super().__init__(config, no_weights, layers=layers, source=source, device=device)
+    def __init__(self, config: KVGeometry, module: Any, vllm_config: Any, *, layers: range, fingerprint: str) -> None:
+        self.config = config
         self.module = module
         self.vllm_config = vllm_config
+        self.layers = layers
+        self.device = next(module.parameters()).device
+        self.dtype: torch.dtype = vllm_config.model_config.dtype
+        self.weights: dict[str, torch.Tensor] = {}  # vLLM's module holds them all
+        self._fingerprint = fingerprint
         self._builders: list[tuple[Any, list[str]]] | None = None  # (metadata builder, its layers), at first use
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        return 2 * self.config.num_kv_heads * self.config.head_dim * self.dtype.itemsize
+
+    def new_kv(self, layers: range, capacity: int) -> KVBuffer:
+        return KVBuffer(layer_start=layers.start, layer_end=layers.stop, num_kv_heads=self.config.num_kv_heads,
+                        head_dim=self.config.head_dim, capacity=capacity, dtype=self.dtype, device=self.device)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[T] int64 -> [T, hidden], as vLLM's model embeds its input (a family's scaling included)."""

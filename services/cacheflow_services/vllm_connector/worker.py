@@ -40,7 +40,6 @@ from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
-from cacheflow_common.model.weights import checkpoint_fingerprint
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.save import make_job
 from cacheflow_common.sched.policies import POLICIES
@@ -50,6 +49,7 @@ from cacheflow_common.transport.shaping import gbps
 from cacheflow_services.vllm_connector.async_loads import AsyncLoads
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.config import ConnectorConfig
+from cacheflow_services.vllm_connector.model_identity import KVGeometry, model_fingerprint
 from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather, layer_index, scatter
 from cacheflow_services.vllm_connector.paged_attention import PagedKV
 from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
@@ -101,15 +101,16 @@ class WorkerEngine:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        self.config = ModelConfig.from_dir(cfg.model)
-        self.fingerprint = checkpoint_fingerprint(Path(cfg.model), self.config, dtype)  # as the scheduler's
+        vllm_runtime = cfg.runtime == "vllm" and vllm_config is not None
+        self.config = KVGeometry.from_vllm(vllm_config) if vllm_runtime else ModelConfig.from_dir(cfg.model)
+        self.fingerprint = model_fingerprint(Path(cfg.model), dtype)  # as the scheduler's
         self._vllm_model = vllm_model or (lambda: None)
         self.store = open_store(cfg)
         self.profile = Profile.load(cfg.profile) if cfg.profile else None
         self.stats = StatsLog(cfg.stats_file)
         self._runtime = RuntimeChoice(cfg.model, self.config, runtime=cfg.runtime, share_weights=cfg.share_weights,
                                       dtype=dtype, device=device, vllm_model=self._vllm_model, vllm_config=vllm_config,
-                                      event=self.stats.event)
+                                      fingerprint=self.fingerprint, event=self.stats.event)
         self.saves = ConnectorSaves(self.store, self.stats.event, fingerprint=self.fingerprint, dtype=dtype,
                                     chunk_size=cfg.chunk_size, tenant=cfg.tenant)
         self.caches: list[tuple[int, torch.Tensor]] = []  # (decoder layer, its vLLM cache), by layer
