@@ -39,7 +39,7 @@ class ChannelLoader:
 
     def _run(self) -> None:
         move_off_compute_cores()
-        while (claim := self.core.claim_load(self.channel)) is not None:  # None: the engine stopped
+        while (claim := self.core.wait_for_load(self.channel)) is not None:  # None: the engine stopped
             task, restore = claim
             started = time.perf_counter()
             miss = self._load(restore, task.unit)

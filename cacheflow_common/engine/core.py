@@ -134,7 +134,7 @@ class EngineCore:
             self._cond.notify_all()
 
     # -- the channels -------------------------------------------------------------------------------
-    def claim_load(self, channel: int) -> tuple[LoadTask, StageRestore] | None:
+    def wait_for_load(self, channel: int) -> tuple[LoadTask, StageRestore] | None:
         """Wait for the scheduler to give `channel` a load; None once the engine stops."""
         with self._cond:
             while not self._stopped:
