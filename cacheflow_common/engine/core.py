@@ -47,7 +47,6 @@ class EngineCore:
         self._restores: dict[str, StageRestore] = {}
         self._forwards: deque[ForwardItem] = deque()
         self._stopped = False
-        self._errors: dict[str, BaseException] = {}  # request -> why it failed (set with `_fail`)
 
     # -- request threads ----------------------------------------------------------------------------
     def admit_restore(self, restore: StageRestore) -> None:
@@ -196,8 +195,9 @@ class EngineCore:
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         """Stop a restore with `error`."""
-        if self._scheduler.cancel(request_id, str(error)):
-            self._errors[request_id] = error
+        restore = self._restores.get(request_id)
+        if self._scheduler.cancel(request_id, str(error)) and restore is not None:
+            restore.error = error
         self._settle()
 
     def _settle(self) -> None:
@@ -211,7 +211,6 @@ class EngineCore:
         for request_id, reason in self._scheduler.failed().items():
             self._scheduler.forget(request_id)
             restore = self._restores.pop(request_id, None)
-            error = self._errors.pop(request_id, None) or CacheFlowError(reason)
             if restore is not None:
                 restore.close()
-                restore.done.set_exception(error)
+                restore.done.set_exception(restore.error or CacheFlowError(reason))
