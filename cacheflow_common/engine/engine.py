@@ -49,8 +49,8 @@ class Engine:
 
     def __init__(self, settings: EngineSettings, model: Transformer, *, loop_thread: bool, sampler: Sampler,
                  on_step: StepHook, on_load: LoadHook, scheduler: BatchScheduler | None) -> None:
-        self.settings = settings
-        self.model = model
+        self._settings = settings
+        self._model = model
         scheduler = scheduler or BatchScheduler(make_policy(settings.policy), n_stages=1)
         self._core = EngineCore(scheduler, stage=settings.stage, n_channels=len(settings.channels))
         self._builder = RestoreBuilder(settings, model, on_input=self._core.wake_loop)
@@ -79,6 +79,14 @@ class Engine:
         library's `restore()`)."""
         return cls(settings, model, loop_thread=False, sampler=_no_sampling, on_step=on_step or _ignore,
                    on_load=_ignore, scheduler=scheduler)
+
+    @property
+    def settings(self) -> EngineSettings:
+        return self._settings
+
+    @property
+    def model(self) -> Transformer:
+        return self._model
 
     # -- restores -----------------------------------------------------------------------------
     def submit(self, request_id: str, job: RestoreJob, store: ChunkStore, kv: KVBuffer, *, policy: str = "",
