@@ -1,4 +1,4 @@
-"""The connector's restore engine: `cacheflow_common.engine.RestoreEngine` as a one-stage engine over its vLLM
+"""The connector's restore engine: `cacheflow_common.engine.Engine` as a one-stage engine over its vLLM
 rank's layers — all of them, fed by the token embeddings, or (a pipeline-parallel rank after the first)
 [a, b), fed by the stored boundary activations entering layer a. One compute loop runs one batched
 forward per step over every request's units, one loader per storage pod: a step's loads restore together

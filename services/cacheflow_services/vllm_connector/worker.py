@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from cacheflow_common.engine import RestoreEngine, RestoreJob, RestoreResult
+from cacheflow_common.engine import Engine, RestoreJob, RestoreResult
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.kv_buffer import KVBuffer
@@ -119,7 +119,7 @@ class WorkerEngine:
         self.capture = BoundaryCapture()  # the hidden state entering layer a (ranks with a > 0 that save)
         self.policy, self.link = connector_policy(cfg, self.profile)  # the link: bytes/s, if known
         self.attention_isa = attention_isa if cfg.attention == "vllm" else ""
-        self._engine: RestoreEngine | None = None  # started at the first restore
+        self._engine: Engine | None = None  # started at the first restore
         self._async = AsyncLoads(self, timeout_s=cfg.restore_timeout_s) if cfg.async_loads else None
         self._runtime.choose(self.layers, final=False)
 
@@ -254,14 +254,14 @@ class WorkerEngine:
                          attention="vllm" if isinstance(result.kv, PagedKV | BlockKV) else "cacheflow")
         return self._after_misses(spec, job, result)
 
-    def engine(self) -> RestoreEngine:
+    def engine(self) -> Engine:
         """The engine every restore runs in, started at the first; its compute loop runs on vLLM's thread
         (in the step, or between steps for background restores: `async_loads.py` says why)."""
         if self._engine is None:
             settings = engine_settings(self.cfg, self.layers, self.profile, self.link, self.policy,
                                        paged_attention=bool(self.attention_isa) or self.runtime == "vllm",
                                        token_only=self.runtime == "vllm")
-            self._engine = RestoreEngine(settings, self.model, loop_thread=False)
+            self._engine = Engine.for_connector(settings, self.model)
         return self._engine
 
     def _after_misses(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult) -> set[int]:
