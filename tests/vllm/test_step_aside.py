@@ -74,15 +74,24 @@ def test_a_sliding_window_cache_steps_aside(cluster: dict[str, Any]) -> None:
     assert not _events(stats, "restore") and not _events(stats, "save")
 
 
-def test_an_fp8_kv_cache_steps_aside(cluster: dict[str, Any]) -> None:
+def test_an_fp8_kv_cache_is_restored_as_its_bytes_and_only_into_fp8(cluster: dict[str, Any]) -> None:
+    """`--kv-cache-dtype fp8`: chunks hold the cache's fp8 bytes; vLLM's model recomputes the front in fp8;
+    the outputs are vLLM's own. A model-dtype cache over the same pods finds none of those chunks."""
     model_dir = cluster["root"] / "tiny-qwen3"
     save_tiny_qwen3(model_dir)
     stats = cluster["root"] / "fp8.jsonl"
+    connector = _connector(cluster, stats)
     reference = _run(cluster, "fp8-reference", str(model_dir), None, kv_cache_dtype="fp8")
-    with_connector = _run(cluster, "fp8-connector", str(model_dir), _connector(cluster, stats), kv_cache_dtype="fp8")
-    assert with_connector == reference
-    inactive = _events(stats, "inactive")
-    assert inactive and all("KV cache dtype fp8" in e["reason"] for e in inactive), inactive
+    saved = _run(cluster, "fp8-save", str(model_dir), connector, kv_cache_dtype="fp8")
+    restored = _run(cluster, "fp8-restore", str(model_dir), connector, kv_cache_dtype="fp8")
+    assert saved == reference and restored == reference
+    assert not _events(stats, "inactive")
+    restores = _events(stats, "restore")
+    assert [e["tokens"] for e in restores] == [192, 320]
+    assert all(e["runtime"] == "vllm" and e["computed"] + e["loaded"] == e["tokens"] // CHUNK for e in restores)
+    full = cluster["root"] / "full.jsonl"
+    _run(cluster, "full-dtype", str(model_dir), _connector(cluster, full))
+    assert not _events(full, "restore") and _events(full, "save")
 
 
 def test_a_hub_id_is_read_from_the_local_cache(cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:

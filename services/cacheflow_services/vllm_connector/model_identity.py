@@ -1,11 +1,16 @@
 """What the connector needs to know of the model vLLM serves, taken from vLLM's loaded config so that any
-family vLLM runs works: the KV geometry (its chunks' shape) and the fingerprint that salts every chunk key.
+family vLLM runs works: the KV geometry (its chunks' shape), the dtype its cache holds KV in, and the
+fingerprint that salts every chunk key.
 
 The fingerprint of a family CacheFlow's own runtime implements is the one CacheFlow's stage workers use
 (`checkpoint_fingerprint`: a vLLM instance and a CacheFlow cluster share chunks). Any other checkpoint is
 identified by its files: a Hub snapshot by its repository and commit (immutable by construction, nothing to
 read), a local directory by every byte of its config and weight files, hashed once and kept beside them
 (`fingerprint_cache.py`). Either way the compute dtype is part of it: other dtype, other KV.
+
+An fp8 cache's chunks hold its bytes as they are (vLLM quantizes with the model's own scales, 1 where the
+checkpoint has none): their fingerprint is the whole checkpoint's files (scales included), the fp8 format and
+the cache's layout, so they are restored only into a cache that reads those bytes the same way.
 """
 
 from __future__ import annotations
@@ -42,6 +47,27 @@ class KVGeometry:
         return cls(num_layers=model.get_total_num_hidden_layers(),
                    num_kv_heads=model.get_total_num_kv_heads(), head_dim=model.get_head_size(),
                    hidden_size=model.get_hidden_size())
+
+
+FP8 = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}  # vLLM's cache dtype -> chunk dtype
+
+
+def kv_dtype(vllm_config: Any) -> str:
+    """The chunk dtype of vLLM's KV cache: the model's dtype ("auto"), or an fp8 format."""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype == "auto":
+        return str(vllm_config.model_config.dtype).removeprefix("torch.")
+    if cache_dtype not in FP8:
+        raise ConfigError(f"KV cache dtype {cache_dtype}: the connector stores model-dtype or fp8 KV only")
+    return FP8[cache_dtype]
+
+
+def chunk_fingerprint(model_dir: Path, vllm_config: Any, layout: str) -> str:
+    """What every chunk key of this vLLM instance is salted with (both connector sides compute it alike)."""
+    dtype = vllm_config.model_config.dtype
+    if vllm_config.cache_config.cache_dtype == "auto":
+        return model_fingerprint(model_dir, dtype)
+    return _digest(f"{files_fingerprint(model_dir, dtype)}|{kv_dtype(vllm_config)}|{layout}".encode())
 
 
 def model_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:

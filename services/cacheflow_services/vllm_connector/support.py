@@ -5,7 +5,8 @@ cannot restore is declined (vLLM computes it, and the request's KV is neither re
 Both sides of the connector (vLLM's scheduler and every worker) decide from the same `VllmConfig`, so they
 agree without talking. Refused, whatever recomputes the restore's front:
 
-* a KV cache in another dtype than the model's (`--kv-cache-dtype fp8`: chunks and caches must agree);
+* a KV cache in a dtype other than the model's or fp8 (with CacheFlow's runtime: any but the model's), or with
+  layers left out of its quantization (`kv_cache_dtype_skip_layers`);
 * tensor, decode- or prefill-context parallelism (a rank's cache holds a slice of the heads);
 * speculative decoding (the draft's layers have KV of their own that chunks do not hold);
 * a cache of other than full-attention blocks: several groups (hybrid models: one block table per group),
@@ -28,6 +29,7 @@ from typing import Any
 
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
+from cacheflow_services.vllm_connector.model_identity import FP8
 
 log = logging.getLogger(__name__)
 ATTENTION_SPECS = ("FullAttentionSpec",)  # caches of every position's K and V in blocks
@@ -57,8 +59,10 @@ def unsupported(vllm_config: Any, model: str, runtime: str) -> str:
     for kind, size in sharded.items():
         if size > 1:
             return f"{kind} parallelism ({size} ranks): a rank's cache holds a slice of the KV heads"
-    if cache.cache_dtype != "auto":
-        return f"KV cache dtype {cache.cache_dtype}: chunks hold the model's dtype"
+    if cache.cache_dtype != "auto" and (runtime != "vllm" or cache.cache_dtype not in FP8):
+        return f"KV cache dtype {cache.cache_dtype}: chunks hold the model's dtype or (with vLLM's model) fp8"
+    if cache.cache_dtype != "auto" and getattr(cache, "kv_cache_dtype_skip_layers", None):
+        return "layers left out of the KV cache's quantization: chunks hold one dtype"
     if vllm_config.speculative_config is not None:
         return "speculative decoding: the draft model's KV is not in the chunks"
     if runtime == "vllm":

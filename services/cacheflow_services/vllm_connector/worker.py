@@ -37,11 +37,12 @@ import torch
 
 from cacheflow_common.engine import Engine, RestoreJob, RestoreResult
 from cacheflow_common.errors import ConfigError
+from cacheflow_common.kv.chunk import TORCH_DTYPES
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.profile import Profile
-from cacheflow_common.restore.save import make_job
+from cacheflow_common.restore.save import dtype_name, make_job
 from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.store.placement import ClusterStore
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
@@ -49,7 +50,7 @@ from cacheflow_common.transport.shaping import gbps
 from cacheflow_services.vllm_connector.async_loads import AsyncLoads
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.config import ConnectorConfig
-from cacheflow_services.vllm_connector.model_identity import KVGeometry, model_fingerprint
+from cacheflow_services.vllm_connector.model_identity import KVGeometry, chunk_fingerprint, kv_dtype, model_fingerprint
 from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather, layer_index, scatter
 from cacheflow_services.vllm_connector.paged_attention import PagedKV
 from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
@@ -103,7 +104,9 @@ class WorkerEngine:
         self.device = device
         vllm_runtime = cfg.runtime == "vllm" and vllm_config is not None
         self.config = KVGeometry.from_vllm(vllm_config) if vllm_runtime else ModelConfig.from_dir(cfg.model)
-        self.fingerprint = model_fingerprint(Path(cfg.model), dtype)  # as the scheduler's
+        self.fingerprint = chunk_fingerprint(Path(cfg.model), vllm_config, layout) if vllm_config is not None \
+            else model_fingerprint(Path(cfg.model), dtype)  # as the scheduler's
+        self.kv_dtype = kv_dtype(vllm_config) if vllm_config is not None else dtype_name(dtype)  # chunks' dtype
         self._vllm_model = vllm_model or (lambda: None)
         self.store = open_store(cfg)
         self.profile = Profile.load(cfg.profile) if cfg.profile else None
@@ -112,6 +115,7 @@ class WorkerEngine:
                                       dtype=dtype, device=device, vllm_model=self._vllm_model, vllm_config=vllm_config,
                                       fingerprint=self.fingerprint, event=self.stats.event)
         self.saves = ConnectorSaves(self.store, self.stats.event, fingerprint=self.fingerprint, dtype=dtype,
+                                    kv_dtype=self.kv_dtype,
                                     chunk_size=cfg.chunk_size, tenant=cfg.tenant)
         self.caches: list[tuple[int, torch.Tensor]] = []  # (decoder layer, its vLLM cache), by layer
         self._expected = layers  # the rank's layers vLLM's split gives, checked at `register`
@@ -207,7 +211,7 @@ class WorkerEngine:
 
     def job(self, spec: LoadSpec) -> RestoreJob:
         return make_job(self.model, spec.token_ids, tenant=self.cfg.tenant, chunk_size=self.cfg.chunk_size,
-                        layers=self.layers)
+                        layers=self.layers, kv_dtype=self.kv_dtype)
 
     def buffer(self, spec: LoadSpec, job: RestoreJob) -> KVBuffer:
         """The restore's KV: also written into the request's blocks and attended over there with vLLM's CPU
@@ -215,7 +219,7 @@ class WorkerEngine:
         n = max(1, len(job.token_ids))
         if isinstance(self.model, VllmRuntime):
             return BlockKV(layers=job.layers, num_kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim,
-                           capacity=n, dtype=self.model.dtype, caches=dict(self.caches), layout=self.layout,
+                           capacity=n, dtype=TORCH_DTYPES[self.kv_dtype], caches=dict(self.caches), layout=self.layout,
                            block_ids=spec.block_ids, block_size=self.block_size, first_writable=spec.start)
         if not self.attention_isa:
             return self.model.new_kv(job.layers, n)
