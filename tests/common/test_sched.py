@@ -174,7 +174,7 @@ def test_an_empty_prefix_is_finished_on_arrival():
 
 # -- plans from the cost model -------------------------------------------------------------------------
 def _build(n_tokens: int, l_delta: int) -> RequestPlan:
-    mode = choose_mode(make_policy("cacheflow"), n_tokens, l_delta)
+    mode = choose_mode(make_policy("cacheflow"), n_tokens, l_delta, pipeline=False)
     return build_plan(request_id="r", arrival_s=0.0, n_tokens=n_tokens, costs=COSTS, stage_layers=[3, 2],
                       chunk_size=256, mode=mode, kv_bytes_per_token_layer=100,
                       place=lambda s, u: NOT_STORED if (s, u) == (1, 0) else (s + u) % 2)

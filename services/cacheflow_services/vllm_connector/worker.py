@@ -43,6 +43,7 @@ from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.model.weights import checkpoint_fingerprint
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.save import make_job
+from cacheflow_common.sched.policies import make_policy, usable_policy
 from cacheflow_common.store.placement import ClusterStore
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
 from cacheflow_common.transport.shaping import gbps
@@ -298,11 +299,9 @@ class WorkerEngine:
 
 
 def connector_policy(cfg: ConnectorConfig, profile: Profile | None) -> tuple[str, float | None]:
-    """The restore policy and the link its costs are for; the CacheFlow ones need a profile (else Cake)."""
+    """The restore policy and the link its costs are for; the CacheFlow ones need a profile (`usable_policy`)."""
     link = gbps(cfg.link_gbps) if cfg.link_gbps else None
-    if cfg.policy.startswith("cacheflow") and profile is None:
-        return "cake", link
-    return cfg.policy, link
+    return usable_policy(make_policy(cfg.policy), profiled=profile is not None)[0].name, link
 
 
 def blocks_from(spec: LoadSpec, first: int, block_size: int) -> set[int]:
