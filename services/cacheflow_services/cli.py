@@ -28,7 +28,7 @@ def default_profile_path(model: str) -> Path:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from cacheflow_common.restore.profiler import NEVER_TOKEN_WISE, ProfileSettings
+    from cacheflow_common.engine.profiler import NEVER_TOKEN_WISE, ProfileSettings
     from cacheflow_services.profiling import measure
 
     settings = (ProfileSettings.quick(args.chunk_size, args.max_tokens) if args.quick
