@@ -22,10 +22,10 @@ from cacheflow_common.engine.stage_restore import EmbeddingInput, RestoreSpec, S
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.restore.boundary import BoundaryInput, BoundaryMissingError
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 from cacheflow_common.restore.job import ChunkComputed, RestoreJob
 from cacheflow_common.restore.loader import KVLoader
-from cacheflow_common.restore.stages import BoundaryInput, BoundaryMissingError
 from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.sched.plan import build_plan
 from cacheflow_common.sched.policies import POLICIES, choose_mode, make_policy, token_unit, usable_policy

@@ -45,7 +45,7 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 # `cacheflow bench NAME` -> its module in cacheflow_bench
-BENCHMARKS = {"restore": "restore_single", "storage": "storage", "stages": "stages", "batch": "batch",
+BENCHMARKS = {"restore": "restore_single", "storage": "storage", "stages": "parallel_stages", "batch": "batch",
               "latency": "latency", "vllm": "vllm", "report": "report", "chaos": "chaos", "sweep": "sweep",
               "sched-scale": "sched_scale"}
 
