@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from cacheflow_common.engine.settings import EngineSettings
-from cacheflow_common.engine.stage_restore import EmbeddingInput, RestoreSpec, StageInput, StageRestore
+from cacheflow_common.engine.stage_restore import RestoreSpec, StageRestore
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
@@ -26,6 +26,7 @@ from cacheflow_common.restore.boundary import BoundaryInput, BoundaryMissingErro
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 from cacheflow_common.restore.job import ChunkComputed, RestoreJob
 from cacheflow_common.restore.loader import KVLoader
+from cacheflow_common.restore.stage_input import EmbeddingInput, StageInput
 from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.sched.plan import build_plan
 from cacheflow_common.sched.policies import POLICIES, choose_mode, make_policy, token_unit, usable_policy

@@ -21,11 +21,12 @@ from cacheflow_common.engine.builder import RestoreBuilder
 from cacheflow_common.engine.channels import ChannelLoader
 from cacheflow_common.engine.core import EngineCore, ForwardItem
 from cacheflow_common.engine.settings import EngineSettings
-from cacheflow_common.engine.stage_restore import StageInput, StageRestore
+from cacheflow_common.engine.stage_restore import StageRestore
 from cacheflow_common.engine.step_loop import Sampler, StepLoop, StepPlan
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.job import ChunkComputed, RestoreJob, RestoreResult
+from cacheflow_common.restore.stage_input import StageInput
 from cacheflow_common.sched.policies import make_policy
 from cacheflow_common.stage_api import RestoreSummary
 from cacheflow_common.store.base import ChunkStore

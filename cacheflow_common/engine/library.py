@@ -14,12 +14,12 @@ import torch
 
 from cacheflow_common.engine.engine import RestoreEngine
 from cacheflow_common.engine.settings import EngineSettings
-from cacheflow_common.engine.stage_restore import StageInput
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.costs import CostModel
 from cacheflow_common.restore.executor import LOAD_ONLY_READS_IN_FLIGHT
 from cacheflow_common.restore.job import ChunkComputed, RestoreJob, RestoreResult
+from cacheflow_common.restore.stage_input import StageInput
 from cacheflow_common.sched.policies import Policy, make_policy
 from cacheflow_common.store.base import ChunkStore
 
