@@ -1,7 +1,7 @@
 """The protocol between the coordinator and the stage workers: one set of typed messages, used by both ends.
 
 The worker's HTTP API validates what it receives with these models and answers with them; the
-coordinator's stage client (`cacheflow_services.coordinator.stages`) builds its requests and reads the
+coordinator's stage client (`cacheflow_services.coordinator.stage_chain`) builds its requests and reads the
 answers with the same models, so a field renamed on one side fails on the other at once.
 
     POST /v1/restore   RestoreRequest  -> RestoreSummary

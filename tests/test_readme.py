@@ -31,11 +31,14 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from pydantic import BaseModel
 
+from cacheflow_common import stage_api
 from cacheflow_common.engine import restore
 from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import load_model, model_config
 from cacheflow_common.restore.save import compute_prefix_kv, make_job, save_prefix
+from cacheflow_common.sched.policies import POLICIES
 from cacheflow_services.cli import main
 from cacheflow_services.storage.launch import LocalPod, launch_pod
 from cacheflow_services.vllm_connector.config import ConnectorConfig
@@ -287,3 +290,25 @@ def test_the_vllm_command_names_the_connector_and_valid_settings():
     assert (README.parent / "services" / (module.replace(".", "/") + ".py")).is_file()
     assert config["kv_connector"] == "CacheFlowConnector"
     ConnectorConfig.from_extra(config["kv_connector_extra_config"], served_model=argv[2])
+
+
+def _region(name: str) -> str:
+    """The README's lines between `<!-- name:begin -->` and `<!-- name:end -->`."""
+    text = README.read_text()
+    return text[text.index(f"<!-- {name}:begin -->"):text.index(f"<!-- {name}:end -->")]
+
+
+def test_the_policy_table_is_every_registered_policy_with_its_own_summary():
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \| (.+) \|$", _region("policies"), re.M)
+    assert dict(rows) == {name: policy.summary for name, policy in POLICIES.items()}
+
+
+def test_the_control_messages_named_are_the_stage_protocols_messages():
+    start = README.read_text().index("Control messages are")
+    paragraph = README.read_text()[start:].split("\n\n")[0]
+    named = set(re.findall(r"`([A-Z][A-Za-z]+)`", paragraph))
+    doc = stage_api.__doc__ or ""
+    calls = [line for line in doc.splitlines() if line.lstrip().startswith(("POST", "GET", "any"))]
+    protocol = set(re.findall(r"\b([A-Z][a-z]+[A-Z][A-Za-z]+)\b", "\n".join(calls)))  # the docstring's calls
+    assert named and protocol <= named
+    assert all(issubclass(getattr(stage_api, name), BaseModel) for name in named)

@@ -48,8 +48,8 @@ def sim_config(profile: Profile, shape: ModelShape, *, policy: str, batch: int, 
                link_gbps: float, chunk_size: int, calibration: Calibration = Calibration()) -> SimConfig:
     """The simulated cluster, modelling the workers' engines: batched steps within their token budget,
     compute-only in prefill-sized units; adaptive policies are token-wise on more than one stage, as the
-    workers run them."""
-    l_delta = 0 if n_stages > 1 else profile.l_delta_for(link_gbps * 1e9 / 8)
+    workers run them (`choose_mode`, which the simulator calls too)."""
+    l_delta = profile.l_delta_for(link_gbps * 1e9 / 8)
     return SimConfig(model=shape, costs=profile.costs.scaled(compute=calibration.compute, load=calibration.load),
                      policy=policy, n_stages=n_stages, n_channels=n_channels, link_gbps=link_gbps / calibration.load,
                      chunk_size=chunk_size, l_delta=l_delta, max_batch=batch,

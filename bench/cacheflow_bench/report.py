@@ -27,6 +27,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from cacheflow_bench import before_after, readme_table
@@ -36,7 +37,8 @@ from cacheflow_bench.common import RESULTS_DIR, SCRATCH_DIR, machine_facts, mark
 from cacheflow_bench.readme_table import commit_of, commit_problems
 
 SUITE = ("restore_single", "storage", "latency", "stages", "batch", "sched_scale", "sweep", "chaos", "vllm",
-         "vllm_memory")
+         "vllm_memory")  # the results, by name: each writes <name>.json
+MODULES = {"stages": "parallel_stages"}  # a benchmark's module in cacheflow_bench, where not named as its results
 Section = Callable[[dict[str, dict[str, Any]], Path, bool], list[str]]
 
 
@@ -66,9 +68,14 @@ def quick_results(results: dict[str, dict[str, Any]]) -> list[str]:
 PUBLISHED = {"restore_single": ["--lengths", "1024,2048,4096", "--ratios", "0.5,1,2", "--cap", "smollm2=2048"]}
 
 
-def run_suite(out: Path, quick: bool) -> None:
+def benchmark_module(name: str) -> ModuleType:
+    """The module of the suite's benchmark `name` (its `main` runs it)."""
     import importlib
 
+    return importlib.import_module(f"cacheflow_bench.{MODULES.get(name, name)}")
+
+
+def run_suite(out: Path, quick: bool) -> None:
     from cacheflow_bench.vllm import VLLM_PYTHON
 
     for name in SUITE:
@@ -77,7 +84,7 @@ def run_suite(out: Path, quick: bool) -> None:
             continue
         print(f"== {name}", flush=True)
         args = ["--out", str(out)] + (["--quick"] if quick else PUBLISHED.get(name, []))
-        if importlib.import_module(f"cacheflow_bench.{name}").main(args) != 0:
+        if benchmark_module(name).main(args) != 0:
             raise SystemExit(f"benchmark {name} failed")
 
 

@@ -27,12 +27,11 @@ import torch
 from cacheflow_bench import restore_runs as runs
 from cacheflow_bench.common import add_out_option, median, provenance, results_dir, write_json
 from cacheflow_bench.restore_single_report import POLICIES, plot, render_markdown, summarize
-from cacheflow_common.engine import restore
+from cacheflow_common.engine import ProfileSettings, profile_model, restore
 from cacheflow_common.model.sources import check_model, default_device, load_model, parse_dtype
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.restore.profile import Profile
-from cacheflow_common.restore.profiler import ProfileSettings, profile_model
 from cacheflow_common.restore.save import make_job, save_prefix
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_common.store.filesystem import FilesystemStore

@@ -18,17 +18,18 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from cacheflow_common.engine.settings import EngineSettings
-from cacheflow_common.engine.stage_restore import EmbeddingInput, RestoreSpec, StageInput, StageRestore
+from cacheflow_common.engine.stage_restore import RestoreSpec, StageRestore
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.restore.boundary import BoundaryInput, BoundaryMissingError
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 from cacheflow_common.restore.job import ChunkComputed, RestoreJob
 from cacheflow_common.restore.loader import KVLoader
-from cacheflow_common.restore.stages import BoundaryInput, BoundaryMissingError
+from cacheflow_common.restore.stage_input import EmbeddingInput, StageInput
 from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.sched.plan import build_plan
-from cacheflow_common.sched.policies import POLICIES, choose_mode, make_policy, token_unit
+from cacheflow_common.sched.policies import POLICIES, choose_mode, make_policy, token_unit, usable_policy
 from cacheflow_common.store.base import ChunkStore
 
 UPSTREAM_FED = ("pipelined", "sequential")  # restore inputs taken from the previous stage's output
@@ -77,21 +78,16 @@ class RestoreBuilder:
              delivers: bool) -> RestoreSpec:
         """The policy and mode this stage restores with, and why they differ from what was asked, if they do.
 
-        A stage fed by the previous one computes only what was delivered: Cake's greedy pointers. A
-        restore that delivers its chunks (the next stage is fed by it), and every stage of a multi-stage
-        pipeline, goes token-wise: a layer-wise restore on stage s > 0 would read the whole prefix's
-        boundary activations before its first layer, a cost the single-stage L_delta does not see.
+        A stage fed by the previous one computes only what was delivered: Cake's greedy pointers. Without
+        a profile, the CacheFlow policies fall back to Cake (`usable_policy`); the mode is `choose_mode`'s,
+        the simulator's rule too.
         """
         if policy_name not in POLICIES:
             raise BadRequestError(f"unknown policy {policy_name!r}; choose one of {', '.join(POLICIES)}")
-        policy, fallback = make_policy(policy_name), ""
+        policy, fallback = usable_policy(make_policy(policy_name), profiled=self.profiled)
         if upstream:
             policy, fallback = make_policy("cake"), "fed by the previous stage: greedy pointers"
-        elif policy.plans_meeting and not self.profiled:
-            policy, fallback = make_policy("cake"), "no profile: run `cacheflow profile` for CacheFlow's planning"
-        mode = choose_mode(policy, len(job.token_ids), self.l_delta)
-        if mode == "layer" and (delivers or (self.config.pipeline and policy.adaptive_mode)):
-            mode = "token"
+        mode = choose_mode(policy, len(job.token_ids), self.l_delta, pipeline=self.config.pipeline, delivers=delivers)
         return RestoreSpec(request_id=request_id, job=job, policy=policy, mode=mode, input_mode=input_mode,
                            fallback=fallback)
 

@@ -21,12 +21,13 @@ from cacheflow_common.engine.builder import RestoreBuilder
 from cacheflow_common.engine.channels import ChannelLoader
 from cacheflow_common.engine.core import EngineCore
 from cacheflow_common.engine.settings import EngineSettings
-from cacheflow_common.engine.stage_restore import StageInput, StageRestore
+from cacheflow_common.engine.stage_restore import StageRestore
 from cacheflow_common.engine.step_loop import Sampler, StepLoop
 from cacheflow_common.engine.step_plan import ForwardItem, StepBudget, StepPlan
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.job import ChunkComputed, RestoreJob, RestoreResult
+from cacheflow_common.restore.stage_input import StageInput
 from cacheflow_common.sched.policies import make_policy
 from cacheflow_common.sched.scheduler import BatchScheduler
 from cacheflow_common.stage_api import RestoreSummary

@@ -14,13 +14,12 @@ import torch
 
 from cacheflow_common.engine.engine import Engine
 from cacheflow_common.engine.settings import EngineSettings
-from cacheflow_common.engine.stage_restore import StageInput
-from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.costs import CostModel
 from cacheflow_common.restore.executor import LOAD_ONLY_READS_IN_FLIGHT
 from cacheflow_common.restore.job import ChunkComputed, RestoreJob, RestoreResult
+from cacheflow_common.restore.stage_input import StageInput
 from cacheflow_common.sched.policies import Policy, make_policy
 from cacheflow_common.store.base import ChunkStore
 
@@ -34,16 +33,15 @@ def restore(job: RestoreJob, *, model: Transformer, store: ChunkStore, policy: s
     """Restore `job` with `policy`; returns what was done (the KV in `result.kv`).
 
     `kv`: the buffer to fill (allocated if None); `costs`: the profile's cost model behind the link in use
-    (the CacheFlow policies need it); `stage_input`: the compute side's input (default: the token
-    embeddings), a `StageInput` or any function of (start, end) that returns its rows; `on_computed` hears
-    of every chunk computed (the restore then goes token-wise, in the stored chunks); compute-only
-    recomputes in units of `prefill_tokens`.
+    (without it the CacheFlow policies fall back to Cake, as a stage worker's do: `result.fallback` says
+    so); `stage_input`: the compute side's input (default: the token embeddings), a `StageInput` or any
+    function of (start, end) that returns its rows; `on_computed` hears of every chunk computed (the
+    restore then goes token-wise, in the stored chunks); compute-only recomputes in units of
+    `prefill_tokens`.
     """
-    chosen = make_policy(policy)
-    if chosen.plans_meeting and costs is None:
-        raise ConfigError(f"policy {policy!r} needs a cost model: run `cacheflow profile` and pass its costs")
     settings = EngineSettings(layers=job.layers, policy=policy, chunk_size=job.chunk_size, costs=costs,
-                              l_delta=l_delta, prefill_tokens=prefill_tokens, channels=_channels(store, chosen))
+                              l_delta=l_delta, prefill_tokens=prefill_tokens,
+                              channels=_channels(store, make_policy(policy)))
     with Engine.for_connector(settings, model) as engine:  # this thread computes
         kvs = {REQUEST_ID: kv} if kv is not None else None
         result = engine.restore_batch({REQUEST_ID: job}, store, policy, kvs=kvs, inputs=_as_stage_input(stage_input),

@@ -14,7 +14,6 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -22,32 +21,11 @@ from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.restore.job import ChunkComputed, RestoreJob, UnitRecord
 from cacheflow_common.restore.loader import KVLoader
+from cacheflow_common.restore.stage_input import StageInput
 from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.sched.plan import RequestPlan
 from cacheflow_common.sched.policies import Policy
 from cacheflow_common.stage_api import RestoreSummary
-
-
-class StageInput(Protocol):
-    """The hidden states entering the stage for prefix tokens [start, end): [T, hidden]."""
-
-    def __call__(self, start: int, end: int) -> torch.Tensor: ...
-
-    def ready(self, start: int, end: int) -> bool: ...  # in memory now (and if not, on its way)
-
-
-class EmbeddingInput:
-    """Stage 0's input: the token embeddings (always ready)."""
-
-    def __init__(self, model: Transformer, token_ids: tuple[int, ...]) -> None:
-        self.model = model
-        self.ids = torch.tensor(token_ids, dtype=torch.long)  # [N]
-
-    def __call__(self, start: int, end: int) -> torch.Tensor:
-        return self.model.embed(self.ids[start:end])  # [T, hidden]
-
-    def ready(self, start: int, end: int) -> bool:
-        return True
 
 
 @dataclass(frozen=True, kw_only=True)

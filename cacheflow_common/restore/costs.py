@@ -15,7 +15,7 @@ throughput and the (emulated) link.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -114,11 +114,47 @@ def best_split_from(
     suffix_load = [0.0] * (n + 1)
     for i in range(n - 1, -1, -1):
         suffix_load[i] = suffix_load[i + 1] + load_s[i]
-    best_k, best_t, prefix_compute = 0, float("inf"), 0.0
-    for k in range(n + 1):
-        t = max(compute_ready_s + prefix_compute, load_ready_s + suffix_load[k])
-        if t < best_t:
-            best_k, best_t = k, t
-        if k < n:
-            prefix_compute += compute_s[k]
-    return best_k, best_t
+    prefix_compute = [0.0] * (n + 1)
+    for i in range(n):
+        prefix_compute[i + 1] = prefix_compute[i] + compute_s[i]
+    return earliest_split(n, lambda k: compute_ready_s + prefix_compute[k], lambda k: load_ready_s + suffix_load[k])
+
+
+# -- the split that ends a restore first: one rule for the bound (above) and the batch meeting point -----------
+# Units `< k` computed, `>= k` loaded: the restore ends at max(compute_end(k), load_end(k)). Compute's end never
+# falls as k grows and the loads' end never rises (costs are never negative), so the end falls while the loads
+# finish last and rises from the first k where compute does. Exact (integer) ends are compared exactly.
+End = Callable[[int], float]
+
+
+def earliest_split(n: int, compute_end: End, load_end: End) -> tuple[int, float]:
+    """The k in [0, n] that ends the restore first (the lowest where several end at once), and that end;
+    bisections, not a scan."""
+    cross = _first(0, n, lambda k: compute_end(k) >= load_end(k))  # from here on, compute ends last
+    if cross == 0:
+        return 0, compute_end(0)
+    loads_last = load_end(cross - 1)  # the least end among k < cross, where the loads end last
+    lowest = _first(0, cross - 1, lambda k: load_end(k) <= loads_last)
+    if cross > n or loads_last <= (compute_last := compute_end(cross)):
+        return lowest, loads_last
+    return cross, compute_last
+
+
+def earliest_split_computes(n: int, compute_end: End, load_end: End) -> bool:
+    """`earliest_split(...)[0] > 0`, evaluating `load_end` twice only (the meeting point asks it at every
+    compute decision): some k >= 1 ends strictly sooner than k = 0 exactly when the largest k whose compute
+    ends before k = 0's end does, since the loads' end is least there."""
+    at_zero = max(compute_end(0), load_end(0))
+    k = _first(0, n, lambda k: compute_end(k) >= at_zero) - 1  # the largest k whose compute ends before
+    return k > 0 and load_end(k) < at_zero
+
+
+def _first(lo: int, hi: int, holds: Callable[[int], bool]) -> int:
+    """The least k in [lo, hi] where `holds` (false, then true, as k grows) is true; hi + 1 if none."""
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid - 1
+        else:
+            lo = mid + 1
+    return lo

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -26,16 +26,13 @@ from cacheflow_common.restore.board import TwoPointerBoard
 from cacheflow_common.restore.cores import move_off_compute_cores
 from cacheflow_common.restore.job import RestoreJob, RestoreResult
 from cacheflow_common.restore.loader import KVLoader, staging_buffer
+from cacheflow_common.restore.stage_input import EmbeddingInput, StageInput
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LOAD_ONLY_READS_IN_FLIGHT", "run_fixed_split"]
 
 LOAD_ONLY_READS_IN_FLIGHT = 2
-
-# The hidden states entering the stage's first layer for prefix tokens [start, end): [T, hidden].
-StageInput = Callable[[int, int], torch.Tensor]
-
 
 def run_fixed_split(job: RestoreJob, *, model: Transformer, loader: KVLoader, mode: str, split: int,
                     reads_in_flight: int = 1, label: str = "") -> RestoreResult:
@@ -45,7 +42,7 @@ def run_fixed_split(job: RestoreJob, *, model: Transformer, loader: KVLoader, mo
     label = label or f"{mode}-split-{split}"
     if not job.token_ids:
         return RestoreResult(policy=label, mode=mode, kv=kv, units=[], elapsed_s=0.0)
-    inputs = _embedding_input(model, job.token_ids)
+    inputs = EmbeddingInput(model, job.token_ids)
     n_units = len(job.keys) if mode == "token" else len(job.layers)
     board = TwoPointerBoard(n_units, split=split, compute_skips_loaded=mode == "token")
     loader_error: list[str] = []
@@ -68,15 +65,6 @@ def run_fixed_split(job: RestoreJob, *, model: Transformer, loader: KVLoader, mo
     return RestoreResult(policy=label, mode=mode, kv=kv, units=board.records, elapsed_s=elapsed,
                          loader_error=loader_error[0] if loader_error else "",
                          bytes_loaded=loader.bytes_read, misses=misses)
-
-
-def _embedding_input(model: Transformer, token_ids: Sequence[int]) -> StageInput:
-    ids = torch.tensor(token_ids, dtype=torch.long)  # [N]
-
-    def inputs(start: int, end: int) -> torch.Tensor:
-        return model.embed(ids[start:end])  # [T, hidden]
-
-    return inputs
 
 
 def _compute_chunks(board: TwoPointerBoard, model: Transformer, job: RestoreJob, kv: KVBuffer,

@@ -68,7 +68,7 @@ class Profile:
 
     def check_fits(self, model: Transformer, *, source: str = "the profile") -> None:
         """ConfigError unless this profile was measured for `model`'s weights, dtype and device."""
-        from cacheflow_common.restore.profiler import measured_as  # torch's side: only with a model at hand
+        from cacheflow_common.restore.measured import measured_as  # torch's side: only with a model at hand
 
         theirs = measured_as(model)
         pairs = {"model": (self.model, theirs["model"]), "dtype": (self.dtype, theirs["dtype"]),

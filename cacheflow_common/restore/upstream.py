@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from cacheflow_common.restore.boundary import BoundaryMissingError
 from cacheflow_common.restore.job import RestoreJob
-from cacheflow_common.restore.stages import BoundaryMissingError
 
 
 class UpstreamInput:

@@ -8,8 +8,9 @@ and every load the channels would serve before this request's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
+from cacheflow_common.restore.costs import earliest_split_computes
 from cacheflow_common.sched.calibration import Calibration
 from cacheflow_common.sched.exact import exact, ratio
 from cacheflow_common.sched.index import BatchIndex
@@ -66,7 +67,7 @@ class BatchMeetingPoint:
             """When every channel is done loading the pending units from the k-th on."""
             return max(work.load_between(c, start + k, end) * scale + before for c, before in ahead)
 
-        return _compute_takes_some(len(span), step, loaded_by)
+        return earliest_split_computes(len(span), lambda k: k * step, loaded_by)  # compute: k steps
 
     def _ahead_on(self, channel: int, request: RequestWork, rank: Rank | None, in_flight: InFlightLoad | None,
                   clock: int, now: float, scale: int, shift: int) -> int:
@@ -99,15 +100,3 @@ class BatchMeetingPoint:
     def _rivals(self, request: RequestWork, channel: int) -> Iterator[RequestWork]:
         """The other requests of the batch `channel` could serve instead, in arrival order."""
         return (other for other in self._requests.values() if other is not request and other.loads_from(channel))
-
-
-def _compute_takes_some(n_pending: int, step: int, loaded_by: Callable[[int], int]) -> bool:
-    """Whether the split of `n_pending` units that ends the restore first gives compute at least one: with
-    compute taking the k lowest, one per `step`, the restore ends at max(k * step, loaded_by(k)).
-
-    Compute's end rises with k and the channels' end falls (costs are never negative), so some k >= 1 ends
-    strictly sooner than k = 0 exactly when the largest k whose compute ends before k = 0's end does.
-    """
-    at_zero = max(0, loaded_by(0))
-    k = n_pending if step <= 0 else min(n_pending, (at_zero - 1) // step)  # largest k: k * step < at_zero
-    return k > 0 and loaded_by(k) < at_zero

@@ -194,8 +194,28 @@ def token_unit(policy: Policy, chunk_size: int, prefill_tokens: int) -> int:
     return max(chunk_size, prefill_tokens // chunk_size * chunk_size)
 
 
-def choose_mode(policy: Policy, n_tokens: int, l_delta: int) -> str:
-    """Token-wise or layer-wise: fixed by the policy, or token-wise iff the prefix has >= L_delta tokens."""
-    if policy.mode != "adaptive":
-        return policy.mode
-    return "token" if n_tokens >= l_delta else "layer"
+def choose_mode(policy: Policy, n_tokens: int, l_delta: int, *, pipeline: bool, delivers: bool = False) -> str:
+    """Token-wise or layer-wise, for the engine and the simulator alike: fixed by the policy, or token-wise
+    iff the prefix has >= L_delta tokens.
+
+    `pipeline`: the stage is one of several. An adaptive policy then goes token-wise on every stage: a
+    layer-wise restore on stage s > 0 reads the whole prefix's boundary activations before its first
+    layer, a cost the single-stage L_delta does not see. `delivers`: the restore hands its chunks to the
+    next stage as it computes them, so it goes token-wise whatever the policy.
+    """
+    mode = policy.mode if not policy.adaptive_mode else ("token" if n_tokens >= l_delta else "layer")
+    if mode == "layer" and (delivers or (pipeline and policy.adaptive_mode)):
+        return "token"
+    return mode
+
+
+NO_PROFILE = "no profile: run `cacheflow profile` for CacheFlow's planning"
+
+
+def usable_policy(policy: Policy, *, profiled: bool) -> tuple[Policy, str]:
+    """The policy a restore runs with, and why it is not `policy` ("" when it is): the planned (CacheFlow)
+    policies need a profile's costs; without one, Cake's greedy meeting point stands in. The stage
+    workers, the vLLM connector and the library's `restore()` all take this rule."""
+    if policy.plans_meeting and not profiled:
+        return POLICIES["cake"], NO_PROFILE
+    return policy, ""

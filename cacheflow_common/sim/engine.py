@@ -145,7 +145,7 @@ class _Simulation:
             costs=self.costs,
             stage_layers=self.layers,
             chunk_size=token_unit(self.policy, self.config.chunk_size, self.config.prefill_tokens),
-            mode=choose_mode(self.policy, request.cached_tokens, self.config.l_delta),
+            mode=choose_mode(self.policy, request.cached_tokens, self.config.l_delta, pipeline=len(self.layers) > 1),
             kv_bytes_per_token_layer=self.config.model.kv_bytes_per_token_layer,
             place=self._placement(request.request_id, order),
         )

@@ -28,7 +28,7 @@ def default_profile_path(model: str) -> Path:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from cacheflow_common.restore.profiler import NEVER_TOKEN_WISE, ProfileSettings
+    from cacheflow_common.engine import NEVER_TOKEN_WISE, ProfileSettings
     from cacheflow_services.profiling import measure
 
     settings = (ProfileSettings.quick(args.chunk_size, args.max_tokens) if args.quick
@@ -45,7 +45,7 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 # `cacheflow bench NAME` -> its module in cacheflow_bench
-BENCHMARKS = {"restore": "restore_single", "storage": "storage", "stages": "stages", "batch": "batch",
+BENCHMARKS = {"restore": "restore_single", "storage": "storage", "stages": "parallel_stages", "batch": "batch",
               "latency": "latency", "vllm": "vllm", "report": "report", "chaos": "chaos", "sweep": "sweep",
               "sched-scale": "sched_scale"}
 

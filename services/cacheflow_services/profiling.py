@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from cacheflow_common.engine import ProfileSettings, profile_model
 from cacheflow_common.model.sources import load_model, parse_dtype
 from cacheflow_common.restore.profile import PROFILE_FORMAT, Profile
-from cacheflow_common.restore.profiler import ProfileSettings, profile_model
 from cacheflow_common.store.base import open_store
 
 

@@ -15,6 +15,11 @@ from cacheflow_bench import readme_table, report
 from cacheflow_bench.common import RESULTS_DIR, SCRATCH_DIR, results_dir
 
 
+@pytest.mark.parametrize("name", report.SUITE)
+def test_every_benchmark_of_the_suite_has_a_module_to_run(name):
+    assert callable(report.benchmark_module(name).main)
+
+
 def test_report_from_the_committed_results_has_every_figure(tmp_path):
     for name in report.SUITE:
         shutil.copy(RESULTS_DIR / f"{name}.json", tmp_path)
@@ -71,7 +76,7 @@ def test_results_of_quick_runs_are_refused_unless_the_report_is_a_smoke_report(t
 
 @pytest.mark.parametrize("name", ["restore_single", "storage", "stages", "batch", "chaos", "vllm"])
 def test_quick_runs_write_to_the_scratch_folder_unless_told_otherwise(name, capsys, monkeypatch):
-    module = importlib.import_module(f"cacheflow_bench.{name}")
+    module = report.benchmark_module(name)
     if name == "vllm":  # its parser insists on vLLM's virtual environment
         monkeypatch.setattr(module, "VLLM_PYTHON", Path(sys.executable))
     assert results_dir(module.parse_args(["--quick"])) == SCRATCH_DIR

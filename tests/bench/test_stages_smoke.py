@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
-from cacheflow_bench import stages
+from cacheflow_bench import parallel_stages
 
 
 def test_stage_benchmark_quick_run(tmp_path):
-    assert stages.main(["--quick", "--model", "tiny", "--stages", "1,2", "--out", str(tmp_path)]) == 0
+    assert parallel_stages.main(["--quick", "--model", "tiny", "--stages", "1,2", "--out", str(tmp_path)]) == 0
     body = json.loads((tmp_path / "stages.json").read_text())
     summary = body["summary"]
     assert summary["speedup_s2_vs_pipelined"] > 0 and 0 < summary["boundary_bytes_share"] < 1

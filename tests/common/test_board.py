@@ -5,12 +5,13 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cacheflow_common.restore.board import TwoPointerBoard
-from cacheflow_common.restore.costs import best_split, best_split_from
+from cacheflow_common.restore.costs import best_split, best_split_from, earliest_split, earliest_split_computes
 
 
 def _drive(board: TwoPointerBoard, misses: set[int], seed: int) -> tuple[list[int], list[int]]:
@@ -98,3 +99,25 @@ def test_best_split_accounts_for_busy_sides():
     assert best_split_from([1, 1, 1], [1, 1, 1], compute_ready_s=10, load_ready_s=0)[0] == 0
     # The loader is busy for 10 s: everything should be computed.
     assert best_split_from([1, 1, 1], [1, 1, 1], compute_ready_s=0, load_ready_s=10)[0] == 3
+
+
+def _monotone_ends(data: st.DataObject) -> tuple[int, Callable[[int], int], Callable[[int], int]]:
+    """A split problem as the meeting point poses it: compute one whole step per unit, and each of a few
+    channels busy for a while, then loading its units from the top down (small integers: many ties)."""
+    n = data.draw(st.integers(0, 8))
+    step = data.draw(st.integers(0, 4))
+    channels = data.draw(st.lists(st.tuples(st.integers(0, 6), st.lists(st.integers(0, 3), min_size=n,
+                                                                          max_size=n)), min_size=1, max_size=3))
+
+    def load_end(k: int) -> int:
+        return max(busy + sum(loads[k:]) for busy, loads in channels)
+
+    return n, lambda k: k * step, load_end
+
+
+@given(st.data())
+def test_the_earliest_split_is_the_lowest_that_ends_first(data):
+    n, compute_end, load_end = _monotone_ends(data)
+    ends = [max(compute_end(k), load_end(k)) for k in range(n + 1)]
+    assert earliest_split(n, compute_end, load_end) == (ends.index(min(ends)), min(ends))
+    assert earliest_split_computes(n, compute_end, load_end) == (ends.index(min(ends)) > 0)

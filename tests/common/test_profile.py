@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from cacheflow_common.engine.profiler import NEVER_TOKEN_WISE, crossover_length
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 from cacheflow_common.restore.profile import Crossover, Profile
-from cacheflow_common.restore.profiler import NEVER_TOKEN_WISE, crossover_length
 
 COSTS = CostModel(chunk_compute=LinearCost(fixed_s=1e-3, per_token_s=1e-5, per_token_ctx_s=1e-9),
                   layer_compute=LinearCost(fixed_s=2e-3, per_token_s=1e-5, per_token_ctx_s=1e-9),

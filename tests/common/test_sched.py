@@ -3,6 +3,8 @@ random interleavings of decisions and events (misses, lost channels, lost stages
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cacheflow_common.errors import BadRequestError, ConfigError
@@ -16,7 +18,9 @@ from cacheflow_common.sched import (
     build_plan,
     choose_mode,
     make_policy,
+    policies,
 )
+from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.sched.scheduler import ComputeTask, LoadTask
 
 COSTS = CostModel(chunk_compute=LinearCost(fixed_s=1e-3, per_token_s=1e-5, per_token_ctx_s=1e-8),
@@ -172,9 +176,30 @@ def test_an_empty_prefix_is_finished_on_arrival():
     assert s.finished() == ["a"]
 
 
+# -- the policies as their module describes them -------------------------------------------------------
+TABLE_MODES = {"token": "token", "layer": "layer", "N >= L_delta": "adaptive"}
+TABLE_COMPUTE = {"every request": "every-request", "shortest and oldest": "shortest-and-oldest",
+                 "as `cacheflow`": "shortest-and-oldest"}
+TABLE_RANKINGS = {"the oldest": "arrival", "nobody": "arrival", "as `cacheflow`": "arrival",
+                  "least remaining": "least-remaining", "most remaining": "most-remaining",
+                  "largest share": "most-done", "highest response ratio": "response-ratio",
+                  "most compute saved": "saving"}
+
+
+def test_the_policy_table_of_the_policies_module_says_what_each_policy_does():
+    rows = re.findall(r"^\| `([a-z0-9-]+)` +\|(.+?)\|(.+?)\|(.+?)\|(.+?)\|$", policies.__doc__ or "", re.M)
+    assert sorted(name for name, *_ in rows) == sorted(POLICIES)
+    for name, mode, _, compute, channels in rows:
+        policy = POLICIES[name]
+        assert TABLE_MODES[mode.strip()] == policy.mode, name
+        assert TABLE_COMPUTE[compute.strip()] == policy.compute, name
+        (ranking,) = {r for words, r in TABLE_RANKINGS.items() if channels.strip().startswith(words)}
+        assert ranking == policy.ranking, name
+
+
 # -- plans from the cost model -------------------------------------------------------------------------
 def _build(n_tokens: int, l_delta: int) -> RequestPlan:
-    mode = choose_mode(make_policy("cacheflow"), n_tokens, l_delta)
+    mode = choose_mode(make_policy("cacheflow"), n_tokens, l_delta, pipeline=False)
     return build_plan(request_id="r", arrival_s=0.0, n_tokens=n_tokens, costs=COSTS, stage_layers=[3, 2],
                       chunk_size=256, mode=mode, kv_bytes_per_token_layer=100,
                       place=lambda s, u: NOT_STORED if (s, u) == (1, 0) else (s + u) % 2)

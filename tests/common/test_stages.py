@@ -13,14 +13,14 @@ from cacheflow_common.errors import ConfigError
 from cacheflow_common.kv.chunk import encode_hidden_chunk
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.layer_split import balanced_split, parse_split
-from cacheflow_common.restore.save import compute_prefix_kv, make_job
-from cacheflow_common.restore.stages import (
+from cacheflow_common.restore.boundary import (
     BoundaryInput,
     BoundaryMissingError,
     boundary_name,
     save_prefix_by_stage,
     stage_jobs,
 )
+from cacheflow_common.restore.save import compute_prefix_kv, make_job
 from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_common.store.shaped import ShapedStore

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from cacheflow_common.auth import INTERNAL_TOKEN_FILE, VERIFY_KEY_FILE, ensure_cluster_secrets
+from cacheflow_common.engine import profiler
+from cacheflow_common.engine.profiler import falling_points, settle_monotone
 from cacheflow_common.errors import ConfigError
-from cacheflow_common.restore import profiler
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
+from cacheflow_common.restore.measured import measured_as
 from cacheflow_common.restore.profile import Crossover, MonotoneCheck, Profile
-from cacheflow_common.restore.profiler import falling_points, measured_as, settle_monotone
 from tests.factories import tiny_model
 
 COSTS = CostModel(chunk_compute=LinearCost(fixed_s=1e-3, per_token_s=1e-5, per_token_ctx_s=1e-9),

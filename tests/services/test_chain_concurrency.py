@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cacheflow_common.auth import GrantIssuer, ensure_cluster_secrets
-from cacheflow_services.coordinator.stages import StageChain
+from cacheflow_services.coordinator.stage_chain import StageChain
 
 STAGES, REQUESTS = 2, 6
 

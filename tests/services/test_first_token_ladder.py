@@ -22,7 +22,7 @@ from cacheflow_services.coordinator.ladder import FIRST_TOKEN_LADDER, RESTORE_LA
 from cacheflow_services.coordinator.metrics import CoordinatorMetrics
 from cacheflow_services.coordinator.request import Request
 from cacheflow_services.coordinator.restoring import PrefixRestore
-from cacheflow_services.coordinator.stages import Sampling, StageChain
+from cacheflow_services.coordinator.stage_chain import Sampling, StageChain
 
 CHUNK = 32
 MISSING = ChainError(1, "no boundary activations", status=409, error="BoundaryMissingError")

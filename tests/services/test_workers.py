@@ -23,10 +23,10 @@ from cacheflow_common.auth import GrantIssuer, ensure_cluster_secrets, input_dig
 from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import load_model
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.restore.boundary import boundary_name
 from cacheflow_common.restore.save import make_job
-from cacheflow_common.restore.stages import boundary_name
 from cacheflow_common.transport import frames
-from cacheflow_services.coordinator.stages import ChainError, StageChain
+from cacheflow_services.coordinator.stage_chain import ChainError, StageChain
 from cacheflow_services.worker.launch import LocalWorker, launch_stages
 from tests.factories import greedy_reference
 from tests.services.procs import Pod, start_pod

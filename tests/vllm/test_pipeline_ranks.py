@@ -23,8 +23,8 @@ import torch
 from cacheflow_common.kv.chunk import decode_hidden_chunk, decode_kv_chunk
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.model.transformer import Span, Transformer
+from cacheflow_common.restore.boundary import boundary_name, save_prefix_by_stage
 from cacheflow_common.restore.save import make_job
-from cacheflow_common.restore.stages import boundary_name, save_prefix_by_stage
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_services.storage.launch import LocalPod, launch_pod, write_tokens
 from cacheflow_services.vllm_connector.config import ConnectorConfig

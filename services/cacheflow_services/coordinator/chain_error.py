@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 
 from cacheflow_common.errors import CacheFlowError
-from cacheflow_common.restore.stages import BoundaryMissingError
+from cacheflow_common.restore.boundary import BoundaryMissingError
 from cacheflow_common.stage_api import StageError
 
 

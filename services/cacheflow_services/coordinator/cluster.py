@@ -30,7 +30,7 @@ from cacheflow_common.stage_api import WorkerInfo
 from cacheflow_common.store.placement import ClusterStore, tenant_stores
 from cacheflow_common.transport.pod_client import PodClient
 from cacheflow_services.coordinator.config import CoordinatorConfig
-from cacheflow_services.coordinator.stages import ChainError, StageChain
+from cacheflow_services.coordinator.stage_chain import ChainError, StageChain
 from cacheflow_services.http_server import http_client
 from cacheflow_services.supervisor import restart_in_progress
 

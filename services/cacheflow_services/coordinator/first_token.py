@@ -24,7 +24,7 @@ from cacheflow_services.coordinator.ladder import FIRST_TOKEN_LADDER
 from cacheflow_services.coordinator.metrics import CoordinatorMetrics
 from cacheflow_services.coordinator.request import Request
 from cacheflow_services.coordinator.restoring import PrefixRestore
-from cacheflow_services.coordinator.stages import Sampling
+from cacheflow_services.coordinator.stage_chain import Sampling
 
 
 @dataclass(frozen=True)

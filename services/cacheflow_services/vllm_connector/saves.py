@@ -10,10 +10,10 @@ import torch
 from cacheflow_common.kv.chunk import encode_kv_chunk
 from cacheflow_common.kv.keys import ChunkKey, chunk_keys, object_name, tenant_salt
 from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.restore.boundary import save_boundaries
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.restore.save import dtype_name, save_chunks
 from cacheflow_common.restore.saver_thread import SaverThread
-from cacheflow_common.restore.stages import save_boundaries
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.vllm_connector.plan import SaveSpec
 from cacheflow_services.vllm_connector.runtime import Event

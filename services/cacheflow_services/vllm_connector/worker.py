@@ -43,7 +43,7 @@ from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.save import dtype_name, make_job
-from cacheflow_common.sched.policies import POLICIES
+from cacheflow_common.sched.policies import make_policy, usable_policy
 from cacheflow_common.store.placement import ClusterStore
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
 from cacheflow_common.transport.shaping import gbps
@@ -318,15 +318,14 @@ class WorkerEngine:
 
 
 def connector_policy(cfg: ConnectorConfig, profile: Profile | None) -> tuple[str, float | None]:
-    """The restore policy and the link its costs are for; the CacheFlow ones need a profile (else Cake), and
-    vLLM's own model restores token-wise."""
+    """The restore policy and the link its costs are for; the CacheFlow ones need a profile (`usable_policy`),
+    and vLLM's own model restores token-wise."""
     link = gbps(cfg.link_gbps) if cfg.link_gbps else None
-    if cfg.policy.startswith("cacheflow") and profile is None:
-        return "cake", link
-    if cfg.runtime == "vllm" and POLICIES[cfg.policy].mode == "layer":
-        log.warning("policy %s restores layer-wise; vLLM's model restores token-wise: cacheflow-token", cfg.policy)
+    policy = usable_policy(make_policy(cfg.policy), profiled=profile is not None)[0]
+    if cfg.runtime == "vllm" and policy.mode == "layer":
+        log.warning("policy %s restores layer-wise; vLLM's model restores token-wise: cacheflow-token", policy.name)
         return "cacheflow-token", link
-    return cfg.policy, link
+    return policy.name, link
 
 
 def blocks_from(spec: LoadSpec, first: int, block_size: int) -> set[int]:

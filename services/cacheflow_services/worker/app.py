@@ -31,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 from cacheflow_common.auth import GRANT_HEADER, Grant, input_digest
 from cacheflow_common.engine import RestoreCancelledError
 from cacheflow_common.errors import BadRequestError, GrantError
-from cacheflow_common.restore.stages import BoundaryMissingError
+from cacheflow_common.restore.boundary import BoundaryMissingError
 from cacheflow_common.stage_api import (
     BusyTotals,
     DeliverMeta,

@@ -16,10 +16,10 @@ from cacheflow_common.engine import StageRestore
 from cacheflow_common.kv.keys import ChunkKey
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.restore.boundary import save_boundaries
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.restore.save import make_job, save_chunks
 from cacheflow_common.restore.saver_thread import SaverThread
-from cacheflow_common.restore.stages import save_boundaries
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.worker.metrics import WorkerMetrics
 from cacheflow_services.worker.requests import StageRequest

@@ -47,11 +47,11 @@ from cacheflow_common.kv.keys import object_name
 from cacheflow_common.layer_split import balanced_split
 from cacheflow_common.model.sources import RANDOM_SHAPES, load_model
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.restore.boundary import boundary_name
 from cacheflow_common.restore.save import make_job
-from cacheflow_common.restore.stages import boundary_name
 from cacheflow_common.store.placement import ClusterStore
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
-from cacheflow_services.coordinator.stages import StageChain
+from cacheflow_services.coordinator.stage_chain import StageChain
 from cacheflow_services.storage.launch import LocalPod, launch_pod
 from cacheflow_services.worker.launch import LocalWorker, launch_stages
 

@@ -1,4 +1,4 @@
-"""Pipeline stages: the layer split, and boundary activations (the third dimension of the restore).
+"""Boundary activations: what a pipeline stage s > 0 restores from (the third dimension of the restore).
 
 Stage `s` owns layers `[a_s, b_s)`. Its restore's compute pointer needs, for every chunk it computes,
 the hidden state entering layer `a_s`:

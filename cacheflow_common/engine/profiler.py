@@ -1,5 +1,8 @@
 """`cacheflow profile`: measure this machine's compute and load costs and the L_delta crossover.
 
+It sits above the engine (`restore()` times both modes for real); the profile it writes is
+`restore/profile.py`'s, read by everything below.
+
 1. Per-chunk compute cost vs position (and a few chunk sizes), fitted per layer.
 2. Per-layer cost of a layer-wise pass over N tokens, fitted per layer.
 3. Raw store read throughput and the fixed cost of a read.
@@ -31,7 +34,8 @@ from cacheflow_common.kv.keys import ChunkKey
 from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 from cacheflow_common.restore.job import RestoreJob
-from cacheflow_common.restore.profile import Crossover, MeasuredFor, MonotoneCheck, Profile
+from cacheflow_common.restore.measured import measured_as
+from cacheflow_common.restore.profile import Crossover, MonotoneCheck, Profile
 from cacheflow_common.restore.save import dtype_name, make_job, save_prefix
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_common.store.memory import MemoryStore
@@ -81,18 +85,6 @@ def profile_model(model: Transformer, *, store: ChunkStore, settings: ProfileSet
     return Profile(**measured_as(model), model_name=model_name, chunk_size=settings.chunk_size,
                    threads=torch.get_num_threads(), costs=costs, crossovers=tuple(crossovers), machine=_machine(),
                    checks=tuple(checks))
-
-
-def measured_as(model: Transformer) -> MeasuredFor:
-    """What a profile of `model` is measured for: its fingerprint, dtype and device."""
-    return MeasuredFor(model=model.fingerprint(), dtype=dtype_name(model.dtype), device=device_label(model.device))
-
-
-def device_label(device: torch.device) -> str:
-    """"cpu", or "cuda (<the GPU's name>)": costs measured on one GPU model do not hold on another."""
-    if device.type == "cuda":
-        return f"cuda ({torch.cuda.get_device_name(device)})"
-    return device.type
 
 
 def falling_points(times: Sequence[float], slack: float = MONOTONE_SLACK) -> list[int]:
