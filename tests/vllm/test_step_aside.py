@@ -121,3 +121,22 @@ def test_a_hub_id_is_read_from_the_local_cache(cluster: dict[str, Any], monkeypa
     declined = _events(stats, "declined")
     assert len(declined) == 3 and all("cache_salt" in e["reason"] for e in declined), declined
     shutil.rmtree(hub)
+
+
+def test_tensor_parallel_ranks_restore_their_own_heads(cluster: dict[str, Any],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP 2: each rank stores and loads the chunks of its own KV heads (no recompute: a rank's forward would
+    need the other's in lockstep); the second pass restores every prompt with vLLM's own outputs."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    model_dir = cluster["root"] / "tiny-qwen3-tp"
+    save_tiny_qwen3(model_dir, seed=5)
+    stats = cluster["root"] / "tp.jsonl"
+    spec = {"model": str(model_dir), "prompts": cluster["prompts"], "max_tokens": 6, "block_size": BLOCK,
+            "connector": _connector(cluster, stats), "tensor_parallel_size": 2,
+            "passes": [{"label": "cold"}, {"label": "warm"}]}
+    results = drive(spec, cluster["root"], "tp2")["results"]
+    cold, warm = results[: len(cluster["prompts"])], results[len(cluster["prompts"]):]
+    assert [r["tokens"] for r in warm] == [r["tokens"] for r in cold]
+    restores = _events(stats, "restore")
+    assert sorted((e["tp_rank"], e["tokens"]) for e in restores) == [(0, 192), (0, 320), (1, 192), (1, 320)]
+    assert all(e["computed"] == 0 and e["loaded"] == e["tokens"] // CHUNK and not e["misses"] for e in restores)

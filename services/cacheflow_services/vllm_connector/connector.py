@@ -95,6 +95,10 @@ class CacheFlowConnector(KVConnectorBase_V1):
         if vllm_config.parallel_config.pipeline_parallel_size > 1 and self.cfg.runtime == "vllm":
             log.info("pipeline ranks restore from boundary activations with CacheFlow's runtime (runtime: cacheflow)")
             self.cfg = replace(self.cfg, runtime="cacheflow")
+        if vllm_config.parallel_config.tensor_parallel_size > 1 and self.cfg.runtime == "vllm":
+            log.info("tensor-parallel ranks restore by loading their chunks in vLLM's step, vLLM recomputing "
+                     "from the first miss (load_through.py says why)")
+            self.cfg = replace(self.cfg, policy="load-only", on_miss="vllm", async_loads=False)
         self.inactive = self._resolve_model(model_config.revision) \
             or unsupported(vllm_config, self.cfg.model, self.cfg.runtime) or unsupported_cache(kv_cache_config)
         try:
@@ -113,7 +117,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
             self._engine = WorkerEngine(self.cfg, dtype=dtype, block_size=block_size, device=device, layout=layout,
                                         vllm_model=lambda: find_vllm_model(vllm_config),
                                         layers=_rank_layers(self.cfg, vllm_config), attention_isa=isa,
-                                        vllm_config=vllm_config)
+                                        vllm_config=vllm_config, tp_rank=_tp_rank(vllm_config))
 
     def _resolve_model(self, revision: str | None) -> str:
         """Point `cfg.model` at the checkpoint's directory (a Hub id resolved in the local cache); the reason
@@ -332,6 +336,15 @@ def _vllm_owners() -> Iterator[Any]:
         frame = frame.f_back
 
 
+def _tp_rank(vllm_config: VllmConfig) -> int | None:
+    """This worker's tensor-parallel rank (None without tensor parallelism)."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return None
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 def _rank_layers(cfg: ConnectorConfig, vllm_config: VllmConfig) -> range | None:
     """This pipeline rank's layers by vLLM's split (None without pipeline parallelism, or before vLLM's
     groups exist); `register` checks them against the caches vLLM hands over."""
@@ -385,13 +398,16 @@ def _scheduler_plan(cfg: ConnectorConfig, vllm_config: VllmConfig, layout: str) 
 
     pp_size = vllm_config.parallel_config.pipeline_parallel_size
     block_size = vllm_config.cache_config.block_size
-    fingerprint = chunk_fingerprint(Path(cfg.model), vllm_config, layout)
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    ranks = [None] if tp == 1 else list(range(tp))
+    fingerprints = [chunk_fingerprint(Path(cfg.model), vllm_config, layout, tp_rank=r) for r in ranks]
     num_layers = KVGeometry.from_vllm(vllm_config).num_layers
     store = open_store(cfg)
     layers = [range(*get_pp_indices(num_layers, r, pp_size)) for r in range(pp_size)]
 
     def lookup(prompt: Any, limit: int) -> int:
-        return cached_prefix_tokens(prompt, fingerprint=fingerprint, tenant=cfg.tenant, chunk_size=cfg.chunk_size,
-                                    stage_layers=layers, store=store, limit=limit)
+        """Tokens whose chunks every rank holds (each tensor-parallel rank has chunks of its own)."""
+        return min(cached_prefix_tokens(prompt, fingerprint=fp, tenant=cfg.tenant, chunk_size=cfg.chunk_size,
+                                        stage_layers=layers, store=store, limit=limit) for fp in fingerprints)
 
     return SchedulerPlan(chunk_size=cfg.chunk_size, block_size=block_size, lookup=lookup, save=cfg.save)

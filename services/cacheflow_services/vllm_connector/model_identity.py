@@ -34,7 +34,8 @@ SNAPSHOT = re.compile(r"models--(?P<repo>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """The shape of a model's KV, as a chunk holds it: [num_layers, 2, num_kv_heads, T, head_dim]."""
+    """The shape of a model's KV, as a chunk holds it: [num_layers, 2, num_kv_heads, T, head_dim] (the KV heads
+    of one tensor-parallel rank)."""
 
     num_layers: int
     num_kv_heads: int
@@ -45,8 +46,8 @@ class KVGeometry:
     def from_vllm(cls, vllm_config: Any) -> KVGeometry:
         model = vllm_config.model_config
         return cls(num_layers=model.get_total_num_hidden_layers(),
-                   num_kv_heads=model.get_total_num_kv_heads(), head_dim=model.get_head_size(),
-                   hidden_size=model.get_hidden_size())
+                   num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),  # this rank's
+                   head_dim=model.get_head_size(), hidden_size=model.get_hidden_size())
 
 
 FP8 = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}  # vLLM's cache dtype -> chunk dtype
@@ -62,12 +63,19 @@ def kv_dtype(vllm_config: Any) -> str:
     return FP8[cache_dtype]
 
 
-def chunk_fingerprint(model_dir: Path, vllm_config: Any, layout: str) -> str:
-    """What every chunk key of this vLLM instance is salted with (both connector sides compute it alike)."""
+def chunk_fingerprint(model_dir: Path, vllm_config: Any, layout: str, *, tp_rank: int | None = None) -> str:
+    """What every chunk key of this vLLM instance is salted with (both connector sides compute it alike);
+    under tensor parallelism, rank `tp_rank`'s (its chunks hold its slice of the KV heads)."""
     dtype = vllm_config.model_config.dtype
     if vllm_config.cache_config.cache_dtype == "auto":
-        return model_fingerprint(model_dir, dtype)
-    return _digest(f"{files_fingerprint(model_dir, dtype)}|{kv_dtype(vllm_config)}|{layout}".encode())
+        model = model_fingerprint(model_dir, dtype)
+    else:
+        model = _digest(f"{files_fingerprint(model_dir, dtype)}|{kv_dtype(vllm_config)}|{layout}".encode())
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp == 1:
+        return model
+    assert tp_rank is not None, "a tensor-parallel rank's chunks are named for its rank"
+    return _digest(f"{model}|heads of rank {tp_rank} of {tp}".encode())
 
 
 def model_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:

@@ -7,7 +7,8 @@ agree without talking. Refused, whatever recomputes the restore's front:
 
 * a KV cache in a dtype other than the model's or fp8 (with CacheFlow's runtime: any but the model's), or with
   layers left out of its quantization (`kv_cache_dtype_skip_layers`);
-* tensor, decode- or prefill-context parallelism (a rank's cache holds a slice of the heads);
+* decode- or prefill-context parallelism (a rank's cache holds a slice of the tokens); tensor parallelism
+  with CacheFlow's runtime (with vLLM's model a rank loads its slice of the heads: `load_through.py`);
 * speculative decoding (the draft's layers have KV of their own that chunks do not hold);
 * a cache of other than full-attention blocks: several groups (hybrid models: one block table per group),
   sliding-window blocks (dropped outside the window), state caches.
@@ -54,8 +55,10 @@ def unsupported(vllm_config: Any, model: str, runtime: str) -> str:
     ("vllm": vLLM's own model; "cacheflow": CacheFlow's), or "" if it can."""
     parallel, cache = vllm_config.parallel_config, vllm_config.cache_config
     model_config = vllm_config.model_config
-    sharded = {"tensor": parallel.tensor_parallel_size, "decode context": parallel.decode_context_parallel_size,
+    sharded = {"decode context": parallel.decode_context_parallel_size,
                "prefill context": getattr(parallel, "prefill_context_parallel_size", 1)}
+    if runtime != "vllm":
+        sharded["tensor"] = parallel.tensor_parallel_size
     for kind, size in sharded.items():
         if size > 1:
             return f"{kind} parallelism ({size} ranks): a rank's cache holds a slice of the KV heads"

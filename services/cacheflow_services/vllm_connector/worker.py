@@ -50,6 +50,7 @@ from cacheflow_common.transport.shaping import gbps
 from cacheflow_services.vllm_connector.async_loads import AsyncLoads
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.config import ConnectorConfig
+from cacheflow_services.vllm_connector.load_through import load_prefix
 from cacheflow_services.vllm_connector.model_identity import KVGeometry, chunk_fingerprint, kv_dtype, model_fingerprint
 from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather, layer_index, scatter
 from cacheflow_services.vllm_connector.paged_attention import PagedKV
@@ -89,12 +90,13 @@ class StatsLog:
 class WorkerEngine:
     def __init__(self, cfg: ConnectorConfig, *, dtype: torch.dtype, block_size: int, device: str,
                  layout: str, vllm_model: VllmModel | None = None, layers: range | None = None,
-                 attention_isa: str = "", vllm_config: Any = None) -> None:
+                 attention_isa: str = "", vllm_config: Any = None, tp_rank: int | None = None) -> None:
         """`vllm_model` finds vLLM's loaded model module (None while it cannot); it is asked now, and if it
         has no answer yet, again at `register` and at the first load, before falling back to a copy.
         `layers`: this pipeline rank's layers, where known before `register` (its copy then loads only them).
         `attention_isa`: vLLM's CPU attention kernel, where CacheFlow's runtime attends with it (`PagedKV`); "":
-        CacheFlow's. `vllm_config`: vLLM's, which `runtime: "vllm"` runs vLLM's model with."""
+        CacheFlow's. `vllm_config`: vLLM's, which `runtime: "vllm"` runs vLLM's model with. `tp_rank`: this
+        rank's, under tensor parallelism (its restores load only: `load_through.py`)."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown paged KV layout {layout!r}; known: {LAYOUTS}")
         self.cfg = cfg
@@ -104,8 +106,9 @@ class WorkerEngine:
         self.device = device
         vllm_runtime = cfg.runtime == "vllm" and vllm_config is not None
         self.config = KVGeometry.from_vllm(vllm_config) if vllm_runtime else ModelConfig.from_dir(cfg.model)
-        self.fingerprint = chunk_fingerprint(Path(cfg.model), vllm_config, layout) if vllm_config is not None \
-            else model_fingerprint(Path(cfg.model), dtype)  # as the scheduler's
+        self.tp_rank = tp_rank
+        self.fingerprint = chunk_fingerprint(Path(cfg.model), vllm_config, layout, tp_rank=tp_rank) \
+            if vllm_config is not None else model_fingerprint(Path(cfg.model), dtype)  # as the scheduler's
         self.kv_dtype = kv_dtype(vllm_config) if vllm_config is not None else dtype_name(dtype)  # chunks' dtype
         self._vllm_model = vllm_model or (lambda: None)
         self.store = open_store(cfg)
@@ -176,6 +179,8 @@ class WorkerEngine:
         """Restore the prefixes one vLLM step loads into their blocks: together, by the batch engine, when
         there are several (`batch_restores`), else one after another. Returns the block ids vLLM must
         recompute (those of every restore that failed outright, and of misses with `on_miss="vllm"`)."""
+        if self.tp_rank is not None:
+            return self._load_through(specs)
         failed: set[int] = set()
         jobs: dict[str, RestoreJob] = {}
         kvs: dict[str, KVBuffer] = {}
@@ -198,6 +203,26 @@ class WorkerEngine:
                 failed |= self.land(spec, jobs[spec.req_id], outcome, batch=len(jobs) if together else 1)
         return failed
 
+    def _load_through(self, specs: Sequence[LoadSpec]) -> set[int]:
+        """A tensor-parallel rank's restores: its chunks loaded up to the first miss, vLLM recomputing the rest."""
+        failed: set[int] = set()
+        for spec in specs:
+            started = time.perf_counter()
+            try:
+                job = self.job(spec)
+                done = load_prefix(job, self.store, self._block_kv(spec, job), start=spec.start)
+            except Exception as exc:
+                failed |= self.failed_load(spec, exc)
+                continue
+            self.stats.event("restore", req=spec.req_id, tokens=len(spec.token_ids), written=done.end - spec.start,
+                             policy="load-only", mode="token", computed=0, loaded=done.chunks,
+                             misses={done.miss: 1} if done.miss else {}, bytes_loaded=done.bytes_read, batch=1,
+                             elapsed_s=time.perf_counter() - started, runtime=self.runtime, asynchronous=False,
+                             attention="vllm", tp_rank=self.tp_rank)
+            if done.miss:
+                failed |= blocks_from(spec, done.end, self.block_size)
+        return failed
+
     def start_loads(self, specs: Sequence[LoadSpec]) -> None:
         """Restore prefixes in the background (`async_loads`); `finished_loads` reports them."""
         assert self._async is not None, "start_loads needs async_loads"
@@ -218,9 +243,7 @@ class WorkerEngine:
         kernel where it runs (`attention_isa`), else CacheFlow's own buffer and attention."""
         n = max(1, len(job.token_ids))
         if isinstance(self.model, VllmRuntime):
-            return BlockKV(layers=job.layers, num_kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim,
-                           capacity=n, dtype=TORCH_DTYPES[self.kv_dtype], caches=dict(self.caches), layout=self.layout,
-                           block_ids=spec.block_ids, block_size=self.block_size, first_writable=spec.start)
+            return self._block_kv(spec, job)
         if not self.attention_isa:
             return self.model.new_kv(job.layers, n)
         return PagedKV(self.config, layers=job.layers, capacity=n, dtype=self.model.dtype,
@@ -229,6 +252,12 @@ class WorkerEngine:
 
     def event(self, kind: str, **fields: Any) -> None:
         self.stats.event(kind, **fields)
+
+    def _block_kv(self, spec: LoadSpec, job: RestoreJob) -> BlockKV:
+        return BlockKV(layers=job.layers, num_kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim,
+                       capacity=max(1, len(job.token_ids)), dtype=TORCH_DTYPES[self.kv_dtype],
+                       caches=dict(self.caches), layout=self.layout, block_ids=spec.block_ids,
+                       block_size=self.block_size, first_writable=spec.start)
 
     def failed_load(self, spec: LoadSpec, exc: BaseException) -> set[int]:
         """A failed restore is a failed load: vLLM recomputes the prefix."""
