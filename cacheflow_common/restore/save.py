@@ -32,10 +32,11 @@ def make_job(
     layers: range | None = None,
     quant: str = "none",
     kv_dtype: str = "",
+    fingerprint: str = "",
 ) -> RestoreJob:
-    """The restore job for `token_ids` under `tenant`, keys salted by the model's fingerprint; its chunks hold
-    KV in `kv_dtype` (by default the model's dtype)."""
-    keys = chunk_keys(token_ids, chunk_size, tenant_salt(model.fingerprint(), tenant))
+    """The restore job for `token_ids` under `tenant`, keys salted by `fingerprint` (by default the model's);
+    its chunks hold KV in `kv_dtype` (by default the model's dtype)."""
+    keys = chunk_keys(token_ids, chunk_size, tenant_salt(fingerprint or model.fingerprint(), tenant))
     return RestoreJob(
         token_ids=tuple(token_ids),
         keys=tuple(keys),

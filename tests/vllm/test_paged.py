@@ -9,8 +9,9 @@ from cacheflow_common.kv.keys import chunk_keys, object_name, tenant_salt
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_common.store.prefix import cached_prefix_tokens
 from cacheflow_services.vllm_connector.config import ConnectorConfig
+from cacheflow_services.vllm_connector.model_identity import salted
 from cacheflow_services.vllm_connector.paged import LAYOUTS, gather, layer_index, scatter
-from cacheflow_services.vllm_connector.plan import SchedulerPlan
+from cacheflow_services.vllm_connector.plan import Keying, SchedulerPlan
 
 HEADS, DIM, BS, BLOCKS = 2, 8, 4, 6
 
@@ -56,11 +57,26 @@ def _plan_with_stored(prompt: list[int], stored_chunks: int, chunk: int = 8) -> 
     for key in chunk_keys(prompt, chunk, salt)[:stored_chunks]:
         store.put(object_name(key, "kv", 0, 2), b"x")
 
-    def lookup(ids, limit):
-        return cached_prefix_tokens(ids, fingerprint="fp", tenant="t", chunk_size=chunk, stage_layers=[range(2)],
-                                    store=store, limit=limit)
+    def lookup(ids, limit, request_salt):
+        return cached_prefix_tokens(ids, fingerprint=salted("fp", request_salt), tenant="t", chunk_size=chunk,
+                                    stage_layers=[range(2)], store=store, limit=limit)
 
     return SchedulerPlan(chunk_size=chunk, block_size=4, lookup=lookup, save=True)
+
+
+def test_a_salted_request_finds_only_its_own_chunks_and_carries_its_salt():
+    """A LoRA request's (or cache_salt's) keys are salted: the base chunks are not its, and its load and
+    saves say how to key and restore it."""
+    prompt = list(range(30))
+    plan = _plan_with_stored(prompt, stored_chunks=3)
+    lora = Keying(salt="lora:abc", load_only=True)
+    assert plan.matched("r", prompt, 0, lora) == 0
+    load, save = plan.new_request("r", prompt, list(range(8)), computed_after=30)
+    assert load is None and save is not None and save.salt == "lora:abc"
+    assert plan.matched("b", prompt, 0) == 24  # the base request finds them
+    plan.allocated("b", 24)
+    load, _ = plan.new_request("b", prompt, list(range(8)), computed_after=30)
+    assert load is not None and (load.salt, load.load_only) == ("", False)
 
 
 def test_plan_loads_the_stored_prefix_and_saves_the_chunks_after_it():

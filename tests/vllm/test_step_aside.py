@@ -1,7 +1,8 @@
 """A configuration the connector cannot restore correctly never stops vLLM: it steps aside (vLLM starts and
-computes every prompt, giving the tokens it gives without the connector) and says why in its stats. A family
-CacheFlow's own runtime does not implement, served by a Hub id, is restored with vLLM's own model. Real vLLM
-(CPU build) processes against real storage pods."""
+computes every prompt, giving the tokens it gives without the connector) and says why in its stats. What it
+can serve beyond CacheFlow's own runtime: a family that runtime lacks, served by a Hub id, restored with
+vLLM's own model; a `cache_salt` keying its own chunks; an fp8 KV cache; tensor parallelism. Real vLLM (CPU
+build) processes against real storage pods."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _connector(cluster: dict[str, Any], stats: Path) -> dict[str, Any]:
 def _run(cluster: dict[str, Any], name: str, model: str, connector: dict[str, Any] | None,
          **spec: Any) -> list[list[int]]:
     spec = {"model": model, "prompts": cluster["prompts"], "max_tokens": 6, "block_size": BLOCK,
-            "connector": connector, **spec}
+            "connector": connector, **spec}  # `spec` may name other prompts
     return [r["tokens"] for r in drive(spec, cluster["root"], name)["results"]]
 
 
@@ -96,30 +97,32 @@ def test_an_fp8_kv_cache_is_restored_as_its_bytes_and_only_into_fp8(cluster: dic
 
 def test_a_hub_id_is_read_from_the_local_cache(cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """`vllm serve org/name` with a Mistral (no runtime of CacheFlow's) in the Hub cache (offline): the
-    connector stores, then restores the first prompt with vLLM's own model; the second asks for a
-    `cache_salt`, and is neither stored nor restored."""
+    connector stores a prompt, then restores it with vLLM's own model. The same prompt with a `cache_salt`
+    finds none of those chunks; it is stored under its salt and restored from there."""
     hub, commit = cluster["root"] / "hub", "0123abcd" * 5
     repo = hub / "models--cacheflow-test--tiny-mistral"
     save_tiny_mistral(repo / "snapshots" / commit, sliding_window=None, seed=4)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
-    stats = cluster["root"] / "hub.jsonl"
-    connector = _connector(cluster, stats)
-    salts = [None, "tenant-b"]
-    saved = _run(cluster, "hub-save", "cacheflow-test/tiny-mistral", connector, cache_salts=salts)
-    restored = _run(cluster, "hub-restore", "cacheflow-test/tiny-mistral", connector, cache_salts=salts)
-    recomputed = _run(cluster, "hub-recompute", "cacheflow-test/tiny-mistral", {**connector, "policy": "compute-only"},
-                      cache_salts=salts)
-    assert restored == saved and recomputed == saved
-    assert not _events(stats, "inactive")
-    loaded, computed = _events(stats, "restore")  # the 3 chunks of the first prompt, twice
-    assert loaded["runtime"] == computed["runtime"] == "vllm"
-    assert loaded["computed"] + loaded["loaded"] == 3  # the front recomputed, the back loaded (as they met)
-    assert (computed["computed"], computed["loaded"]) == (1, 0)  # compute-only: one forward of the whole prefix
-    assert len(_events(stats, "save")) >= 1 and all(e["tokens_end"] <= 200 for e in _events(stats, "save"))
-    declined = _events(stats, "declined")
-    assert len(declined) == 3 and all("cache_salt" in e["reason"] for e in declined), declined
+    prompt, model = cluster["prompts"][0], "cacheflow-test/tiny-mistral"
+    runs = {name: cluster["root"] / f"hub-{name}.jsonl" for name in ("save", "salted", "recompute")}
+
+    def run(name: str, salts: list[str | None], **settings: Any) -> list[list[int]]:
+        connector = {**_connector(cluster, runs[name]), **settings}
+        return _run(cluster, f"hub-{name}", model, connector, prompts=[prompt] * len(salts), cache_salts=salts)
+
+    [saved] = run("save", [None])
+    salted_first, base = run("salted", ["tenant-b", None])  # the salted one finds nothing; the base one restores
+    again = run("recompute", ["tenant-b", None], policy="compute-only")  # both from their own chunks
+    assert salted_first == base == saved and again == [saved, saved]
+    assert not any(_events(stats, "inactive") or _events(stats, "declined") for stats in runs.values())
+    assert not _events(runs["save"], "restore")
+    [loaded] = _events(runs["salted"], "restore")
+    assert loaded["runtime"] == "vllm" and loaded["computed"] + loaded["loaded"] == 3  # front computed, back loaded
+    assert len(_events(runs["salted"], "save")) == 1  # the salted prompt's chunks, under its salt
+    recomputed = _events(runs["recompute"], "restore")
+    assert [(e["computed"], e["loaded"]) for e in recomputed] == [(1, 0), (1, 0)]  # one forward of each prefix
     shutil.rmtree(hub)
 
 

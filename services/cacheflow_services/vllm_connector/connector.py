@@ -46,9 +46,16 @@ from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.store.prefix import cached_prefix_tokens
 from cacheflow_services.vllm_connector.config import ConnectorConfig
-from cacheflow_services.vllm_connector.model_identity import KVGeometry, chunk_fingerprint
-from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec, SchedulerPlan
-from cacheflow_services.vllm_connector.support import OnceLog, declined, model_dir, unsupported, unsupported_cache
+from cacheflow_services.vllm_connector.model_identity import KVGeometry, chunk_fingerprint, salted
+from cacheflow_services.vllm_connector.plan import Keying, LoadSpec, SaveSpec, SchedulerPlan
+from cacheflow_services.vllm_connector.support import (
+    OnceLog,
+    declined,
+    model_dir,
+    request_keying,
+    unsupported,
+    unsupported_cache,
+)
 from cacheflow_services.vllm_connector.worker import StatsLog, WorkerEngine, blocks_from, open_store
 
 if TYPE_CHECKING:
@@ -138,27 +145,35 @@ class CacheFlowConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The tokens CacheFlow can restore past vLLM's own hit, and whether it restores them in the background
-        (`async_loads`: the request waits in WAITING_FOR_REMOTE_KVS while the batch goes on)."""
-        if self._plan is None or self._declines(request):
+        (`async_loads`: the request waits in WAITING_FOR_REMOTE_KVS while the batch goes on; a request restored
+        by loads alone, in vLLM's step)."""
+        keying = self._keying(request) if self._plan is not None else None
+        if self._plan is None or keying is None:
             return 0, False
-        matched = self._plan.matched(request.request_id, list(request.prompt_token_ids or ()), num_computed_tokens)
-        return matched, matched > 0 and self.cfg.async_loads
+        matched = self._plan.matched(request.request_id, list(request.prompt_token_ids or ()), num_computed_tokens,
+                                     keying)
+        return matched, matched > 0 and self.cfg.async_loads and not keying.load_only
 
-    def _declines(self, request: Request) -> bool:
-        """Whether the connector leaves `request` to vLLM (said once per request, logged once per reason)."""
+    def _keying(self, request: Request) -> Keying | None:
+        """How the request's chunks are keyed, or None where the connector leaves it to vLLM (said once per
+        request, logged once per reason)."""
         if request.request_id in self._declined:
-            return True
-        reason = declined(request)
-        if reason:
-            self._declined.add(request.request_id)
-            self._once.warn("the CacheFlow connector leaves requests to vLLM: %s", reason)
-            self._stats.event("declined", req=request.request_id, reason=reason)
-        return bool(reason)
+            return None
+        try:
+            reason, keying = declined(request), request_keying(request)
+        except ConfigError as exc:  # a LoRA adapter whose files cannot be read
+            reason, keying = str(exc), Keying()
+        if not reason:
+            return keying
+        self._declined.add(request.request_id)
+        self._once.warn("the CacheFlow connector leaves requests to vLLM: %s", reason)
+        self._stats.event("declined", req=request.request_id, reason=reason)
+        return None
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._plan is None or request.request_id in self._declined:
             return
-        if self.cfg.async_loads:
+        if self.cfg.async_loads and not self._plan.keying(request.request_id).load_only:
             self._plan.allocated_in_background(request.request_id, list(request.prompt_token_ids or ()),
                                                blocks.get_block_ids()[0], num_external_tokens)
         else:
@@ -405,9 +420,10 @@ def _scheduler_plan(cfg: ConnectorConfig, vllm_config: VllmConfig, layout: str) 
     store = open_store(cfg)
     layers = [range(*get_pp_indices(num_layers, r, pp_size)) for r in range(pp_size)]
 
-    def lookup(prompt: Any, limit: int) -> int:
+    def lookup(prompt: Any, limit: int, salt: str) -> int:
         """Tokens whose chunks every rank holds (each tensor-parallel rank has chunks of its own)."""
-        return min(cached_prefix_tokens(prompt, fingerprint=fp, tenant=cfg.tenant, chunk_size=cfg.chunk_size,
-                                        stage_layers=layers, store=store, limit=limit) for fp in fingerprints)
+        return min(cached_prefix_tokens(prompt, fingerprint=salted(fp, salt), tenant=cfg.tenant,
+                                        chunk_size=cfg.chunk_size, stage_layers=layers, store=store, limit=limit)
+                   for fp in fingerprints)
 
     return SchedulerPlan(chunk_size=cfg.chunk_size, block_size=block_size, lookup=lookup, save=cfg.save)

@@ -78,6 +78,21 @@ def chunk_fingerprint(model_dir: Path, vllm_config: Any, layout: str, *, tp_rank
     return _digest(f"{model}|heads of rank {tp_rank} of {tp}".encode())
 
 
+def salted(fingerprint: str, salt: str) -> str:
+    """The fingerprint a request's chunk keys are salted with: the instance's, and the request's own salt
+    (its LoRA adapter, its cache_salt) where it has one."""
+    return _digest(f"{fingerprint}|request salt|{salt}".encode()) if salt else fingerprint
+
+
+def adapter_fingerprint(adapter_dir: Path) -> str:
+    """A LoRA adapter's identity: every byte of its config and weight files (hashed once, kept beside them)."""
+    config = adapter_dir / "adapter_config.json"
+    if not config.is_file():
+        raise ConfigError(f"no adapter_config.json in {adapter_dir}")
+    files = sorted([config, *adapter_dir.glob("*.safetensors"), *adapter_dir.glob("*.bin")])
+    return cached_fingerprint(adapter_dir, files, "adapter", lambda: _hash_files(adapter_dir, files, "adapter"))
+
+
 def model_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
     """The fingerprint chunk keys are salted with, for the checkpoint at `model_dir` computed in `dtype`."""
     try:
@@ -94,9 +109,10 @@ def files_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
     snapshot = SNAPSHOT.search(model_dir.resolve().as_posix()) or SNAPSHOT.search(model_dir.as_posix())
     if snapshot is not None:
         return _digest(f"hub|{snapshot['repo']}|{snapshot['commit']}|{variant}".encode())
-    files = sorted([model_dir / "config.json", *model_dir.glob("*.safetensors"), *model_dir.glob("*.bin")])
-    if not files[0].is_file():
+    config = model_dir / "config.json"
+    if not config.is_file():
         raise ConfigError(f"no config.json in {model_dir}")
+    files = sorted([config, *model_dir.glob("*.safetensors"), *model_dir.glob("*.bin")])
     return cached_fingerprint(model_dir, files, variant, lambda: _hash_files(model_dir, files, variant))
 
 

@@ -21,6 +21,8 @@ class LoadSpec:
     token_ids: tuple[int, ...]  # the cached prefix, tokens [0, N): whole chunks
     block_ids: tuple[int, ...]  # the request's vLLM blocks, from position 0
     start: int  # vLLM's own prefix-cache hit ends here: only positions [start, N) are written
+    salt: str = ""  # what else its chunk keys are salted with (a LoRA adapter, a cache_salt: support.py)
+    load_only: bool = False  # restored in vLLM's step by loads alone (a LoRA request: nothing recomputes it)
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,15 @@ class SaveSpec:
     token_ids: tuple[int, ...]  # prompt tokens [0, end): `end` a multiple of the chunk size
     block_ids: tuple[int, ...]
     start: int  # first token to store (a chunk boundary); the chunks before it are stored already
+    salt: str = ""  # as its LoadSpec's
+
+
+@dataclass(frozen=True)
+class Keying:
+    """How a request's chunks are keyed and restored (support.py decides)."""
+
+    salt: str = ""
+    load_only: bool = False
 
 
 @dataclass
@@ -36,10 +47,11 @@ class _Tracked:
     prompt: tuple[int, ...]
     block_ids: list[int]
     saved: int  # prompt tokens [0, saved) are stored, or on their way
+    keying: Keying
 
 
-# (prompt token ids, limit) -> tokens [0, n) whose whole chunks the pods hold, n <= limit
-Lookup = Callable[[Sequence[int], int], int]
+# (prompt token ids, limit, salt) -> tokens [0, n) whose whole chunks the pods hold, n <= limit
+Lookup = Callable[[Sequence[int], int, str], int]
 
 
 class SchedulerPlan:
@@ -55,15 +67,17 @@ class SchedulerPlan:
         self._tracked: dict[str, _Tracked] = {}
         self._background: list[LoadSpec] = []  # loads to start in the background, at the next step
         self._loaded_in_background: set[str] = set()  # requests offered their one background load
+        self._keying: dict[str, Keying] = {}  # request -> its keying, from `matched`
 
-    def matched(self, req_id: str, prompt: Sequence[int], num_computed: int) -> int:
+    def matched(self, req_id: str, prompt: Sequence[int], num_computed: int, keying: Keying = Keying()) -> int:
         """Tokens past vLLM's own `num_computed` that CacheFlow can provide (at least one prompt token is
         left for vLLM to compute: it needs the last one's logits). A request whose background load has run is
         offered nothing more: vLLM asks again after that load failed (and recomputes), or after a preemption."""
         if req_id in self._loaded_in_background:
             return 0
+        self._keying[req_id] = keying
         if req_id not in self._cached:
-            self._cached[req_id] = self.lookup(prompt, len(prompt) - 1)
+            self._cached[req_id] = self.lookup(prompt, len(prompt) - 1, keying.salt)
         return max(0, self._cached[req_id] - num_computed)
 
     def allocated(self, req_id: str, num_external: int) -> None:
@@ -78,9 +92,10 @@ class SchedulerPlan:
             return
         cached = self._cached.pop(req_id)
         self._loaded_in_background.add(req_id)
-        tracked = _Tracked(tuple(prompt), list(block_ids), saved=cached)
+        tracked = _Tracked(tuple(prompt), list(block_ids), saved=cached, keying=self.keying(req_id))
         self._tracked[req_id] = tracked
-        self._background.append(LoadSpec(req_id, tracked.prompt[:cached], tuple(block_ids), cached - num_external))
+        self._background.append(LoadSpec(req_id, tracked.prompt[:cached], tuple(block_ids), cached - num_external,
+                                         salt=tracked.keying.salt, load_only=tracked.keying.load_only))
 
     def take_background_loads(self) -> list[LoadSpec]:
         loads, self._background = self._background, []
@@ -94,7 +109,7 @@ class SchedulerPlan:
             tracked.block_ids = list(block_ids)
             return None, self._save(req_id, tracked, computed_after)
         cached = self._cached.pop(req_id, 0)
-        tracked = _Tracked(tuple(prompt), list(block_ids), saved=cached)
+        tracked = _Tracked(tuple(prompt), list(block_ids), saved=cached, keying=self.keying(req_id))
         self._tracked[req_id] = tracked
         return self._load(req_id, tracked, cached), self._save(req_id, tracked, computed_after)
 
@@ -111,7 +126,12 @@ class SchedulerPlan:
         cached = self._cached.pop(req_id, 0)
         return self._load(req_id, tracked, cached), self._save(req_id, tracked, computed_after)
 
+    def keying(self, req_id: str) -> Keying:
+        """How the request's chunks are keyed and restored (a request vLLM never asked about: plainly)."""
+        return self._keying.get(req_id, Keying())
+
     def finished(self, req_id: str) -> None:
+        self._keying.pop(req_id, None)
         self._loaded_in_background.discard(req_id)
         self._cached.pop(req_id, None)
         self._loads.pop(req_id, None)
@@ -121,12 +141,13 @@ class SchedulerPlan:
         start = self._loads.pop(req_id, None)
         if start is None:
             return None
-        return LoadSpec(req_id, tracked.prompt[:cached], tuple(tracked.block_ids), start)
+        return LoadSpec(req_id, tracked.prompt[:cached], tuple(tracked.block_ids), start, salt=tracked.keying.salt,
+                        load_only=tracked.keying.load_only)
 
     def _save(self, req_id: str, tracked: _Tracked, computed_after: int) -> SaveSpec | None:
         end = min(computed_after, len(tracked.prompt)) // self.chunk_size * self.chunk_size
         if not self.save or end <= tracked.saved:
             return None
-        spec = SaveSpec(req_id, tracked.prompt[:end], tuple(tracked.block_ids), tracked.saved)
+        spec = SaveSpec(req_id, tracked.prompt[:end], tuple(tracked.block_ids), tracked.saved, salt=tracked.keying.salt)
         tracked.saved = end
         return spec

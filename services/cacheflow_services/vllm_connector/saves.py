@@ -15,6 +15,7 @@ from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.restore.save import dtype_name, save_chunks
 from cacheflow_common.restore.saver_thread import SaverThread
 from cacheflow_common.store.base import ChunkStore
+from cacheflow_services.vllm_connector.model_identity import salted
 from cacheflow_services.vllm_connector.plan import SaveSpec
 from cacheflow_services.vllm_connector.runtime import Event
 
@@ -39,10 +40,11 @@ class ConnectorSaves:
         that `captures`) hidden [T, hidden], the boundary activations entering its first layer."""
         self._thread.submit(spec.req_id, lambda: self._store_new(spec, kv, hidden, layers, captures))
 
-    def store_again(self, request_id: str, kv: KVBuffer, job: RestoreJob, keys: list[ChunkKey]) -> None:
-        """Queue chunks a restore recomputed because their load missed."""
+    def store_again(self, request_id: str, kv: KVBuffer, job: RestoreJob, keys: list[ChunkKey], *, salt: str) -> None:
+        """Queue chunks a restore recomputed because their load missed (`salt`: the request's, as its keys')."""
+        fingerprint = salted(self.fingerprint, salt)
         self._thread.submit(request_id,
-                            lambda: save_chunks(kv, job, self.store, model_fingerprint=self.fingerprint, keys=keys))
+                            lambda: save_chunks(kv, job, self.store, model_fingerprint=fingerprint, keys=keys))
 
     def flush(self) -> None:
         """Wait for every queued save."""
@@ -53,20 +55,21 @@ class ConnectorSaves:
 
     def _store_new(self, spec: SaveSpec, kv: torch.Tensor, hidden: torch.Tensor | None, layers: range,
                    captures: bool) -> None:
-        every = tuple(chunk_keys(spec.token_ids, self.chunk_size, tenant_salt(self.fingerprint, self.tenant)))
+        fingerprint = salted(self.fingerprint, spec.salt)
+        every = tuple(chunk_keys(spec.token_ids, self.chunk_size, tenant_salt(fingerprint, self.tenant)))
         keys = [k for k in every if k.token_start >= spec.start]
-        written = sum(self._put(spec, key, kv, layers) for key in keys)
+        written = sum(self._put(spec, key, kv, layers, fingerprint) for key in keys)
         if captures and hidden is None:  # this rank cannot restore these chunks: vLLM will recompute them
             self.event("boundary_missing", req=spec.req_id, chunks=len(keys), layer=layers.start)
         elif hidden is not None:
             job = RestoreJob(token_ids=spec.token_ids, keys=every, layers=layers, kv_dtype=dtype_name(self.dtype))
-            written += save_boundaries(job, hidden.to(self.dtype), self.store, model_fingerprint=self.fingerprint,
+            written += save_boundaries(job, hidden.to(self.dtype), self.store, model_fingerprint=fingerprint,
                                        keys=keys, first_row_token=spec.start)
         self.event("save", req=spec.req_id, chunks=len(keys), bytes=written, tokens_end=len(spec.token_ids))
 
-    def _put(self, spec: SaveSpec, key: ChunkKey, kv: torch.Tensor, layers: range) -> int:
+    def _put(self, spec: SaveSpec, key: ChunkKey, kv: torch.Tensor, layers: range, fingerprint: str) -> int:
         part = kv[:, :, :, key.token_start - spec.start : key.token_end - spec.start]  # [b - a, 2, Hkv, C, D]
         obj = encode_kv_chunk(key=key, token_ids=spec.token_ids[key.token_start : key.token_end],
-                              model=self.fingerprint, layer_start=layers.start, kv=part, dtype=self.kv_dtype)
+                              model=fingerprint, layer_start=layers.start, kv=part, dtype=self.kv_dtype)
         self.store.put(object_name(key, "kv", layers.start, layers.stop), obj)
         return len(obj)

@@ -17,8 +17,11 @@ With vLLM's own model (`runtime: "vllm"`, the default), also multi-head latent a
 and encoder-decoder models; with CacheFlow's runtime (`runtime: "cacheflow"`, and pipeline ranks), any model
 it does not implement and quantized weights (it would read them without their scales).
 
-Requests with a LoRA adapter, a `cache_salt`, prompt embeddings or multimodal inputs are declined: their
-KV is not the base model's over the prompt tokens, which is all a chunk's key names.
+A request's chunks are keyed by what its KV depends on beyond the model and the prompt tokens
+(`request_keying`): its LoRA adapter (by the adapter's files) and its `cache_salt` salt its keys, so it never
+shares chunks with another adapter, the base model or another salt. A LoRA request is restored by loads
+alone (the connector's recompute would run the base model); requests with prompt embeddings or multimodal
+inputs are declined (their KV is not a function of the prompt tokens).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from typing import Any
 
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
-from cacheflow_services.vllm_connector.model_identity import FP8
+from cacheflow_services.vllm_connector.model_identity import FP8, adapter_fingerprint
+from cacheflow_services.vllm_connector.plan import Keying
 
 log = logging.getLogger(__name__)
 ATTENTION_SPECS = ("FullAttentionSpec",)  # caches of every position's K and V in blocks
@@ -105,15 +109,22 @@ def unsupported_cache(kv_cache_config: Any) -> str:
 
 def declined(request: Any) -> str:
     """Why the connector does not restore or store `request` ("" if it does)."""
-    if request.lora_request is not None:
-        return f"LoRA adapter {request.lora_request.lora_name!r}: chunks hold the base model's KV"
-    if request.cache_salt:
-        return "cache_salt: the request asked for KV isolated from other requests'"
     if getattr(request, "prompt_embeds", None) is not None:
         return "prompt embeddings: chunks are keyed by prompt tokens"
     if getattr(request, "mm_features", None):
         return "multimodal inputs: chunks are keyed by prompt tokens"
     return ""
+
+
+def request_keying(request: Any) -> Keying:
+    """How `request`'s chunks are keyed and restored: salted by its LoRA adapter's identity and its cache_salt;
+    a LoRA request restored by loads alone."""
+    parts, lora = [], request.lora_request
+    if lora is not None:
+        parts.append(f"lora:{adapter_fingerprint(Path(lora.lora_path))}")
+    if request.cache_salt:
+        parts.append(f"cache_salt:{request.cache_salt}")
+    return Keying(salt="|".join(parts), load_only=lora is not None)
 
 
 class OnceLog:

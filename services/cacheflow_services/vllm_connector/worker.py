@@ -51,7 +51,13 @@ from cacheflow_services.vllm_connector.async_loads import AsyncLoads
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.load_through import load_prefix
-from cacheflow_services.vllm_connector.model_identity import KVGeometry, chunk_fingerprint, kv_dtype, model_fingerprint
+from cacheflow_services.vllm_connector.model_identity import (
+    KVGeometry,
+    chunk_fingerprint,
+    kv_dtype,
+    model_fingerprint,
+    salted,
+)
 from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather, layer_index, scatter
 from cacheflow_services.vllm_connector.paged_attention import PagedKV
 from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
@@ -177,11 +183,14 @@ class WorkerEngine:
     # ------------------------------------------------------------------------------------ restore
     def load_step(self, specs: Sequence[LoadSpec]) -> set[int]:
         """Restore the prefixes one vLLM step loads into their blocks: together, by the batch engine, when
-        there are several (`batch_restores`), else one after another. Returns the block ids vLLM must
-        recompute (those of every restore that failed outright, and of misses with `on_miss="vllm"`)."""
-        if self.tp_rank is not None:
-            return self._load_through(specs)
-        failed: set[int] = set()
+        there are several (`batch_restores`), else one after another; by loads alone where nothing may
+        recompute them (`_load_through`). Returns the block ids vLLM must recompute (those of every restore
+        that failed outright, and of misses with `on_miss="vllm"`)."""
+        through = [s for s in specs if s.load_only or self.tp_rank is not None]
+        failed = self._load_through(through) if through else set()
+        specs = [s for s in specs if s not in through]
+        if not specs:
+            return failed
         jobs: dict[str, RestoreJob] = {}
         kvs: dict[str, KVBuffer] = {}
         for spec in specs:
@@ -204,7 +213,8 @@ class WorkerEngine:
         return failed
 
     def _load_through(self, specs: Sequence[LoadSpec]) -> set[int]:
-        """A tensor-parallel rank's restores: its chunks loaded up to the first miss, vLLM recomputing the rest."""
+        """Restores by loads alone (a tensor-parallel rank's, a LoRA request's): the chunks loaded up to the
+        first miss, vLLM recomputing the rest."""
         failed: set[int] = set()
         for spec in specs:
             started = time.perf_counter()
@@ -236,7 +246,7 @@ class WorkerEngine:
 
     def job(self, spec: LoadSpec) -> RestoreJob:
         return make_job(self.model, spec.token_ids, tenant=self.cfg.tenant, chunk_size=self.cfg.chunk_size,
-                        layers=self.layers, kv_dtype=self.kv_dtype)
+                        layers=self.layers, kv_dtype=self.kv_dtype, fingerprint=salted(self.fingerprint, spec.salt))
 
     def buffer(self, spec: LoadSpec, job: RestoreJob) -> KVBuffer:
         """The restore's KV: also written into the request's blocks and attended over there with vLLM's CPU
@@ -313,7 +323,7 @@ class WorkerEngine:
             for key in keys:
                 result.kv.pull(key.token_start, key.token_end)
         if self.cfg.save:
-            self.saves.store_again(spec.req_id, result.kv, job, keys)
+            self.saves.store_again(spec.req_id, result.kv, job, keys, salt=spec.salt)
         return set()
 
     # ------------------------------------------------------------------------------------ save
