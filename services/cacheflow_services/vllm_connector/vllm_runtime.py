@@ -112,9 +112,11 @@ class VllmRuntime:
     def _metadata_builders(self) -> list[tuple[Any, list[str]]]:
         """One metadata builder per (attention backend, KV cache spec) over the model's attention layers."""
         if self._builders is None:
-            layers = self.vllm_config.compilation_config.static_forward_context  # name -> Attention module
+            layers = self.vllm_config.compilation_config.static_forward_context  # name -> attention, MoE, ... module
             groups: dict[tuple[Any, Any], list[str]] = {}
             for name, layer in sorted(layers.items()):
+                if not hasattr(layer, "get_kv_cache_spec"):  # not an attention layer (a fused MoE's runner, say)
+                    continue
                 spec = layer.get_kv_cache_spec(self.vllm_config)
                 if spec is not None:
                     groups.setdefault((layer.get_attn_backend(), spec), []).append(name)
