@@ -5,11 +5,16 @@
 run.json: {"model": dir, "prompts": [[token ids], ...], "max_tokens": 8, "out": path,
            "connector": {extra config} or null, "max_model_len": 4096, "dtype": "float32", "prefix_caching": false,
            "block_size": 128, "max_num_batched_tokens": vLLM's default,
-           "batches": [[prompt indices submitted together], ...] (default: each prompt alone, in order)}
+           "batches": [[prompt indices submitted together], ...] (default: each prompt alone, in order),
+           "tensor_parallel_size": 1, "kv_cache_dtype": "auto", "enable_lora": false, "ignore_eos": false,
+           "passes": [{"label": "cold", "lora": adapter dir or null}, ...] (default: one pass, no adapter)}
 
 Writes to `out`: per prompt the greedy tokens, their logprobs and the request's wall time (with
 max_tokens=1 that is its TTFT; measured from its batch's submission) and when its first token came, and the
-engine's start-up time. Batches run one after another; the prompts of a batch arrive together.
+engine's start-up time. Batches run one after another; the prompts of a batch arrive together. With
+`passes`, all batches run once per pass, the connector's saves flushed and vLLM's prefix cache reset between
+passes (so a later pass goes to the connector); `results` then holds every pass's prompts, pass after pass,
+each with its `request_id` (`{label}-{n}`: the connector's stats name requests by it).
 Run it with vLLM's Python (its own virtual environment); it waits for the connector's saves before exiting.
 """
 
@@ -20,6 +25,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 CONNECTOR_MODULE = "cacheflow_services.vllm_connector.connector"
@@ -32,8 +38,10 @@ def transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: starts faster
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # `_flush_saves` sent to TP workers
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     started = time.perf_counter()
     extra = spec.get("connector")
@@ -42,28 +50,53 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), skip_tokenizer_init=True, seed=0,
               max_model_len=spec.get("max_model_len", 4096), enforce_eager=True,
               enable_prefix_caching=spec.get("prefix_caching", False), block_size=spec.get("block_size", 128),
-              **budget,
+              **budget, tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), enable_lora=spec.get("enable_lora", False),
               kv_transfer_config=transfer_config(extra) if extra is not None else None)
     startup_s = time.perf_counter() - started
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1,
+                            ignore_eos=spec.get("ignore_eos", False))
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
-    results: list[dict[str, Any]] = [{} for _ in prompts]
-    for batch in spec.get("batches") or [[i] for i in range(len(prompts))]:
-        for i, result in zip(batch, _together(llm.llm_engine, [prompts[i] for i in batch], params), strict=True):
-            results[i] = result
+    results: list[dict[str, Any]] = []
+    adapters: dict[str, int] = {}  # adapter dir -> its LoRA id, the same in every pass
+    for n, one in enumerate(spec.get("passes") or [{"label": "drive"}]):
+        if n:
+            _between_passes(llm, extra is not None)
+        path = one.get("lora")
+        lora = LoRARequest(Path(path).name, adapters.setdefault(path, 1 + len(adapters)), path) if path else None
+        results += _one_pass(llm.llm_engine, prompts, params, spec.get("batches"), one["label"], lora)
     if extra is not None:
-        _flush_saves()
+        llm.collective_rpc(_flush_saves)
     return {"startup_s": startup_s, "results": results}
 
 
-def _together(engine: Any, prompts: list[Any], params: Any) -> list[dict[str, Any]]:
+def _one_pass(engine: Any, prompts: list[Any], params: Any, batches: list[list[int]] | None, label: str,
+              lora: Any) -> list[dict[str, Any]]:
+    """Every prompt once, batch after batch; the results in prompt order."""
+    results: list[dict[str, Any]] = [{} for _ in prompts]
+    for batch in batches or [[i] for i in range(len(prompts))]:
+        for i, result in zip(batch, _together(engine, [prompts[i] for i in batch], params, label, lora),
+                             strict=True):
+            results[i] = result
+    return results
+
+
+def _between_passes(llm: Any, connector: bool) -> None:
+    """The connector's saves finished on every worker, vLLM's own prefix cache empty."""
+    if connector:
+        llm.collective_rpc(_flush_saves)
+    llm.reset_prefix_cache()
+
+
+def _together(engine: Any, prompts: list[Any], params: Any, label: str = "drive",
+              lora: Any = None) -> list[dict[str, Any]]:
     """Submit `prompts` at once and step vLLM's engine until every one is done: per prompt its greedy tokens,
     their logprobs, when its first token came (`first_token_s`) and when it finished (`wall_s`), in seconds
     since the submission."""
     start = time.perf_counter()
-    ids = [f"drive-{next(_REQUEST_IDS)}" for _ in prompts]
+    ids = [f"{label}-{next(_REQUEST_IDS)}" for _ in prompts]
     for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, prompt, params)
+        engine.add_request(request_id, prompt, params, lora_request=lora)
     first: dict[str, float] = {}
     done: dict[str, dict[str, Any]] = {}
     while len(done) < len(ids):
@@ -76,14 +109,16 @@ def _together(engine: Any, prompts: list[Any], params: Any) -> list[dict[str, An
                 logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs or [], completion.token_ids,
                                                            strict=True)]
                 done[out.request_id] = {"tokens": list(completion.token_ids), "logprobs": logprobs, "wall_s": now,
-                                        "first_token_s": first.get(out.request_id, now)}
+                                        "first_token_s": first.get(out.request_id, now),
+                                        "request_id": out.request_id}
     return [done[request_id] for request_id in ids]
 
 
 _REQUEST_IDS = itertools.count()
 
 
-def _flush_saves() -> None:
+def _flush_saves(worker: Any = None) -> None:
+    """Wait for the connector's saves on this process (`worker`: what `collective_rpc` passes)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if has_kv_transfer_group():
