@@ -33,7 +33,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -48,7 +48,8 @@ from cacheflow_common.model.weights import checkpoint_fingerprint
 from cacheflow_common.store.prefix import cached_prefix_tokens
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec, SchedulerPlan
-from cacheflow_services.vllm_connector.worker import WorkerEngine, open_store
+from cacheflow_services.vllm_connector.support import OnceLog, declined, model_dir, unsupported, unsupported_cache
+from cacheflow_services.vllm_connector.worker import StatsLog, WorkerEngine, blocks_from, open_store
 
 if TYPE_CHECKING:
     import torch
@@ -76,17 +77,28 @@ class CacheFlowConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
+        model_config = vllm_config.model_config
         self.cfg = ConnectorConfig.from_extra(dict(transfer.kv_connector_extra_config or {}),
-                                              served_model=vllm_config.model_config.model)
+                                              served_model=model_config.model)
         if transfer.kv_load_failure_policy != "recompute":
             log.warning("kv_load_failure_policy is %r: a failed CacheFlow load fails the request instead of "
                         "being recomputed; set it to \"recompute\"", transfer.kv_load_failure_policy)
-        block_size = vllm_config.cache_config.block_size
-        dtype = vllm_config.model_config.dtype
+        self._role = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        self._stats = StatsLog(self.cfg.stats_file)
+        self._once = OnceLog()
         self._plan: SchedulerPlan | None = None
         self._engine: WorkerEngine | None = None
         self._load_errors: set[int] = set()
+        self._refused: set[str] = set()  # worker side: background loads refused, reported by the next get_finished
+        self._declined: set[str] = set()  # scheduler side: requests the connector neither restores nor stores
         self._prompt_lens: dict[str, int] = {}  # scheduler side: each running request's prompt length
+        self.inactive = self._resolve_model(model_config.revision) or unsupported(vllm_config, self.cfg.model) \
+            or unsupported_cache(kv_cache_config)
+        if self.inactive:
+            self._step_aside(self.inactive)
+            return
+        block_size = vllm_config.cache_config.block_size
+        dtype = model_config.dtype
         if role == KVConnectorRole.SCHEDULER:
             pp_size = vllm_config.parallel_config.pipeline_parallel_size
             self._plan = _scheduler_plan(self.cfg, block_size, dtype, pp_size)
@@ -98,16 +110,45 @@ class CacheFlowConnector(KVConnectorBase_V1):
                                         vllm_model=lambda: find_vllm_model(vllm_config),
                                         layers=_rank_layers(self.cfg, vllm_config), attention_isa=isa)
 
+    def _resolve_model(self, revision: str | None) -> str:
+        """Point `cfg.model` at the checkpoint's directory (a Hub id resolved in the local cache); the reason
+        the connector must step aside if it cannot."""
+        try:
+            self.cfg = replace(self.cfg, model=str(model_dir(self.cfg.model, revision)))
+        except ConfigError as exc:
+            return str(exc)
+        return ""
+
+    def _step_aside(self, reason: str) -> None:
+        """Serve nothing, once and for all: vLLM computes every request as it would without the connector."""
+        self.inactive = reason
+        self._engine = None
+        self._once.warn("the CacheFlow connector steps aside; vLLM computes every prompt itself: %s", reason)
+        self._stats.event("inactive", role=self._role, reason=reason)
+
     # ------------------------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The tokens CacheFlow can restore past vLLM's own hit, and whether it restores them in the background
         (`async_loads`: the request waits in WAITING_FOR_REMOTE_KVS while the batch goes on)."""
-        assert self._plan is not None
+        if self._plan is None or self._declines(request):
+            return 0, False
         matched = self._plan.matched(request.request_id, list(request.prompt_token_ids or ()), num_computed_tokens)
         return matched, matched > 0 and self.cfg.async_loads
 
+    def _declines(self, request: Request) -> bool:
+        """Whether the connector leaves `request` to vLLM (said once per request, logged once per reason)."""
+        if request.request_id in self._declined:
+            return True
+        reason = declined(request)
+        if reason:
+            self._declined.add(request.request_id)
+            self._once.warn("the CacheFlow connector leaves requests to vLLM: %s", reason)
+            self._stats.event("declined", req=request.request_id, reason=reason)
+        return bool(reason)
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        assert self._plan is not None
+        if self._plan is None or request.request_id in self._declined:
+            return
         if self.cfg.async_loads:
             self._plan.allocated_in_background(request.request_id, list(request.prompt_token_ids or ()),
                                                blocks.get_block_ids()[0], num_external_tokens)
@@ -116,9 +157,12 @@ class CacheFlowConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         plan, meta = self._plan, CacheFlowMetadata()
-        assert plan is not None
+        if plan is None:
+            return meta
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._declined:
+                continue
             self._prompt_lens[new.req_id] = len(new.prompt_token_ids or ())
             specs = plan.new_request(new.req_id, list(new.prompt_token_ids or ()), new.block_ids[0],
                                      new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -133,6 +177,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
         for req_id in scheduler_output.finished_req_ids:
             plan.finished(req_id)
             self._prompt_lens.pop(req_id, None)
+            self._declined.discard(req_id)
         meta.background_loads = plan.take_background_loads()
         meta.scheduled = {r: (n, self._prompt_lens.get(r, 0)) for r, n in scheduled.items()}
         meta.finished = list(scheduler_output.finished_req_ids)
@@ -141,12 +186,19 @@ class CacheFlowConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._plan is not None:
             self._plan.finished(request.request_id)
+        self._declined.discard(request.request_id)
         return False, None  # saves copy their KV out in wait_for_save: the blocks can go now
 
     # ------------------------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._engine is not None
-        self._engine.register(kv_caches)
+        if self._engine is None:
+            return
+        try:
+            self._engine.register(kv_caches)
+        except ConfigError as exc:  # caches the connector cannot read (a rank's head slice, kernel blocks)
+            engine = self._engine
+            self._step_aside(f"vLLM's KV caches: {exc}")
+            engine.close()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Before the step's forward (vLLM 0.32 calls `start_load_kv` after it when the step loads nothing
@@ -160,7 +212,10 @@ class CacheFlowConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, CacheFlowMetadata) and self._engine is not None
+        assert isinstance(meta, CacheFlowMetadata)
+        if self._engine is None:
+            self._refuse(meta.loads, meta.background_loads)
+            return
         if meta.loads:
             self._load_errors |= self._engine.load_step(meta.loads)
         if meta.background_loads:
@@ -173,9 +228,18 @@ class CacheFlowConnector(KVConnectorBase_V1):
                       **kwargs: Any) -> None:
         return  # whole chunks are copied out in wait_for_save, once per step
 
+    def _refuse(self, loads: list[LoadSpec], background: list[LoadSpec]) -> None:
+        """A worker that stepped aside after its scheduler planned loads: every one fails, vLLM recomputes."""
+        for spec in [*loads, *background]:
+            self._load_errors |= blocks_from(spec, spec.start, self._vllm_config.cache_config.block_size)
+            self._stats.event("declined", req=spec.req_id, reason=self.inactive)
+        self._refused.update(spec.req_id for spec in background)
+
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, CacheFlowMetadata) and self._engine is not None
+        assert isinstance(meta, CacheFlowMetadata)
+        if self._engine is None:
+            return
         for spec in meta.saves:
             self._engine.save(spec)
         self._engine.finished(meta.finished)
@@ -183,7 +247,9 @@ class CacheFlowConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(None: saves never hold blocks, the background restores that ended): vLLM schedules those
         requests next; the blocks any of them failed to restore go out with this same pass's load errors."""
-        assert self._engine is not None
+        if self._engine is None:
+            refused, self._refused = self._refused, set()
+            return None, refused or None
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         idle = isinstance(meta, CacheFlowMetadata) and not meta.scheduled
         done, failed = self._engine.finished_loads(finished_req_ids, idle=idle)

@@ -4,9 +4,10 @@
 
 run.json: {"model": dir, "prompts": [[token ids], ...], "max_tokens": 8, "out": path,
            "connector": {extra config} or null, "max_model_len": 4096, "dtype": "float32", "prefix_caching": false,
-           "block_size": 128, "max_num_batched_tokens": vLLM's default,
+           "block_size": 128, "max_num_batched_tokens": vLLM's default, "kv_cache_dtype": "auto",
            "batches": [[prompt indices submitted together], ...] (default: each prompt alone, in order),
-           "tensor_parallel_size": 1, "kv_cache_dtype": "auto", "enable_lora": false, "ignore_eos": false,
+           "cache_salts": [a prompt's cache_salt or null, ...] (default: none),
+           "tensor_parallel_size": 1, "enable_lora": false, "ignore_eos": false,
            "passes": [{"label": "cold", "lora": adapter dir or null}, ...] (default: one pass, no adapter)}
 
 Writes to `out`: per prompt the greedy tokens, their logprobs and the request's wall time (with
@@ -56,7 +57,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1,
                             ignore_eos=spec.get("ignore_eos", False))
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+    salts = spec.get("cache_salts") or [None] * len(spec["prompts"])
+    prompts = [TokensPrompt(prompt_token_ids=ids, **({"cache_salt": salt} if salt else {}))
+               for ids, salt in zip(spec["prompts"], salts, strict=True)]
     results: list[dict[str, Any]] = []
     adapters: dict[str, int] = {}  # adapter dir -> its LoRA id, the same in every pass
     for n, one in enumerate(spec.get("passes") or [{"label": "drive"}]):

@@ -1,0 +1,103 @@
+"""What the connector can serve, decided before it does anything: a vLLM configuration it cannot restore
+correctly makes it step aside (vLLM starts and serves as without it, and says why once), and a request it
+cannot restore is declined (vLLM computes it, and the request's KV is neither restored nor stored).
+
+Both sides of the connector (vLLM's scheduler and every worker) decide from the same `VllmConfig`, so they
+agree without talking. Today CacheFlow recomputes a restore's front with its own runtime (`runtime.py`),
+exact only for an unquantized, unsharded model of a family it implements, over a cache of the model's
+dtype; anything else is refused here rather than restored wrong:
+
+* a model CacheFlow's runtime does not implement, or one it cannot read (`ModelConfig.from_dir` says why);
+* quantized weights (the runtime would read them without their scales);
+* a KV cache in another dtype than the model's (`--kv-cache-dtype fp8`: chunks and caches must agree);
+* tensor, decode- or prefill-context parallelism (a rank's cache holds a slice of the heads);
+* speculative decoding (the draft's layers have KV of their own that chunks do not hold);
+* a cache split into several groups (hybrid models: one block table per group).
+
+Requests with a LoRA adapter, a `cache_salt`, prompt embeddings or multimodal inputs are declined: their
+KV is not the base model's over the prompt tokens, which is all a chunk's key names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from cacheflow_common.errors import ConfigError
+from cacheflow_common.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def model_dir(model: str, revision: str | None = None) -> Path:
+    """The local directory of `model`: itself, or a Hugging Face Hub id resolved in the local cache, where
+    vLLM downloaded it before the connector starts (never downloads)."""
+    if os.path.isdir(model):
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=model, revision=revision, local_files_only=True))
+    except Exception as exc:  # not a Hub id, or not in the local cache
+        raise ConfigError(f"the model {model!r} is neither a directory nor a Hub id in the local cache "
+                          f"({type(exc).__name__}: {exc}); set the connector's `model` to its directory") from exc
+
+
+def unsupported(vllm_config: Any, model: str) -> str:
+    """Why the connector cannot serve `vllm_config` with the checkpoint at `model` ("" if it can)."""
+    parallel, cache = vllm_config.parallel_config, vllm_config.cache_config
+    model_config = vllm_config.model_config
+    sharded = {"tensor": parallel.tensor_parallel_size, "decode context": parallel.decode_context_parallel_size,
+               "prefill context": getattr(parallel, "prefill_context_parallel_size", 1)}
+    for kind, size in sharded.items():
+        if size > 1:
+            return f"{kind} parallelism ({size} ranks): a rank's cache holds a slice of the KV heads"
+    if model_config.quantization:
+        return f"{model_config.quantization} quantized weights: CacheFlow's runtime recomputes unquantized weights only"
+    if cache.cache_dtype != "auto":
+        return f"KV cache dtype {cache.cache_dtype}: chunks hold the model's dtype"
+    if vllm_config.speculative_config is not None:
+        return "speculative decoding: the draft model's KV is not in the chunks"
+    try:
+        ModelConfig.from_dir(model)
+    except (ConfigError, OSError, ValueError, KeyError) as exc:
+        return f"CacheFlow's runtime cannot read this model: {exc}"
+    return ""
+
+
+def unsupported_cache(kv_cache_config: Any) -> str:
+    """Why the connector cannot serve vLLM's KV cache layout ("" if it can): it uses one block table."""
+    groups = len(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+    if groups > 1:
+        return f"the KV cache is split into {groups} groups (a hybrid model): the connector reads one block table"
+    return ""
+
+
+def declined(request: Any) -> str:
+    """Why the connector does not restore or store `request` ("" if it does)."""
+    if request.lora_request is not None:
+        return f"LoRA adapter {request.lora_request.lora_name!r}: chunks hold the base model's KV"
+    if request.cache_salt:
+        return "cache_salt: the request asked for KV isolated from other requests'"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings: chunks are keyed by prompt tokens"
+    if getattr(request, "mm_features", None):
+        return "multimodal inputs: chunks are keyed by prompt tokens"
+    return ""
+
+
+class OnceLog:
+    """Logs each distinct reason once per process (a declined request per step must not flood the log)."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def warn(self, message: str, reason: str) -> bool:
+        """Log `message % reason` unless this reason was logged before; True if it was logged now."""
+        if reason in self._seen:
+            return False
+        self._seen.add(reason)
+        log.warning(message, reason)
+        return True
