@@ -3,7 +3,8 @@ transformers' own model classes and saved as config.json + model.safetensors, pl
 and a tiny random LoRA adapter (adapter_config.json + adapter_model.safetensors).
 
 Every model: hidden 128, 2 layers, 4 query / 2 KV heads of 32 dims (vLLM's CPU attention runs its `vec`
-kernel on multiples of 32), vocab 1024, float32. Random weights at the usual 0.02 give near-uniform logits
+kernel on multiples of 32), vocab 1024, float32; DeepSeek-V2's MLA latent is 256 + 64 rope dims (vLLM's MLA
+takes 320, 512 or 576). Random weights at the usual 0.02 give near-uniform logits
 (greedy ties); larger ones (`STD`) give peaked, prompt-dependent outputs, so a wrong KV shows in the tokens.
 
     python -m cacheflow_bench.tiny_models FAMILY DIR
@@ -38,15 +39,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("phi3", {"head_dim": None}),  # phi3 derives it: 128 / 4 = 32
     "granite": ("granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0,
                             "attention_multiplier": 0.03}),
-    "deepseek_v2": ("deepseek_v2", {"head_dim": None, "num_key_value_heads": 4, "kv_lora_rank": 64,
-                                    "q_lora_rank": None, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32,
-                                    "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "deepseek_v2": ("deepseek_v2", {"head_dim": None, "num_key_value_heads": 4, "kv_lora_rank": 256,
+                                    "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
+                                    "v_head_dim": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
                                     "n_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
                                     "n_group": 1, "topk_group": 1}),
     "qwen3_yarn": ("qwen3", {"rope_parameters": YARN}),
     "llama_fp8": ("llama", {}),  # FP8 weights with per-tensor scales: see `to_fp8`
 }
 FP8_FAMILIES = {"llama_fp8"}
+# the dtype vLLM runs a family in where float32 is refused on its CPU build: fp8 quantization ("torch.float32
+# is not supported for quantization method fp8"), DeepSeek's MLA / MoE kernels ("expect weight to be bfloat16, ...")
+RUN_DTYPE = {"llama_fp8": "bfloat16", "deepseek_v2": "bfloat16"}
 # standard deviations of the random weights by name; norms keep their initial values
 STD = {"embed_tokens": 1.0, "lm_head": 0.2}
 OTHER_STD = 0.08
@@ -67,7 +71,9 @@ def hf_config(family: str) -> Any:
 def build(family: str, seed: int = 0) -> Any:
     """The family's transformers model with seeded random weights at `STD`."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32)
     with torch.no_grad():

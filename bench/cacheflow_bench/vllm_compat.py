@@ -27,7 +27,7 @@ from typing import Any
 from cacheflow_bench.common import RESULTS_DIR, SCRATCH_DIR, provenance, write_json
 from cacheflow_bench.tiny_models import FAMILIES
 from cacheflow_bench.vllm import require_vllm
-from cacheflow_bench.vllm_compat_cell import Cell, run_cell
+from cacheflow_bench.vllm_compat_cell import Cell, make_models, run_cell
 from cacheflow_bench.vllm_compat_report import README, cross_check, report, summarize, update_readme
 
 KV_DTYPES = ("auto", "fp8")
@@ -50,6 +50,7 @@ def merged(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[st
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
+    make_models(root, args.families)
     cells = []
     for cell in cells_of(args):
         record = run_cell(cell, root)

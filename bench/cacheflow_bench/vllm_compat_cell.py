@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -30,6 +31,8 @@ PREFIXES = (256, 320, 448)  # whole chunks per prompt, then SUFFIX tokens vLLM a
 SUFFIX = 16
 MAX_TOKENS = 8
 DRIVE_TIMEOUT_S = 300
+TAIL_LINES = 15
+ERROR = re.compile(r"(Error|error|Exception)[:,]|timed out")
 TENANT = "compat"
 BASE_PASSES = (("cold", False), ("warm", False))  # (label, with the adapter), in order
 LORA_PASSES = (("lora-cold", True), ("base-after-lora", False), ("lora-warm", True), ("base-warm", False))
@@ -56,21 +59,26 @@ def prompts() -> list[list[int]]:
 
 
 def model_dirs(root: Path, family: str) -> tuple[Path, Path]:
-    """The family's tiny checkpoint and its LoRA adapter under root/models, made on first use."""
-    model, adapter = root / "models" / family, root / "models" / f"{family}-lora"
-    if not (model / "config.json").exists():
+    """Where the family's tiny checkpoint and its LoRA adapter are (see `make_models`)."""
+    return root / "models" / family, root / "models" / f"{family}-lora"
+
+
+def make_models(root: Path, families: list[str]) -> None:
+    """Each family's tiny checkpoint and LoRA adapter under root/models, made afresh."""
+    for family in families:
+        model, adapter = model_dirs(root, family)
         tiny_models.save(family, model)
-    if not (adapter / "adapter_config.json").exists():
         tiny_models.save_lora(family, model, adapter)
-    return model, adapter
 
 
-def vllm_env() -> dict[str, str]:
+def vllm_env(tp: int) -> dict[str, str]:
     """vLLM's process: a fixed KV space, no Hub, the engine in the driver's process; this checkout's
-    connector (ahead of any installed copy)."""
+    connector (ahead of any installed copy). With TP, one core per rank: on one NUMA node vLLM's CPU build
+    refuses to place more than one worker by itself."""
     path = os.pathsep.join([str(REPO / "services"), str(REPO), os.environ.get("PYTHONPATH", "")])
+    ranks = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))} if tp > 1 else {}
     return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": path}
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": path, **ranks}
 
 
 def drive(spec: dict[str, Any], root: Path, name: str) -> tuple[dict[str, Any] | None, str]:
@@ -81,18 +89,20 @@ def drive(spec: dict[str, Any], root: Path, name: str) -> tuple[dict[str, Any] |
     with log_path.open("w") as log:
         try:
             rc = subprocess.run([str(VLLM_PYTHON), "-m", "cacheflow_services.vllm_connector.drive", str(spec_path)],
-                                stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), cwd=root,
+                                stdout=log, stderr=subprocess.STDOUT, env=vllm_env(spec["tensor_parallel_size"]),
+                                cwd=root,
                                 timeout=DRIVE_TIMEOUT_S, check=False).returncode
         except subprocess.TimeoutExpired:
             rc = -1
             log.write(f"\ntimed out after {DRIVE_TIMEOUT_S} s\n")
-    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-TAIL_LINES:])
     return (json.loads(out_path.read_text()) if rc == 0 and out_path.exists() else None), tail
 
 
 def spec_for(cell: Cell, model: Path, adapter: Path, connector: dict[str, Any] | None) -> dict[str, Any]:
     passes = LORA_PASSES if cell.lora else BASE_PASSES
-    return {"model": str(model), "prompts": prompts(), "max_tokens": MAX_TOKENS, "ignore_eos": True,
+    return {"model": str(model), "dtype": tiny_models.RUN_DTYPE.get(cell.family, "float32"), "prompts": prompts(),
+            "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "block_size": BLOCK, "max_model_len": 1024, "tensor_parallel_size": cell.tp,
             "kv_cache_dtype": cell.kv_dtype, "enable_lora": cell.lora, "connector": connector,
             "passes": [{"label": label, "lora": str(adapter) if with_adapter else None}
@@ -127,9 +137,17 @@ def without_connector(cell: Cell, work: Path, model: Path, adapter: Path, connec
     spec = spec_for(cell, model, adapter, None)
     plain, tail = drive({**spec, "passes": spec["passes"][:1]}, work, "plain")
     if plain is None:
-        return {"status": "vllm_cannot_run", "start_ok": False, "error": tail}
-    return {"status": "failed", "start_ok": False, "error": f"vLLM starts without the connector; with it:\n"
-                                                            f"{connector_tail}"}
+        return {"status": "vllm_cannot_run", "start_ok": False, "error": error_line(tail), "log_tail": tail}
+    return {"status": "failed", "start_ok": False,
+            "error": f"vLLM starts without the connector; with it: {error_line(connector_tail)}",
+            "log_tail": connector_tail}
+
+
+def error_line(log_tail: str) -> str:
+    """The line of a failed run's log that says what went wrong: the last one naming an error, else the last."""
+    lines = [x.strip() for x in log_tail.splitlines() if x.strip()]
+    named = [x for x in lines if ERROR.search(x)]
+    return (named or lines or [""])[-1]
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

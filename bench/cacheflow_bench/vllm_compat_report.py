@@ -55,10 +55,9 @@ def summarize(cells: Cells) -> dict[str, Any]:
             "lora_restored": any(c["lora"] for c in restored), "lora_isolated": lora_isolated(cells)}
 
 
-def one_line(text: str | None, limit: int = 160) -> str:
-    """An error's last non-empty line, fit for a table cell."""
-    lines = [x.strip() for x in (text or "").splitlines() if x.strip()]
-    return (lines[-1] if lines else "").replace("|", "/")[-limit:]
+def one_line(text: str | None, limit: int = 200) -> str:
+    """An error line, fit for a table cell."""
+    return (text or "").replace("|", "/").replace("\n", " ")[:limit]
 
 
 def detail(c: dict[str, Any]) -> str:

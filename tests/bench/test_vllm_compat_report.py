@@ -4,6 +4,7 @@ the summary's targets, the LoRA cross-check, and the README table against the co
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from cacheflow_bench import vllm_compat_report as rep
 from cacheflow_bench.common import RESULTS_DIR
@@ -15,7 +16,7 @@ def test_outcome_is_restored_declined_or_none_from_the_stats_events():
     restore = {"event": "restore", "computed": 2, "loaded": 3}
     assert outcome([restore, {**restore, "computed": 1}]) == {"outcome": "restored", "computed": 3, "loaded": 6}
     assert outcome([{"event": "restore", "computed": 0, "loaded": 0}])["outcome"] == "none"
-    declined = [{"event": "inactive", "role": "worker", "reason": "sliding window"},
+    declined: list[dict[str, Any]] = [{"event": "inactive", "role": "worker", "reason": "sliding window"},
                 {"event": "declined", "req": "warm-3", "reason": "LoRA"}, {"event": "save", "chunks": 4}]
     assert outcome(declined) == {"outcome": "declined", "reasons": ["LoRA", "sliding window"]}
     assert outcome([{"event": "save", "chunks": 4}]) == {"outcome": "none"}
