@@ -45,7 +45,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                     "n_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
                                     "n_group": 1, "topk_group": 1}),
     "qwen3_yarn": ("qwen3", {"rope_parameters": YARN}),
-    "llama_fp8": ("llama", {}),  # FP8 weights with per-tensor scales: see `to_fp8`
+    # FP8 weights with block scales (see `to_fp8`); 64-dim heads: o_proj's input split over 2 TP ranks must
+    # still hold whole 128-column blocks
+    "llama_fp8": ("llama", {"head_dim": 64}),
 }
 FP8_FAMILIES = {"llama_fp8"}
 # the dtype vLLM runs a family in where float32 is refused on its CPU build: fp8 quantization ("torch.float32
@@ -55,6 +57,9 @@ RUN_DTYPE = {"llama_fp8": "bfloat16", "deepseek_v2": "bfloat16"}
 STD = {"embed_tokens": 1.0, "lm_head": 0.2}
 OTHER_STD = 0.08
 FP8_MAX = 448.0  # float8_e4m3fn
+# FP8 weights' scale blocks, [output rows, input columns]: vLLM's CPU kernel (W8A16) takes 128 input
+# columns only; every output side here is a multiple of 32
+FP8_BLOCK = (32, 128)
 FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_TARGETS = ("q_proj", "v_proj", "qkv_proj", "o_proj")  # the first two a model has are adapted
 LORA_RANK = 8
@@ -93,23 +98,33 @@ def save(family: str, path: Path, seed: int = 0) -> Path:
 
 
 def to_fp8(path: Path) -> None:
-    """Rewrite a saved checkpoint's decoder linears as float8_e4m3fn with per-tensor `weight_scale` (the
-    layout of vLLM's `fp8` quantization, dynamic activation scales) and say so in config.json."""
+    """Rewrite a saved checkpoint's decoder linears as float8_e4m3fn with a scale per FP8_BLOCK block
+    (`weight_scale_inv`, DeepSeek-V3's layout of vLLM's `fp8` quantization, dynamic activation scales) and
+    say so in config.json. (Per-tensor scales fail on vLLM's CPU build: it requantizes fused
+    q/k/v with `static_scaled_fp8_quant`, which has no CPU kernel.)"""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(path / "model.safetensors")
     out: dict[str, torch.Tensor] = {}
     for name, w in tensors.items():
         if name.endswith(".weight") and name.split(".")[-2] in FP8_LINEARS:
-            scale = w.abs().max().float() / FP8_MAX
-            out[name] = (w / scale).to(torch.float8_e4m3fn)
-            out[name.removesuffix("weight") + "weight_scale"] = scale.reshape(1)
+            out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = block_fp8(w)
         else:
             out[name] = w
     save_file(out, path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(FP8_BLOCK)}
     (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` [out, in] (multiples of FP8_BLOCK) as float8_e4m3fn and its per-block scales."""
+    (n, k), (bn, bk) = w.shape, FP8_BLOCK
+    blocks = w.float().reshape(n // bn, bn, k // bk, bk)
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(w.shape)
+    return q, scale
 
 
 def save_lora(family: str, model_dir: Path, path: Path, seed: int = 1) -> Path:
@@ -117,7 +132,7 @@ def save_lora(family: str, model_dir: Path, path: Path, seed: int = 1) -> Path:
     every layer), saved as PEFT writes one; B is random too, so the adapter changes the outputs."""
     from safetensors.torch import save_file
 
-    model = build(family.removesuffix("_fp8"))
+    model = build(family)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
     targets = [t for t in LORA_TARGETS if any(n.endswith(f".{t}") for n in linears)][:2]
     gen = torch.Generator().manual_seed(seed)

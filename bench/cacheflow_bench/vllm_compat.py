@@ -47,20 +47,33 @@ def merged(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[st
                                                    c["lora"]))
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(args: argparse.Namespace, out: Path, old: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every cell in turn; the result files rewritten after each (an interrupted run keeps what it did)."""
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
     make_models(root, args.families)
-    cells = []
+    body: dict[str, Any] = {}
+    new: list[dict[str, Any]] = []
     for cell in cells_of(args):
-        record = run_cell(cell, root)
-        print(json.dumps({k: v for k, v in record.items() if k not in ("passes", "base_tokens")}), flush=True)
-        cells.append(record)
-    return cells
+        new.append(run_cell(cell, root))
+        print(json.dumps({k: v for k, v in new[-1].items() if k not in ("passes", "base_tokens", "log_tail")}),
+              flush=True)
+        body = write(out, merged(old, new))
+    return body
+
+
+def write(out: Path, cells: list[dict[str, Any]]) -> dict[str, Any]:
+    cross_check(cells)
+    body = {**provenance(False), "summary": summarize(cells), "cells": cells}
+    write_json(out / "vllm_compat.json", body)
+    (out / "vllm_compat.md").write_text(report(body))
+    return body
 
 
 def choices(value: str, allowed: Sequence[str], what: str, parser: argparse.ArgumentParser) -> list[str]:
     items = [x for x in value.split(",") if x]
+    if not items:
+        parser.error(f"{what} names none of {', '.join(allowed)}")
     if unknown := set(items) - set(allowed):
         parser.error(f"unknown {what} {sorted(unknown)}; choose from {', '.join(allowed)}")
     return items
@@ -90,11 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out) if args.out else RESULTS_DIR
     earlier = out / "vllm_compat.json"
     old = json.loads(earlier.read_text())["cells"] if args.merge and earlier.exists() else []
-    cells = merged(old, run(args))
-    cross_check(cells)
-    body = {**provenance(False), "summary": summarize(cells), "cells": cells}
-    write_json(out / "vllm_compat.json", body)
-    (out / "vllm_compat.md").write_text(report(body))
+    body = run(args, out, old)
     if out.resolve() == RESULTS_DIR.resolve():
         print(f"README table: {'rewritten' if update_readme(README, body) else 'already up to date'}")
     print(json.dumps(body["summary"]))

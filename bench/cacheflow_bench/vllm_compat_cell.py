@@ -32,7 +32,8 @@ SUFFIX = 16
 MAX_TOKENS = 8
 DRIVE_TIMEOUT_S = 300
 TAIL_LINES = 15
-ERROR = re.compile(r"(Error|error|Exception)[:,]|timed out")
+SPECIFIC_ERROR = re.compile(r"\b\w+Error: |timed out after")
+ERROR = re.compile(r"(Error|error|Exception)[:,]")
 TENANT = "compat"
 BASE_PASSES = (("cold", False), ("warm", False))  # (label, with the adapter), in order
 LORA_PASSES = (("lora-cold", True), ("base-after-lora", False), ("lora-warm", True), ("base-warm", False))
@@ -82,7 +83,7 @@ def vllm_env(tp: int) -> dict[str, str]:
 
 
 def drive(spec: dict[str, Any], root: Path, name: str) -> tuple[dict[str, Any] | None, str]:
-    """Run drive.py on `spec` in a fresh vLLM process: what it wrote (None if it failed) and its log's end."""
+    """Run drive.py on `spec` in a fresh vLLM process: what it wrote (None if it failed) and its log."""
     spec_path, out_path, log_path = (root / f"{name}{s}" for s in (".spec.json", ".out.json", ".log"))
     spec_path.write_text(json.dumps({**spec, "out": str(out_path)}))
     out_path.unlink(missing_ok=True)
@@ -95,8 +96,8 @@ def drive(spec: dict[str, Any], root: Path, name: str) -> tuple[dict[str, Any] |
         except subprocess.TimeoutExpired:
             rc = -1
             log.write(f"\ntimed out after {DRIVE_TIMEOUT_S} s\n")
-    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-TAIL_LINES:])
-    return (json.loads(out_path.read_text()) if rc == 0 and out_path.exists() else None), tail
+    return (json.loads(out_path.read_text()) if rc == 0 and out_path.exists() else None), log_path.read_text(
+        errors="replace")
 
 
 def spec_for(cell: Cell, model: Path, adapter: Path, connector: dict[str, Any] | None) -> dict[str, Any]:
@@ -121,33 +122,40 @@ def run_cell(cell: Cell, root: Path) -> dict[str, Any]:
     try:
         connector = {"pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": TENANT,
                      "pod_token_file": str(work / "tokens"), "chunk_size": CHUNK, "stats_file": str(stats)}
-        result, tail = drive(spec_for(cell, model, adapter, connector), work, "connector")
+        result, log = drive(spec_for(cell, model, adapter, connector), work, "connector")
     finally:
         pod.stop()
     record = {**asdict(cell), "name": cell.name}
     if result is None:
-        record |= without_connector(cell, work, model, adapter, tail)
+        record |= without_connector(cell, work, model, adapter, log)
     else:
         record |= judge(cell, result, read_events(stats))
     return {**record, "wall_s": round(time.perf_counter() - started, 1)}
 
 
-def without_connector(cell: Cell, work: Path, model: Path, adapter: Path, connector_tail: str) -> dict[str, Any]:
+def without_connector(cell: Cell, work: Path, model: Path, adapter: Path, connector_log: str) -> dict[str, Any]:
     """vLLM with the connector failed: whose failure it is, from one run without the connector."""
     spec = spec_for(cell, model, adapter, None)
-    plain, tail = drive({**spec, "passes": spec["passes"][:1]}, work, "plain")
+    plain, log = drive({**spec, "passes": spec["passes"][:1]}, work, "plain")
     if plain is None:
-        return {"status": "vllm_cannot_run", "start_ok": False, "error": error_line(tail), "log_tail": tail}
+        return {"status": "vllm_cannot_run", "start_ok": False, "error": error_line(log), "log_tail": tail(log)}
     return {"status": "failed", "start_ok": False,
-            "error": f"vLLM starts without the connector; with it: {error_line(connector_tail)}",
-            "log_tail": connector_tail}
+            "error": f"vLLM starts without the connector; with it: {error_line(connector_log)}",
+            "log_tail": tail(connector_log)}
 
 
-def error_line(log_tail: str) -> str:
-    """The line of a failed run's log that says what went wrong: the last one naming an error, else the last."""
-    lines = [x.strip() for x in log_tail.splitlines() if x.strip()]
-    named = [x for x in lines if ERROR.search(x)]
-    return (named or lines or [""])[-1]
+def tail(log: str) -> str:
+    return "\n".join(log.splitlines()[-TAIL_LINES:])
+
+
+def error_line(log: str) -> str:
+    """The line of a failed run's log that says what went wrong: the last exception with a specific class
+    (a TP worker's, not the engine's generic report of it), else the last line naming an error, else the last."""
+    lines = [x.strip() for x in log.splitlines() if x.strip() and " WARNING " not in x]  # warnings are no cause
+    for pattern in (SPECIFIC_ERROR, ERROR):
+        if named := [x for x in lines if pattern.search(x)]:
+            return named[-1]
+    return lines[-1] if lines else ""
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
@@ -182,7 +190,8 @@ def judge(cell: Cell, result: dict[str, Any], events: list[dict[str, Any]]) -> d
     equal = all(tokens[later] == tokens[ref] for later, ref in REFERENCE.items() if later in tokens)
     errors = [e for e in events if e["event"] == "load_error"]
     record: dict[str, Any] = {"start_ok": True, "startup_s": round(result["startup_s"], 1), "tokens_equal": equal,
-                              **per_pass[OUTCOME_PASS[cell.lora]], "passes": per_pass, "load_errors": len(errors)}
+                              **per_pass[OUTCOME_PASS[cell.lora]], "passes": per_pass, "load_errors": len(errors),
+                              "saved_chunks": sum(e.get("chunks", 0) for e in events if e["event"] == "save")}
     if cell.lora:
         record["lora_leak"] = per_pass[LEAK_PASS]["outcome"] == "restored"
         record["adapter_changes_tokens"] = tokens["lora-cold"] != tokens[LEAK_PASS]
