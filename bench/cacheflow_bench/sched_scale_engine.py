@@ -5,8 +5,9 @@ The engine is the one the workers, the vLLM connector and the library run (`cach
 its compute loop either on a thread of its own (a stage worker's) or on the thread that asks for the
 restores (the connector's and the library's). Each step schedules (the batch scheduler's compute pick,
 under the lock the channel threads share), runs one batched forward and reports what it computed; the
-channels' picks take the same lock. The tiny model keeps the forward small, so this is where the
-scheduler's share of a step is largest.
+channels' picks take the same lock. The scheduler is handed to the engine instrumented (`TimedScheduler`);
+a step's time is its compute pick and what it ran (`on_step`). The tiny model keeps the forward small, so
+this is where the scheduler's share of a step is largest.
 
 Every request restores the same prefix (stored once): `RESTORE_UNITS` chunks of `CHUNK` tokens, loaded
 through a shaped link slow enough that compute and both channels all take units.
@@ -21,11 +22,12 @@ from typing import Any
 
 import torch
 
-from cacheflow_common.engine.engine import RestoreEngine
-from cacheflow_common.engine.settings import EngineSettings
+from cacheflow_common.engine import Engine, EngineSettings, StepPlan
 from cacheflow_common.model.sources import load_model
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 from cacheflow_common.restore.save import make_job, save_prefix
+from cacheflow_common.sched.policies import make_policy
+from cacheflow_common.sched.scheduler import BatchScheduler
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_common.store.shaped import ShapedStore
 from cacheflow_common.transport.shaping import TokenBucket
@@ -54,6 +56,18 @@ def _timed(calls: list[float], method: Callable[..., Any], *, when: Callable[[An
     return timed
 
 
+class TimedScheduler(BatchScheduler):
+    """A batch scheduler that times its compute picks that start a step, and its channels' picks."""
+
+    def __init__(self, policy: str) -> None:
+        super().__init__(make_policy(policy), n_stages=1)
+        self.picks: list[float] = []
+        self.loads: list[float] = []
+        self.next_compute_batch = _timed(  # type: ignore[method-assign]
+            self.picks, super().next_compute_batch, when=bool)
+        self.next_load = _timed(self.loads, super().next_load)  # type: ignore[method-assign]
+
+
 def step_share(policy: str, restores: int, *, loop_thread: bool) -> dict[str, Any]:
     """One batch of `restores` restores through an engine; its steps and the scheduler's share of them."""
     torch.set_num_threads(1)
@@ -66,15 +80,14 @@ def step_share(policy: str, restores: int, *, loop_thread: bool) -> dict[str, An
     settings = EngineSettings(layers=range(model.config.num_layers), policy=policy, chunk_size=CHUNK,
                               costs=TINY_COSTS, channels=("pod-0", "pod-1"))
     steps: list[float] = []
-    picks: list[float] = []
-    loads: list[float] = []
-    with RestoreEngine(settings, model, loop_thread=loop_thread) as engine:
-        scheduler = engine.core.scheduler
-        with engine.core.cond:  # instrumented before any step or load runs
-            engine.loop.step = _timed(steps, engine.loop.step, when=bool)  # type: ignore[method-assign]
-            scheduler.next_compute_batch = _timed(  # type: ignore[method-assign]
-                picks, scheduler.next_compute_batch, when=bool)  # the picks that start a step
-            scheduler.next_load = _timed(loads, scheduler.next_load)  # type: ignore[method-assign]
+    scheduler = TimedScheduler(policy)
+    picks, loads = scheduler.picks, scheduler.loads
+
+    def step_ran(plan: StepPlan, seconds: float) -> None:
+        steps.append(picks[-1] + seconds)  # no forward work here: every step starts with a pick
+
+    make = Engine.for_stage if loop_thread else Engine.for_connector
+    with make(settings, model, on_step=step_ran, scheduler=scheduler) as engine:
         started = time.perf_counter()
         results = engine.restore_batch({f"r{i}": job for i in range(restores)}, store, policy)
         wall = time.perf_counter() - started

@@ -44,7 +44,8 @@ from cacheflow_services.storage.launch import launch_pod, write_tokens
 
 PROMPT = 1024 + 16  # 4 whole chunks and a suffix
 TARGET = 0.05  # the connector may add at most this fraction of the weights' size
-CONFIGS = {"vllm": None, "connector-shared": {}, "connector-separate": {"share_weights": False}}
+CONFIGS = {"vllm": None, "connector-shared": {"runtime": "cacheflow"},
+           "connector-separate": {"runtime": "cacheflow", "share_weights": False}}
 MiB = 1 << 20
 # Run in vLLM's Python: drive.py's run, then this process's memory from /proc/self/status (kB there).
 # Then again after malloc_trim(0), which hands the heap's freed pages back: what is live, without what the

@@ -14,11 +14,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from cacheflow_common.engine.core import STAGE, EngineCore
+from cacheflow_common.engine.core import EngineCore
 from cacheflow_common.engine.stage_restore import StageRestore
 from cacheflow_common.restore.cores import move_off_compute_cores
 from cacheflow_common.restore.loader import staging_buffer
-from cacheflow_common.sched.scheduler import LoadTask
 
 log = logging.getLogger(__name__)
 
@@ -40,26 +39,14 @@ class ChannelLoader:
 
     def _run(self) -> None:
         move_off_compute_cores()
-        while (claim := self._next()) is not None:
+        while (claim := self.core.wait_for_load(self.channel)) is not None:  # None: the engine stopped
             task, restore = claim
             started = time.perf_counter()
             miss = self._load(restore, task.unit)
             ended = time.perf_counter()
             restore.loaded(task.unit, started, ended, miss)
-            self._report(task, miss, ended)
+            self.core.report_load(self.channel, task, miss, ended)
             self.on_load(self.channel, ended - started)
-
-    def _next(self) -> tuple[LoadTask, StageRestore] | None:
-        """Wait for the scheduler to give this channel a load; None once the engine stops."""
-        core = self.core
-        with core.cond:
-            while not core.stopped:
-                task = core.scheduler.next_load(self.channel, time.perf_counter())
-                core.looked(self.channel, loading=task is not None)
-                if task is not None:
-                    return task, core.restores[task.request_id]
-                core.idle_wait()
-        return None
 
     def _load(self, restore: StageRestore, unit: int) -> str:
         if len(self._staging) < restore.loader.staging_bytes:
@@ -69,14 +56,3 @@ class ChannelLoader:
         except Exception as exc:  # a read that failed in any way is a miss: the unit is recomputed
             log.warning("channel %d: loading unit %d of %s failed: %s", self.channel, unit, restore.request_id, exc)
             return f"loader-error: {type(exc).__name__}"
-
-    def _report(self, task: LoadTask, miss: str, ended: float) -> None:
-        core = self.core
-        with core.cond:
-            if miss:
-                core.scheduler.load_missed(STAGE, task.request_id, task.unit, miss)
-            else:
-                core.scheduler.loaded(STAGE, task.request_id, task.unit, ended)
-            core.channel_loading[self.channel] = False
-            core.settle()
-            core.cond.notify_all()

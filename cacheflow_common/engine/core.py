@@ -1,127 +1,216 @@
-"""What a stage engine's compute loop, its channel loaders and its request threads share, under one lock.
+"""What a stage engine's compute loop, its channel loaders and its request threads share, under one lock;
+none of them touches it but through these methods.
 
-* `scheduler` — the batch scheduler (the same object the simulator drives) for this stage: stage 0 of
-  a one-stage scheduler, since every worker schedules its own stage; its channels are the pods.
-* `restores` — the requests restoring here, by id; `forwards` — forward work waiting for the loop
-  (suffix-prefill chunks and decode tokens), in arrival order.
-* `settle` hands every restore the scheduler finished or failed its answer.
+* The batch scheduler (the same object the simulator drives) for this stage: stage 0 of a one-stage
+  scheduler, since every worker schedules its own stage; its channels are the pods.
+* The requests restoring here, by id; forward work waiting for the loop (suffix-prefill chunks and
+  decode tokens), in arrival order.
+* Settling hands every restore the scheduler finished or failed its answer.
 * Channels look first: a new restore that loads computes nothing until every channel has asked the
   scheduler for work since it arrived (or is busy loading). Without this, the compute loop, already
   awake, would take units before an idle channel's thread is scheduled, and the meeting point would
   see no load in flight: a head start for compute that the scheduler (and the simulator) never meant.
 
-Every change that could give a waiting thread work notifies `cond` (`wake`).
+Every change that could give a waiting thread work notifies the condition (`wake_loop`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 
 from cacheflow_common.engine.stage_restore import StageRestore
+from cacheflow_common.engine.step_plan import STAGE, ForwardItem, StepBudget, StepPlan, decide_step
 from cacheflow_common.errors import CacheFlowError
-from cacheflow_common.model.kv_buffer import KVBuffer
-from cacheflow_common.sched.policies import Policy
-from cacheflow_common.sched.scheduler import BatchScheduler
+from cacheflow_common.sched.scheduler import BatchScheduler, ComputeTask, LoadTask
 
-STAGE = 0  # this worker's stage, as its own one-stage scheduler numbers it
+IDLE_WAIT_S = 0.05  # with restores in flight, a loop or channel with nothing to do re-checks this often
+
+UnitComputed = tuple[ComputeTask, torch.Tensor | None]  # a unit the step ran, and its rows out [T, hidden]
 
 
 class RestoreCancelledError(CacheFlowError):
     """The request was released (its client went away) while it restored."""
 
 
-@dataclass
-class ForwardItem:
-    """New tokens of one request through this stage: a suffix prefill (run in budget-sized slices) or
-    one decode token. The answer is the hidden states leaving the stage, [T, hidden], or on the last
-    stage the next token sampled from the last row."""
+class EngineCore:
+    def __init__(self, scheduler: BatchScheduler, *, stage: int, n_channels: int) -> None:
+        self._stage = stage  # the pipeline stage, for answers and errors
+        self._channel_looks = [0] * n_channels  # how often each channel has asked the scheduler for work
+        self._channel_loading = [False] * n_channels  # each channel: a load in flight
+        self._cond = threading.Condition()
+        self._scheduler = scheduler
+        self._restores: dict[str, StageRestore] = {}
+        self._forwards: deque[ForwardItem] = deque()
+        self._stopped = False
 
-    request_id: str
-    kv: KVBuffer
-    start: int  # position of rows[0]
-    rows: torch.Tensor  # [T, hidden]: the stage's input for the new tokens
-    sample: tuple[float, int] | None  # last stage: (temperature, seed)
-    done_rows: int = 0  # rows already run
-    outputs: list[torch.Tensor] = field(default_factory=list)  # [t_i, hidden] per slice run
-    future: Future[torch.Tensor | int] = field(default_factory=Future)
+    # -- request threads ----------------------------------------------------------------------------
+    def admit_restore(self, restore: StageRestore) -> None:
+        with self._cond:
+            self._restores[restore.request_id] = restore
+            restore.looks_at_admit = tuple(self._channel_looks)
+            self._scheduler.arrive(restore.plan, restore.spec.policy)
+            self._settle()  # an empty prefix is done on arrival
+            self._cond.notify_all()
+
+    def cancel_restore(self, request_id: str, error: BaseException) -> bool:
+        """Stop a restore still running (its waiter gets `error`); False if none runs for the request."""
+        with self._cond:
+            if request_id not in self._restores:
+                return False
+            self._fail(request_id, error)
+            self._cond.notify_all()
+            return True
+
+    def restore_of(self, request_id: str) -> StageRestore | None:
+        with self._cond:
+            return self._restores.get(request_id)
+
+    def queue_forward(self, item: ForwardItem) -> None:
+        with self._cond:
+            self._forwards.append(item)
+            self._cond.notify_all()
+
+    def shut_down(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
 
     @property
-    def left(self) -> int:
-        return self.rows.shape[0] - self.done_rows
+    def has_stopped(self) -> bool:
+        return self._stopped
 
+    def wake_loop(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
-IDLE_WAIT_S = 0.05  # with restores in flight, a loop or channel with nothing to do re-checks this often
+    # -- the compute loop ---------------------------------------------------------------------------
+    def next_step(self, budget: StepBudget, *, wait: bool, until: Callable[[], bool]) -> StepPlan | None:
+        """The next step's work (`step_plan.decide_step`); None when there is none (after waiting for work,
+        if `wait`, unless `until()` holds: checked under the lock, where restores are answered)."""
+        with self._cond:
+            plan = decide_step(self._forwards, self._scheduler, budget, now=time.perf_counter(),
+                               ready=self._computable, mode_of=lambda request_id: self._restores[request_id].spec.mode)
+            if plan.empty:
+                if wait and not until():
+                    self._idle_wait()
+                return None
+            return plan
 
+    def end_step(self, plan: StepPlan, forward_out: list[torch.Tensor], computed: list[UnitComputed],
+                 failed: dict[str, BaseException], started: float, ended: float) -> list[ForwardItem]:
+        """Report a step that ran: its time, every unit computed, the requests that failed; record each
+        forward slice's rows. Returns the forward items now complete (out of the queue)."""
+        with self._cond:
+            self._scheduler.step_done(STAGE, ended - started)
+            for task, out in computed:
+                restore = self._restores.get(task.request_id)
+                if restore is None or task.request_id in failed:
+                    continue
+                restore.computed(task.unit, out, started, ended)
+                self._scheduler.computed(STAGE, task.request_id, task.unit)
+            for request_id, error in failed.items():
+                self._fail(request_id, error)
+            finished = self._advance_forwards(plan, forward_out)
+            self._settle()
+            self._cond.notify_all()
+        return finished
 
-class EngineCore:
-    def __init__(self, policy: Policy, *, stage: int, n_channels: int) -> None:
-        self.stage = stage  # the pipeline stage, for answers and errors
-        self.channel_looks = [0] * n_channels  # how often each channel has asked the scheduler for work
-        self.channel_loading = [False] * n_channels  # each channel: a load in flight
-        self.cond = threading.Condition()
-        self.scheduler = BatchScheduler(policy, n_stages=1)
-        self.restores: dict[str, StageRestore] = {}
-        self.forwards: deque[ForwardItem] = deque()
-        self.stopped = False
-        self._errors: dict[str, BaseException] = {}  # request -> why it failed (set with `fail`)
+    def fail_step(self, plan: StepPlan, error: BaseException) -> None:
+        """The step's batched forward failed: everything in it fails."""
+        with self._cond:
+            for task in (*plan.token_units, *plan.layer_units):
+                self._fail(task.request_id, error)
+            for item, _, _ in plan.forwards:
+                if item in self._forwards:
+                    self._forwards.remove(item)
+                if not item.future.done():
+                    item.future.set_exception(error)
+            self._cond.notify_all()
 
-    def idle_wait(self) -> None:
-        """Wait (holding `cond`) for the next event: with restores in flight at most `IDLE_WAIT_S`, as the
-        scheduler's decisions depend on the time; with none, until something happens (an arrival, a
-        forward, a stop: each notifies), so an idle engine takes no CPU."""
-        self.cond.wait(timeout=IDLE_WAIT_S if self.restores else None)
+    # -- the channels -------------------------------------------------------------------------------
+    def wait_for_load(self, channel: int) -> tuple[LoadTask, StageRestore] | None:
+        """Wait for the scheduler to give `channel` a load; None once the engine stops."""
+        with self._cond:
+            while not self._stopped:
+                task = self._scheduler.next_load(channel, time.perf_counter())
+                self._looked(channel, loading=task is not None)
+                if task is not None:
+                    return task, self._restores[task.request_id]
+                self._idle_wait()
+        return None
 
-    def wake(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
+    def report_load(self, channel: int, task: LoadTask, miss: str, ended: float) -> None:
+        with self._cond:
+            if miss:
+                self._scheduler.load_missed(STAGE, task.request_id, task.unit, miss)
+            else:
+                self._scheduler.loaded(STAGE, task.request_id, task.unit, ended)
+            self._channel_loading[channel] = False
+            self._settle()
+            self._cond.notify_all()
 
-    def admit(self, restore: StageRestore) -> None:
-        with self.cond:
-            self.restores[restore.request_id] = restore
-            restore.looks_at_admit = tuple(self.channel_looks)
-            self.scheduler.arrive(restore.plan, restore.spec.policy)
-            self.settle()  # an empty prefix is done on arrival
-            self.cond.notify_all()
+    # -- under the lock -----------------------------------------------------------------------------
+    def _idle_wait(self) -> None:
+        """Wait for the next event: with restores in flight at most `IDLE_WAIT_S`, as the scheduler's
+        decisions depend on the time; with none, until something happens (an arrival, a forward, a stop:
+        each notifies), so an idle engine takes no CPU."""
+        self._cond.wait(timeout=IDLE_WAIT_S if self._restores else None)
 
-    def looked(self, channel: int, *, loading: bool) -> None:
-        """A channel asked the scheduler for work (the caller holds `cond`)."""
-        self.channel_looks[channel] += 1
-        self.channel_loading[channel] = loading
-        if any(not r.seen_by_channels for r in self.restores.values()):
-            self.cond.notify_all()  # the compute loop may be waiting for this look
+    def _looked(self, channel: int, *, loading: bool) -> None:
+        """A channel asked the scheduler for work."""
+        self._channel_looks[channel] += 1
+        self._channel_loading[channel] = loading
+        if any(not r.seen_by_channels for r in self._restores.values()):
+            self._cond.notify_all()  # the compute loop may be waiting for this look
 
-    def seen_by_channels(self, restore: StageRestore) -> bool:
-        """Whether every channel has looked since `restore` arrived, or is busy loading (the caller holds
-        `cond`); a restore that loads nothing needs no look."""
+    def _computable(self, request_id: str, unit: int) -> bool:
+        """Compute may take `unit` now: its input is here and the channels have looked at its request."""
+        restore = self._restores[request_id]
+        return self._seen_by_channels(restore) and restore.ready(unit)
+
+    def _seen_by_channels(self, restore: StageRestore) -> bool:
+        """Whether every channel has looked since `restore` arrived, or is busy loading; a restore that
+        loads nothing needs no look."""
         if not restore.seen_by_channels:
-            looks = zip(self.channel_looks, restore.looks_at_admit, self.channel_loading, strict=True)
+            looks = zip(self._channel_looks, restore.looks_at_admit, self._channel_loading, strict=True)
             restore.seen_by_channels = not restore.spec.policy.loads or all(
                 now > then or loading for now, then, loading in looks)
         return restore.seen_by_channels
 
-    def fail(self, request_id: str, error: BaseException) -> None:
-        """Stop a restore with `error` (the caller holds `cond`)."""
-        if self.scheduler.cancel(request_id, str(error)):
-            self._errors[request_id] = error
-        self.settle()
+    def _advance_forwards(self, plan: StepPlan, outputs: list[torch.Tensor]) -> list[ForwardItem]:
+        """Record each slice's rows [t, hidden]; the items now complete leave the queue."""
+        finished = []
+        for (item, _, b), out in zip(plan.forwards, outputs, strict=True):
+            item.outputs.append(out)
+            item.done_rows = b
+            if item.left == 0:
+                self._forwards.remove(item)
+                finished.append(item)
+        return finished
 
-    def settle(self) -> None:
-        """Answer every restore that finished or failed (the caller holds `cond`)."""
-        for request_id in self.scheduler.finished():
-            self.scheduler.forget(request_id)
-            restore = self.restores.pop(request_id, None)
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        """Stop a restore with `error`."""
+        restore = self._restores.get(request_id)
+        if self._scheduler.cancel(request_id, str(error)) and restore is not None:
+            restore.error = error
+        self._settle()
+
+    def _settle(self) -> None:
+        """Answer every restore that finished or failed."""
+        for request_id in self._scheduler.finished():
+            self._scheduler.forget(request_id)
+            restore = self._restores.pop(request_id, None)
             if restore is not None:
                 restore.close()
-                restore.done.set_result(restore.summary(self.stage))
-        for request_id, reason in self.scheduler.failed().items():
-            self.scheduler.forget(request_id)
-            restore = self.restores.pop(request_id, None)
-            error = self._errors.pop(request_id, None) or CacheFlowError(reason)
+                restore.done.set_result(restore.summary(self._stage))
+        for request_id, reason in self._scheduler.failed().items():
+            self._scheduler.forget(request_id)
+            restore = self._restores.pop(request_id, None)
             if restore is not None:
                 restore.close()
-                restore.done.set_exception(error)
+                restore.done.set_exception(restore.error or CacheFlowError(reason))

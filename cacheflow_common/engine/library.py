@@ -1,5 +1,5 @@
 """The library's entry point: one request's restore on one stage, by any policy — a batch of one in a
-`RestoreEngine` of its own (its threads live as long as the call).
+`Engine` of its own (its threads live as long as the call).
 
 Channels: a store over several pods (`ClusterStore`) gets one loader per pod, as a worker does; any other
 store one loader, or for load-only `LOAD_ONLY_READS_IN_FLIGHT` (one read lands while the next crosses the
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from cacheflow_common.engine.engine import RestoreEngine
+from cacheflow_common.engine.engine import Engine
 from cacheflow_common.engine.settings import EngineSettings
 from cacheflow_common.engine.stage_restore import StageInput
 from cacheflow_common.errors import ConfigError
@@ -44,7 +44,7 @@ def restore(job: RestoreJob, *, model: Transformer, store: ChunkStore, policy: s
         raise ConfigError(f"policy {policy!r} needs a cost model: run `cacheflow profile` and pass its costs")
     settings = EngineSettings(layers=job.layers, policy=policy, chunk_size=job.chunk_size, costs=costs,
                               l_delta=l_delta, prefill_tokens=prefill_tokens, channels=_channels(store, chosen))
-    with RestoreEngine(settings, model, loop_thread=False) as engine:  # this thread computes
+    with Engine.for_connector(settings, model) as engine:  # this thread computes
         kvs = {REQUEST_ID: kv} if kv is not None else None
         result = engine.restore_batch({REQUEST_ID: job}, store, policy, kvs=kvs, inputs=_as_stage_input(stage_input),
                                       on_computed=on_computed)[REQUEST_ID]

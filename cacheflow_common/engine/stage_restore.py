@@ -78,6 +78,7 @@ class StageRestore:
         self.done: Future[RestoreSummary] = Future()
         self.looks_at_admit: tuple[int, ...] = ()  # each channel's looks when it arrived (EngineCore)
         self.seen_by_channels = False  # every channel has looked since: compute may start
+        self.error: BaseException | None = None  # why the engine stopped it (its waiter gets this)
         self.started = time.perf_counter()
         self._closers = closers
         self._hidden: torch.Tensor | None = None  # layer mode: [N, hidden] entering the next layer to compute

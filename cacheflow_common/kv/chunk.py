@@ -44,8 +44,10 @@ SECTION_HEADER = struct.Struct("<4sIIIIQ16s")  # magic, layer, token_start, toke
 SECTION_HEADER_SIZE = 64  # padded past the 44 packed bytes: room for later fields without moving payloads
 TRAILER_TAIL = struct.Struct("<I8s")  # trailer length, END_MAGIC
 FORMAT_VERSION = 1
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# fp8 KV is kept as vLLM's fp8 caches hold it: one byte per value, a uint8 tensor (the scales are the model's)
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "fp8_e4m3": torch.uint8, "fp8_e5m2": torch.uint8}
 KINDS = ("kv", "hidden")
 QUANTS = ("none", "int8")
 _MAX_TRAILER = 64 * 1024 * 1024  # far above any real trailer (token ids of one chunk); bounds a corrupt length

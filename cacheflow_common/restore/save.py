@@ -31,14 +31,16 @@ def make_job(
     chunk_size: int,
     layers: range | None = None,
     quant: str = "none",
+    kv_dtype: str = "",
 ) -> RestoreJob:
-    """The restore job for `token_ids` under `tenant`, keys salted by the model's fingerprint."""
+    """The restore job for `token_ids` under `tenant`, keys salted by the model's fingerprint; its chunks hold
+    KV in `kv_dtype` (by default the model's dtype)."""
     keys = chunk_keys(token_ids, chunk_size, tenant_salt(model.fingerprint(), tenant))
     return RestoreJob(
         token_ids=tuple(token_ids),
         keys=tuple(keys),
         layers=layers if layers is not None else range(model.config.num_layers),
-        kv_dtype=dtype_name(model.dtype),
+        kv_dtype=kv_dtype or dtype_name(model.dtype),
         quant=quant,
     )
 

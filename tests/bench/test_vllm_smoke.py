@@ -31,7 +31,7 @@ def test_vllm_bench_invariants(tmp_path):
         assert len(column["ttft_s"]) == batch["repeats"] and all(len(r) == 2 for r in column["ttft_s"]), name
     assert body["summary"]["vllm_batch_next_token_matches"] is True
     recompute = body["recompute"]
-    assert set(recompute["runs"]) == {"budget-default", "budget-16384", "attention-cacheflow"}
+    assert set(recompute["runs"]) == {"budget-default", "budget-16384", "runtime-cacheflow"}
     assert body["summary"]["connector_recompute_restores_happened"] is True
     trace = body["trace"]
     assert set(trace["columns"]) == set(vllm_trace.COLUMNS) and len(trace["requests"]) == 2

@@ -105,6 +105,21 @@ def test_whole_chunk_round_trip_is_exact(dtype):
     assert torch.equal(decoded, kv) and trailer["dtype"] == dtype
 
 
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_chunks_carry_the_caches_bytes_exactly(dtype):
+    """An fp8 cache's chunk is its bytes (uint8, as vLLM allocates fp8 caches), whatever their values."""
+    n = (L1 - L0) * 2 * H * T * D
+    kv = (torch.arange(n) * 37 % 256).to(torch.uint8).view(L1 - L0, 2, H, T, D)  # [L, 2, Hkv, T, D]
+    obj, layout = _encode(kv, dtype), _layout(dtype)
+    buf, dst = _dst(torch.uint8)
+    assert _land(memoryview(obj)[: layout.sections_size], dst, layout).ok
+    assert torch.equal(buf[..., 7:14, :], kv) and len(set(kv.flatten().tolist())) == min(n, 256)
+    trailer, decoded = decode_kv_chunk(obj)
+    assert torch.equal(decoded, kv) and decoded.dtype == torch.uint8 and trailer["dtype"] == dtype
+    with pytest.raises(BadRequestError):
+        _encode(kv.float(), dtype)  # values, not the cache's bytes
+
+
 @pytest.fixture(params=["memory", "filesystem"])
 def store(request, tmp_path: Path) -> ChunkStore:
     return MemoryStore() if request.param == "memory" else FilesystemStore(tmp_path / "s")

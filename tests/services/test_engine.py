@@ -21,9 +21,11 @@ from typing import Any
 import pytest
 import torch
 
+from cacheflow_common.engine import Engine
 from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.restore.profile import Crossover, Profile
 from cacheflow_common.restore.save import compute_prefix_kv, make_job, save_prefix
+from cacheflow_common.sched.policies import make_policy
 from cacheflow_common.sched.scheduler import BatchScheduler
 from cacheflow_common.stage_api import ForwardMeta, RestoreSummary
 from cacheflow_common.store.memory import MemoryStore
@@ -153,7 +155,7 @@ def test_a_step_with_forward_work_carries_one_restore_unit_at_most(model, engine
     engine = _engine(model, _saved_store(model, prompts), policy="compute-only", prefill_tokens=CHUNK)
     engines.append(engine)
     steps: list[tuple[int, int]] = []  # per step: forward slices, restore units
-    engine.engine.loop.on_step = lambda plan, _s: steps.append((len(plan.forwards), len(plan.token_units)))
+    engine.engine._step_loop.on_step = lambda plan, _s: steps.append((len(plan.forwards), len(plan.token_units)))
     restores = [functools.partial(engine.restore, f"r{i}", ids, tenant=TENANT, input_mode="boundary",
                                   reserve_tokens=0) for i, ids in enumerate(prompts)]
     meta = {"request_id": "f", "tenant": TENANT, "reserve_tokens": 8, "save": False, "start": 0}
@@ -185,14 +187,14 @@ def test_a_restored_request_stores_its_new_chunks_only_if_its_forward_says_so(mo
 def test_a_request_whose_sampling_fails_gets_the_error_and_the_others_their_tokens(model, engines):
     engine = _engine(model, MemoryStore())
     engines.append(engine)
-    sample = engine.engine.loop.sampler
+    sample = engine.engine._step_loop.sampler
 
     def failing_for_seed_13(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
         if seed == 13:
             raise ValueError("this seed cannot be sampled")
         return sample(logits, temperature, seed, position)
 
-    engine.engine.loop.sampler = failing_for_seed_13
+    engine.engine._step_loop.sampler = failing_for_seed_13
     metas = [ForwardMeta(request_id=f"s{seed}", tenant=TENANT, start=0, token_ids=[1, 2, 3], reserve_tokens=4,
                          save=False, temperature=0.7, seed=seed) for seed in (13, 14)]
     calls = [functools.partial(_outcome, engine.forward, meta, None) for meta in metas]
@@ -257,15 +259,14 @@ for _name in ("arrive", "computed", "loaded", "load_missed", "step_done", "cance
     setattr(RecordingScheduler, _name, lambda self, *a, _n=_name, **k: self._record(_n, *a, **k))
 
 
-def test_worker_decisions_replay_exactly_in_a_fresh_scheduler(model, engines):
+def test_worker_decisions_replay_exactly_in_a_fresh_scheduler(model, engines, monkeypatch):
     prompts = _prompts(5, seed=4)
+    recorder = RecordingScheduler(make_policy("cacheflow"), n_stages=1)
+    monkeypatch.setattr(Engine, "for_stage", functools.partial(Engine.for_stage, scheduler=recorder))
     engine = _engine(model, _saved_store(model, prompts))
     engines.append(engine)
-    recorder = RecordingScheduler(engine.engine.core.scheduler.policy, n_stages=1)
-    engine.engine.core.scheduler = recorder
     _restore_all(engine, prompts)
-    with engine.engine.core.cond:
-        log = list(recorder.log)
+    log = list(recorder.log)  # a prefix of the calls, in order: the channels may still be asking
     decisions = [entry for entry in log if entry[0].startswith("next_") and entry[3]]
     assert len(decisions) > len(prompts) and any(e[0] == "next_load" for e in decisions)
 

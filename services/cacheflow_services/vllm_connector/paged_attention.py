@@ -22,12 +22,13 @@ import torch
 
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_services.vllm_connector.model_identity import KVGeometry
 
 CPU_ISAS = ("vec", "vec16", "amx")  # vLLM's CPU attention kernels whose block layout the connector knows
 
 
 class PagedKV(KVBuffer):
-    def __init__(self, config: ModelConfig, *, layers: range, capacity: int, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig | KVGeometry, *, layers: range, capacity: int, dtype: torch.dtype,
                  caches: Mapping[int, torch.Tensor], block_ids: Sequence[int], block_size: int, isa: str,
                  first_writable: int) -> None:
         """A buffer for `layers` and `capacity` tokens; `caches`: vLLM's cache of each of those layers

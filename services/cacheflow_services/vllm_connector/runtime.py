@@ -1,6 +1,10 @@
-"""Which model CacheFlow recomputes with inside vLLM: vLLM's own loaded model, wrapped without copying a
-weight (`shared.py`), or — where the wrapper does not cover the model, vLLM's model cannot be reached, or
-`share_weights` is off — a separate copy loaded from the model directory. Chosen once, and logged once.
+"""Which model CacheFlow recomputes with inside vLLM, chosen once and logged once:
+
+* `runtime: "vllm"` (the default): vLLM's own model runs the restore's front (`vllm_runtime.py`); where vLLM's
+  model cannot be reached, restores fail and vLLM recomputes them.
+* `runtime: "cacheflow"`: CacheFlow's runtime over vLLM's loaded weights, wrapped without copying one
+  (`shared.py`), or — where the wrapper does not cover the model, vLLM's model cannot be reached, or
+  `share_weights` is off — over a separate copy loaded from the model directory.
 """
 
 from __future__ import annotations
@@ -8,13 +12,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_services.vllm_connector.model_identity import KVGeometry
 from cacheflow_services.vllm_connector.shared import Unsupported, shared_bytes, shared_runtime
+from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +29,14 @@ Event = Callable[..., None]  # the connector's stats log: event(kind, **fields)
 
 
 class RuntimeChoice:
-    def __init__(self, model_dir: str, config: ModelConfig, *, share_weights: bool, dtype: torch.dtype,
-                 device: str, vllm_model: VllmModel, event: Event) -> None:
+    def __init__(self, model_dir: str, config: ModelConfig | KVGeometry, *, runtime: str, share_weights: bool,
+                 dtype: torch.dtype, device: str, vllm_model: VllmModel, vllm_config: Any, fingerprint: str,
+                 event: Event) -> None:
+        """`config`: CacheFlow's model config, or (`runtime: "vllm"`) the KV geometry of the model vLLM serves."""
         self.model_dir = model_dir
+        self.runtime = runtime
+        self.vllm_config = vllm_config
+        self.fingerprint = fingerprint
         self.config = config
         self.share_weights = share_weights
         self.dtype = dtype
@@ -33,12 +44,15 @@ class RuntimeChoice:
         self.vllm_model = vllm_model
         self.event = event
         self.model: Transformer | None = None  # once chosen
-        self.kind = ""  # "shared" (over vLLM's weights) or "separate" (its own copy), once chosen
+        self.kind = ""  # "vllm" (vLLM's model), "shared" (over vLLM's weights) or "separate" (a copy), once chosen
 
     def choose(self, layers: range, *, final: bool) -> None:
         """Wrap vLLM's model if it can be reached and is covered; else, once `final` (or at once where
         sharing cannot work), load the separate runtime over `layers`, logging why."""
         if self.model is not None:
+            return
+        if self.runtime == "vllm":
+            self._vllm(layers, final=final)
             return
         if not self.share_weights:
             self._separate(layers, "share_weights is off")
@@ -48,6 +62,7 @@ class RuntimeChoice:
             if final:
                 self._separate(layers, "vLLM's loaded model could not be reached from the connector")
             return
+        assert isinstance(self.config, ModelConfig), "CacheFlow's runtime needs the model's config"
         try:
             self.model = shared_runtime(module, self.config, dtype=self.dtype, source=Path(self.model_dir))
         except Unsupported as exc:
@@ -58,6 +73,20 @@ class RuntimeChoice:
         log.info("CacheFlow recomputes with vLLM's own model (%s): no second copy of the weights",
                  type(module).__name__)
         self.event("runtime", runtime="shared", reason="", shared_bytes=inside, own_bytes=outside)
+
+    def _vllm(self, layers: range, *, final: bool) -> None:
+        """vLLM's own model; once `final` and still out of reach, restores fail (vLLM recomputes them)."""
+        module = self.vllm_model()
+        if module is None:
+            if final:
+                raise RuntimeError("vLLM's loaded model could not be reached from the connector")
+            return
+        geometry = KVGeometry.from_vllm(self.vllm_config)
+        runtime = VllmRuntime(geometry, module, self.vllm_config, layers=layers, fingerprint=self.fingerprint)
+        self.model = cast(Transformer, runtime)  # it offers what the restore engine calls of a Transformer
+        self.kind = "vllm"
+        log.info("CacheFlow recomputes with vLLM's own model (%s) and attention backend", type(module).__name__)
+        self.event("runtime", runtime="vllm", reason="", shared_bytes=0, own_bytes=0)
 
     def _separate(self, layers: range, reason: str) -> None:
         log.warning("CacheFlow recomputes with its own copy of the weights from %s: %s", self.model_dir, reason)

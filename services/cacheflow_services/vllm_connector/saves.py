@@ -20,12 +20,14 @@ from cacheflow_services.vllm_connector.runtime import Event
 
 
 class ConnectorSaves:
-    def __init__(self, store: ChunkStore, event: Event, *, fingerprint: str, dtype: torch.dtype, chunk_size: int,
-                 tenant: str) -> None:
+    def __init__(self, store: ChunkStore, event: Event, *, fingerprint: str, dtype: torch.dtype, kv_dtype: str,
+                 chunk_size: int, tenant: str) -> None:
+        """`dtype`: the model's (boundary activations); `kv_dtype`: the chunks' (the cache's, fp8 included)."""
         self.store = store
         self.event = event
         self.fingerprint = fingerprint
         self.dtype = dtype
+        self.kv_dtype = kv_dtype
         self.chunk_size = chunk_size
         self.tenant = tenant
         self._thread = SaverThread("cacheflow-saver", lambda request_id, exc: event(
@@ -65,6 +67,6 @@ class ConnectorSaves:
     def _put(self, spec: SaveSpec, key: ChunkKey, kv: torch.Tensor, layers: range) -> int:
         part = kv[:, :, :, key.token_start - spec.start : key.token_end - spec.start]  # [b - a, 2, Hkv, C, D]
         obj = encode_kv_chunk(key=key, token_ids=spec.token_ids[key.token_start : key.token_end],
-                              model=self.fingerprint, layer_start=layers.start, kv=part, dtype=dtype_name(self.dtype))
+                              model=self.fingerprint, layer_start=layers.start, kv=part, dtype=self.kv_dtype)
         self.store.put(object_name(key, "kv", layers.start, layers.stop), obj)
         return len(obj)

@@ -3,16 +3,18 @@ correctly makes it step aside (vLLM starts and serves as without it, and says wh
 cannot restore is declined (vLLM computes it, and the request's KV is neither restored nor stored).
 
 Both sides of the connector (vLLM's scheduler and every worker) decide from the same `VllmConfig`, so they
-agree without talking. Today CacheFlow recomputes a restore's front with its own runtime (`runtime.py`),
-exact only for an unquantized, unsharded model of a family it implements, over a cache of the model's
-dtype; anything else is refused here rather than restored wrong:
+agree without talking. Refused, whatever recomputes the restore's front:
 
-* a model CacheFlow's runtime does not implement, or one it cannot read (`ModelConfig.from_dir` says why);
-* quantized weights (the runtime would read them without their scales);
-* a KV cache in another dtype than the model's (`--kv-cache-dtype fp8`: chunks and caches must agree);
+* a KV cache in a dtype other than the model's or fp8 (with CacheFlow's runtime: any but the model's), or with
+  layers left out of its quantization (`kv_cache_dtype_skip_layers`);
 * tensor, decode- or prefill-context parallelism (a rank's cache holds a slice of the heads);
 * speculative decoding (the draft's layers have KV of their own that chunks do not hold);
-* a cache split into several groups (hybrid models: one block table per group).
+* a cache of other than full-attention blocks: several groups (hybrid models: one block table per group),
+  sliding-window blocks (dropped outside the window), state caches.
+
+With vLLM's own model (`runtime: "vllm"`, the default), also multi-head latent attention, M-RoPE positions
+and encoder-decoder models; with CacheFlow's runtime (`runtime: "cacheflow"`, and pipeline ranks), any model
+it does not implement and quantized weights (it would read them without their scales).
 
 Requests with a LoRA adapter, a `cache_salt`, prompt embeddings or multimodal inputs are declined: their
 KV is not the base model's over the prompt tokens, which is all a chunk's key names.
@@ -27,8 +29,10 @@ from typing import Any
 
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
+from cacheflow_services.vllm_connector.model_identity import FP8
 
 log = logging.getLogger(__name__)
+ATTENTION_SPECS = ("FullAttentionSpec",)  # caches of every position's K and V in blocks
 
 
 def model_dir(model: str, revision: str | None = None) -> Path:
@@ -45,8 +49,9 @@ def model_dir(model: str, revision: str | None = None) -> Path:
                           f"({type(exc).__name__}: {exc}); set the connector's `model` to its directory") from exc
 
 
-def unsupported(vllm_config: Any, model: str) -> str:
-    """Why the connector cannot serve `vllm_config` with the checkpoint at `model` ("" if it can)."""
+def unsupported(vllm_config: Any, model: str, runtime: str) -> str:
+    """Why the connector cannot serve `vllm_config` with the checkpoint at `model`, recomputing with `runtime`
+    ("vllm": vLLM's own model; "cacheflow": CacheFlow's), or "" if it can."""
     parallel, cache = vllm_config.parallel_config, vllm_config.cache_config
     model_config = vllm_config.model_config
     sharded = {"tensor": parallel.tensor_parallel_size, "decode context": parallel.decode_context_parallel_size,
@@ -54,16 +59,32 @@ def unsupported(vllm_config: Any, model: str) -> str:
     for kind, size in sharded.items():
         if size > 1:
             return f"{kind} parallelism ({size} ranks): a rank's cache holds a slice of the KV heads"
-    if model_config.quantization:
-        return f"{model_config.quantization} quantized weights: CacheFlow's runtime recomputes unquantized weights only"
-    if cache.cache_dtype != "auto":
-        return f"KV cache dtype {cache.cache_dtype}: chunks hold the model's dtype"
+    if cache.cache_dtype != "auto" and (runtime != "vllm" or cache.cache_dtype not in FP8):
+        return f"KV cache dtype {cache.cache_dtype}: chunks hold the model's dtype or (with vLLM's model) fp8"
+    if cache.cache_dtype != "auto" and getattr(cache, "kv_cache_dtype_skip_layers", None):
+        return "layers left out of the KV cache's quantization: chunks hold one dtype"
     if vllm_config.speculative_config is not None:
         return "speculative decoding: the draft model's KV is not in the chunks"
+    if runtime == "vllm":
+        return _unsupported_by_vllm_runtime(model_config)
+    if model_config.quantization:
+        return f"{model_config.quantization} quantized weights: CacheFlow's runtime recomputes unquantized weights only"
     try:
         ModelConfig.from_dir(model)
     except (ConfigError, OSError, ValueError, KeyError) as exc:
         return f"CacheFlow's runtime cannot read this model: {exc}"
+    return ""
+
+
+def _unsupported_by_vllm_runtime(model_config: Any) -> str:
+    """What recomputing with vLLM's own model does not cover (its caches or positions are not per-token K/V
+    at consecutive positions)."""
+    if model_config.use_mla:
+        return "multi-head latent attention: its cache holds a latent, not per-head K and V"
+    if model_config.uses_mrope:
+        return "multimodal rotary positions (M-RoPE): positions are not token indices"
+    if model_config.is_encoder_decoder:
+        return "an encoder-decoder model"
     return ""
 
 
@@ -72,6 +93,10 @@ def unsupported_cache(kv_cache_config: Any) -> str:
     groups = len(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
     if groups > 1:
         return f"the KV cache is split into {groups} groups (a hybrid model): the connector reads one block table"
+    for group in getattr(kv_cache_config, "kv_cache_groups", ()) or ():
+        kind = type(group.kv_cache_spec).__name__
+        if kind not in ATTENTION_SPECS:
+            return f"a {kind} KV cache: the connector reads per-token K and V"
     return ""
 
 

@@ -35,19 +35,22 @@ from typing import Any
 
 import torch
 
-from cacheflow_common.engine import RestoreEngine, RestoreJob, RestoreResult
+from cacheflow_common.engine import Engine, RestoreJob, RestoreResult
 from cacheflow_common.errors import ConfigError
+from cacheflow_common.kv.chunk import TORCH_DTYPES
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
-from cacheflow_common.model.weights import checkpoint_fingerprint
 from cacheflow_common.restore.profile import Profile
-from cacheflow_common.restore.save import make_job
+from cacheflow_common.restore.save import dtype_name, make_job
+from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.store.placement import ClusterStore
 from cacheflow_common.transport.pod_client import PodAddress, PodClient
 from cacheflow_common.transport.shaping import gbps
 from cacheflow_services.vllm_connector.async_loads import AsyncLoads
+from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.config import ConnectorConfig
+from cacheflow_services.vllm_connector.model_identity import KVGeometry, chunk_fingerprint, kv_dtype, model_fingerprint
 from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather, layer_index, scatter
 from cacheflow_services.vllm_connector.paged_attention import PagedKV
 from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
@@ -55,6 +58,7 @@ from cacheflow_services.vllm_connector.ranks import BoundaryCapture, rank_layers
 from cacheflow_services.vllm_connector.restorer import engine_settings
 from cacheflow_services.vllm_connector.runtime import RuntimeChoice, VllmModel
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
+from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +89,12 @@ class StatsLog:
 class WorkerEngine:
     def __init__(self, cfg: ConnectorConfig, *, dtype: torch.dtype, block_size: int, device: str,
                  layout: str, vllm_model: VllmModel | None = None, layers: range | None = None,
-                 attention_isa: str = "") -> None:
+                 attention_isa: str = "", vllm_config: Any = None) -> None:
         """`vllm_model` finds vLLM's loaded model module (None while it cannot); it is asked now, and if it
         has no answer yet, again at `register` and at the first load, before falling back to a copy.
         `layers`: this pipeline rank's layers, where known before `register` (its copy then loads only them).
-        `attention_isa`: vLLM's CPU attention kernel, where restores attend with it (`PagedKV`); "": CacheFlow's."""
+        `attention_isa`: vLLM's CPU attention kernel, where CacheFlow's runtime attends with it (`PagedKV`); "":
+        CacheFlow's. `vllm_config`: vLLM's, which `runtime: "vllm"` runs vLLM's model with."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown paged KV layout {layout!r}; known: {LAYOUTS}")
         self.cfg = cfg
@@ -97,15 +102,20 @@ class WorkerEngine:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        self.config = ModelConfig.from_dir(cfg.model)
-        self.fingerprint = checkpoint_fingerprint(Path(cfg.model), self.config, dtype)  # as the scheduler's
+        vllm_runtime = cfg.runtime == "vllm" and vllm_config is not None
+        self.config = KVGeometry.from_vllm(vllm_config) if vllm_runtime else ModelConfig.from_dir(cfg.model)
+        self.fingerprint = chunk_fingerprint(Path(cfg.model), vllm_config, layout) if vllm_config is not None \
+            else model_fingerprint(Path(cfg.model), dtype)  # as the scheduler's
+        self.kv_dtype = kv_dtype(vllm_config) if vllm_config is not None else dtype_name(dtype)  # chunks' dtype
         self._vllm_model = vllm_model or (lambda: None)
         self.store = open_store(cfg)
         self.profile = Profile.load(cfg.profile) if cfg.profile else None
         self.stats = StatsLog(cfg.stats_file)
-        self._runtime = RuntimeChoice(cfg.model, self.config, share_weights=cfg.share_weights, dtype=dtype,
-                                      device=device, vllm_model=self._vllm_model, event=self.stats.event)
+        self._runtime = RuntimeChoice(cfg.model, self.config, runtime=cfg.runtime, share_weights=cfg.share_weights,
+                                      dtype=dtype, device=device, vllm_model=self._vllm_model, vllm_config=vllm_config,
+                                      fingerprint=self.fingerprint, event=self.stats.event)
         self.saves = ConnectorSaves(self.store, self.stats.event, fingerprint=self.fingerprint, dtype=dtype,
+                                    kv_dtype=self.kv_dtype,
                                     chunk_size=cfg.chunk_size, tenant=cfg.tenant)
         self.caches: list[tuple[int, torch.Tensor]] = []  # (decoder layer, its vLLM cache), by layer
         self._expected = layers  # the rank's layers vLLM's split gives, checked at `register`
@@ -113,7 +123,7 @@ class WorkerEngine:
         self.capture = BoundaryCapture()  # the hidden state entering layer a (ranks with a > 0 that save)
         self.policy, self.link = connector_policy(cfg, self.profile)  # the link: bytes/s, if known
         self.attention_isa = attention_isa if cfg.attention == "vllm" else ""
-        self._engine: RestoreEngine | None = None  # started at the first restore
+        self._engine: Engine | None = None  # started at the first restore
         self._async = AsyncLoads(self, timeout_s=cfg.restore_timeout_s) if cfg.async_loads else None
         self._runtime.choose(self.layers, final=False)
 
@@ -201,12 +211,16 @@ class WorkerEngine:
 
     def job(self, spec: LoadSpec) -> RestoreJob:
         return make_job(self.model, spec.token_ids, tenant=self.cfg.tenant, chunk_size=self.cfg.chunk_size,
-                        layers=self.layers)
+                        layers=self.layers, kv_dtype=self.kv_dtype)
 
     def buffer(self, spec: LoadSpec, job: RestoreJob) -> KVBuffer:
         """The restore's KV: also written into the request's blocks and attended over there with vLLM's CPU
         kernel where it runs (`attention_isa`), else CacheFlow's own buffer and attention."""
         n = max(1, len(job.token_ids))
+        if isinstance(self.model, VllmRuntime):
+            return BlockKV(layers=job.layers, num_kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim,
+                           capacity=n, dtype=TORCH_DTYPES[self.kv_dtype], caches=dict(self.caches), layout=self.layout,
+                           block_ids=spec.block_ids, block_size=self.block_size, first_writable=spec.start)
         if not self.attention_isa:
             return self.model.new_kv(job.layers, n)
         return PagedKV(self.config, layers=job.layers, capacity=n, dtype=self.model.dtype,
@@ -228,6 +242,8 @@ class WorkerEngine:
         n = len(spec.token_ids)
         if isinstance(result.kv, PagedKV):  # what it computed is there already: the loaded positions
             result.kv.fill_all(n)
+        elif isinstance(result.kv, BlockKV):
+            result.kv.sync(n)
         else:
             kv = result.kv.data  # [b - a, 2, Hkv, N, D]: this rank's layers
             for layer, cache in self.caches:
@@ -239,16 +255,17 @@ class WorkerEngine:
                          loaded=sources.count("loaded"), misses=dict(result.misses),
                          bytes_loaded=result.bytes_loaded, elapsed_s=result.elapsed_s, batch=batch,
                          runtime=self.runtime, asynchronous=self._async is not None,
-                         attention="vllm" if isinstance(result.kv, PagedKV) else "cacheflow")
+                         attention="vllm" if isinstance(result.kv, PagedKV | BlockKV) else "cacheflow")
         return self._after_misses(spec, job, result)
 
-    def engine(self) -> RestoreEngine:
+    def engine(self) -> Engine:
         """The engine every restore runs in, started at the first; its compute loop runs on vLLM's thread
         (in the step, or between steps for background restores: `async_loads.py` says why)."""
         if self._engine is None:
             settings = engine_settings(self.cfg, self.layers, self.profile, self.link, self.policy,
-                                       paged_attention=bool(self.attention_isa))
-            self._engine = RestoreEngine(settings, self.model, loop_thread=False)
+                                       paged_attention=bool(self.attention_isa) or self.runtime == "vllm",
+                                       token_only=self.runtime == "vllm")
+            self._engine = Engine.for_connector(settings, self.model)
         return self._engine
 
     def _after_misses(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult) -> set[int]:
@@ -263,6 +280,9 @@ class WorkerEngine:
                              blocks=len(failed), error="miss")
             return failed
         keys = [job.keys[i] for i in missed] if result.mode == "token" else list(job.keys)
+        if self.cfg.save and isinstance(result.kv, BlockKV):  # vLLM's model wrote what it recomputed to the blocks
+            for key in keys:
+                result.kv.pull(key.token_start, key.token_end)
         if self.cfg.save:
             self.saves.store_again(spec.req_id, result.kv, job, keys)
         return set()
@@ -298,10 +318,14 @@ class WorkerEngine:
 
 
 def connector_policy(cfg: ConnectorConfig, profile: Profile | None) -> tuple[str, float | None]:
-    """The restore policy and the link its costs are for; the CacheFlow ones need a profile (else Cake)."""
+    """The restore policy and the link its costs are for; the CacheFlow ones need a profile (else Cake), and
+    vLLM's own model restores token-wise."""
     link = gbps(cfg.link_gbps) if cfg.link_gbps else None
     if cfg.policy.startswith("cacheflow") and profile is None:
         return "cake", link
+    if cfg.runtime == "vllm" and POLICIES[cfg.policy].mode == "layer":
+        log.warning("policy %s restores layer-wise; vLLM's model restores token-wise: cacheflow-token", cfg.policy)
+        return "cacheflow-token", link
     return cfg.policy, link
 
 

@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from cacheflow_common.auth import GRANT_HEADER, Grant, input_digest
-from cacheflow_common.engine.core import RestoreCancelledError
+from cacheflow_common.engine import RestoreCancelledError
 from cacheflow_common.errors import BadRequestError, GrantError
 from cacheflow_common.restore.stages import BoundaryMissingError
 from cacheflow_common.stage_api import (

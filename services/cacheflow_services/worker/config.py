@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cacheflow_common.engine.settings import EngineSettings
+from cacheflow_common.engine import EngineSettings
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.sched.policies import POLICIES

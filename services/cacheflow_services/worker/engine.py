@@ -2,8 +2,9 @@
 
 A request's life here, in this class's order: admitted (KV from the pool) by a `restore` or by its
 first `forward` → restored → forward* → `release`. Everything the stage holds for it is one
-`StageRequest` record in one map (`requests.RequestTable`); release is one removal. The restore itself,
-and every forward pass, run in the stage's `RestoreEngine` (`cacheflow_common.engine`): one compute loop
+`StageRequest` record in one map (`requests.RequestTable`), its pool grant among its fields; admission
+and release are one call each there. The restore itself,
+and every forward pass, run in the stage's `Engine` (`cacheflow_common.engine`): one compute loop
 with one batched forward per step across all requests, and one loader per storage pod.
 
 Restores take their input from: stage 0, the token embeddings; `input="boundary"`, the boundary
@@ -30,9 +31,7 @@ from typing import Any
 import torch
 
 from cacheflow_common.auth import Grant
-from cacheflow_common.engine import RestoreEngine
-from cacheflow_common.engine.builder import UPSTREAM_FED
-from cacheflow_common.engine.core import ForwardItem, RestoreCancelledError
+from cacheflow_common.engine import UPSTREAM_FED, Engine, ForwardItem, RestoreCancelledError, StepPlan
 from cacheflow_common.errors import BadRequestError, GrantError
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.job import RestoreJob
@@ -68,17 +67,18 @@ class StageEngine:
         self.metrics = WorkerMetrics(n_channels=len(config.pods))
         self.pool = KVPool(model, config.layers, capacity_tokens=config.pool_tokens, block_tokens=config.block_tokens,
                            tenant_share=config.tenant_pool_share)
-        self.requests = RequestTable(on_stream_closed=(spent if spent is not None else SpentGrants()).close)
+        self.requests = RequestTable(self.pool, stage=config.stage, stop_restore=self._stop_restore,
+                                     on_stream_closed=(spent if spent is not None else SpentGrants()).close)
         self.saver = ChunkSaver(model, stage=config.stage, layers=config.layers, chunk_size=config.chunk_size,
                                 metrics=self.metrics)
-        self.engine = RestoreEngine(engine_settings(config, profile), model, sampler=sample,
-                                    on_step=lambda plan, seconds: self.metrics.step(
-                                        seconds, tokens=plan.tokens + sum(self.engine.unit_tokens(t.request_id, t.unit)
-                                                                          for t in plan.token_units),
-                                        requests=len(plan.request_ids())),
-                                    on_load=self.metrics.channel_busy)
+        self.engine = Engine.for_stage(engine_settings(config, profile), model, sampler=sample,
+                                       on_step=self._step_ran, on_load=self.metrics.channel_busy)
         self._closed = threading.Event()
         threading.Thread(target=self._reap_idle, name=f"stage-{config.stage}-reaper", daemon=True).start()
+
+    def _step_ran(self, plan: StepPlan, seconds: float) -> None:
+        restored = sum(self.engine.unit_tokens(t.request_id, t.unit) for t in plan.token_units)
+        self.metrics.step(seconds, tokens=plan.tokens + restored, requests=len(plan.request_ids()))
 
     # ------------------------------------------------------------------------------------ admit + restore
     def restore(self, request_id: str, token_ids: list[int], *, tenant: str, input_mode: str,
@@ -98,12 +98,12 @@ class StageEngine:
                   if input_mode in UPSTREAM_FED and self.next_stage is not None else None)
         assert request.kv is not None  # admitted
         try:
-            restore = self.engine.builder.build(
-                request_id, job, tenant_store(self.stores, tenant), request.kv, policy or self.config.policy,
+            restore = self.engine.submit(
+                request_id, job, tenant_store(self.stores, tenant), request.kv, policy=policy or self.config.policy,
                 input_mode=input_mode, arrival_s=time.perf_counter() - waited_s,
                 inputs=self._upstream(request_id, job) if input_mode in UPSTREAM_FED and self.config.stage else None,
                 on_computed=sender.deliver if sender is not None else None)
-            summary = self.engine.submit(restore).done.result()
+            summary = restore.done.result()
         except BaseException as exc:
             log.warning("restore %s failed on stage %d: %s: %s", request_id, self.config.stage, type(exc).__name__, exc)
             self.release(request_id, quiet=True)
@@ -132,17 +132,9 @@ class StageEngine:
         if max_tokens is not None and len(token_ids) + reserve_tokens > max_tokens:
             raise GrantError(f"{len(token_ids) + reserve_tokens} tokens asked; the coordinator granted at most "
                              f"{max_tokens}")
-        existing = self.requests.get(request_id)
-        if (existing is not None and existing.kv is not None) or self.pool.get(request_id) is not None:
-            raise ConflictError(f"request {request_id!r} already holds KV on stage {self.config.stage}")
-        kv = self.pool.allocate(request_id, len(token_ids) + reserve_tokens, tenant=tenant)
-        request = StageRequest(request_id, tenant=tenant, kv=kv, save=save, restoring=restoring, digest=digest,
+        request = StageRequest(request_id, tenant=tenant, save=save, restoring=restoring, digest=digest,
                                unsaved_input=self.model.embed(torch.zeros(0, dtype=torch.long)))  # [0, hidden]
-        try:
-            self.requests.admit(request)
-        except (ConflictError, GrantError):
-            self.pool.release(request_id)
-            raise
+        self.requests.admit(request, len(token_ids) + reserve_tokens)
         self.metrics.pool_changed(self.pool.used_blocks, self.pool.requests())
         return request
 
@@ -220,13 +212,15 @@ class StageEngine:
         the caller's, which must be the request's."""
         if tenant is not None:
             self._owned(request_id, tenant)
-        self.engine.cancel(request_id, RestoreCancelledError(f"request {request_id!r} was released"))
-        self.requests.remove(request_id)
-        released = self.pool.release(request_id)
+        request = self.requests.release(request_id)
+        released = request is not None and request.grant is not None
         self.metrics.pool_changed(self.pool.used_blocks, self.pool.requests())
         if released and not quiet:
             log.info("request %s released on stage %d", request_id, self.config.stage)
         return released
+
+    def _stop_restore(self, request_id: str) -> None:
+        self.engine.cancel(request_id, RestoreCancelledError(f"request {request_id!r} was released"))
 
     def _reap_idle(self) -> None:
         """Free every request idle longer than `hold_ttl_s`: no hold outlives the coordinator's use of it."""

@@ -1,8 +1,10 @@
-"""Everything a stage holds for one request, in one record (`StageRequest`), and the one map of them
-(`RequestTable`).
+"""Everything a stage holds for one request, in one record (`StageRequest`: its pool grant among its
+fields), and the one map of them (`RequestTable`).
 
-A request's life on a stage reads in `StageEngine`: admitted (its KV from the pool) by a restore or by
-its first forward → restored → forward* → released, and release is one removal from this map. A
+A request's life on a stage reads in `StageEngine`: admitted (its KV granted from the pool) by a restore or
+by its first forward → restored → forward* → released. Admission is one call (`RequestTable.admit`: the
+conflict check, the pool's grant, the record), and so is release (`RequestTable.release`: a restore still
+running stops, the record leaves the map, its grant goes back to the pool). A
 pipelined restore's deliveries may come before its restore call does: they wait in the record's mailbox
 until the restore attaches its upstream input.
 
@@ -25,6 +27,7 @@ from cacheflow_common.auth import CLOCK_SKEW_S, Grant
 from cacheflow_common.errors import BadRequestError, GrantError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.restore.upstream import UpstreamInput
+from cacheflow_services.worker.pool import KVPool, PoolGrant
 
 MAILBOX_CHUNKS = 65536  # deliveries held for restores not yet started (bounds memory if one never comes)
 
@@ -37,11 +40,11 @@ class ConflictError(BadRequestError):
 
 @dataclass
 class StageRequest:
-    """One request on this stage. Until `kv` is set it is only a mailbox of early deliveries."""
+    """One request on this stage. Until it holds a pool grant it is only a mailbox of early deliveries."""
 
     request_id: str
     tenant: str = ""
-    kv: KVBuffer | None = None  # from the pool, once admitted
+    grant: PoolGrant | None = None  # its KV from the pool, once admitted
     token_ids: list[int] = field(default_factory=list)  # every token whose KV is in `kv`, in order
     restoring: bool = False  # its restore is running: forwards wait for it to finish
     save: bool = True  # store whole chunks as they fill up
@@ -55,26 +58,53 @@ class StageRequest:
     delivered_rows: int = 0
     delivered_bytes: int = 0
 
+    @property
+    def kv(self) -> KVBuffer | None:
+        return None if self.grant is None else self.grant.kv
+
 
 class RequestTable:
-    """The stage's requests by id, under one lock; events for a request go through its record."""
+    """The stage's requests by id, under one lock; events for a request go through its record.
 
-    def __init__(self, on_stream_closed: Callable[[Grant], None] = lambda grant: None) -> None:
+    `pool`: where admitted requests' KV comes from; `stop_restore`: stops the restore of a request released
+    while it restores; `on_stream_closed`: a released request's delivery grant is used up."""
+
+    def __init__(self, pool: KVPool, *, stage: int, stop_restore: Callable[[str], None],
+                 on_stream_closed: Callable[[Grant], None] = lambda grant: None) -> None:
+        self.stage = stage
         self._lock = threading.Lock()
         self._requests: dict[str, StageRequest] = {}
-        self._on_stream_closed = on_stream_closed  # a removed request's delivery grant is used up
+        self._pool = pool
+        self._stop_restore = stop_restore
+        self._on_stream_closed = on_stream_closed
 
     def get(self, request_id: str) -> StageRequest | None:
         with self._lock:
             return self._requests.get(request_id)
 
-    def admit(self, request: StageRequest) -> StageRequest:
-        """Add an admitted request, taking over the deliveries that came before it; a second admission of
-        the same id is a conflict."""
+    def admit(self, request: StageRequest, n_tokens: int) -> StageRequest:
+        """Admit a new request: its KV for `n_tokens` granted from the pool (PoolFullError if none), the
+        deliveries that came before it taken over. A second admission of the same id is a conflict, found
+        before the pool is asked (and again under the lock, for two racing admissions)."""
         with self._lock:
+            self._refuse_second(request.request_id)
+        request.grant = grant = self._pool.grant(n_tokens, tenant=request.tenant)
+        try:
+            return self._add(request)
+        except (ConflictError, GrantError):
+            self._pool.give_back(grant)
+            raise
+
+    def _refuse_second(self, request_id: str) -> None:
+        """ConflictError if the request holds KV here already (the caller holds the lock)."""
+        early = self._requests.get(request_id)
+        if early is not None and early.grant is not None:
+            raise ConflictError(f"request {request_id!r} already holds KV on stage {self.stage}")
+
+    def _add(self, request: StageRequest) -> StageRequest:
+        with self._lock:
+            self._refuse_second(request.request_id)
             early = self._requests.get(request.request_id)
-            if early is not None and early.kv is not None:
-                raise ConflictError(f"request {request.request_id!r} already holds KV on this stage")
             if early is not None and early.stream is not None:
                 if (early.stream.tenant, early.stream.digest) != (request.tenant, request.digest):
                     del self._requests[request.request_id]
@@ -126,9 +156,14 @@ class RequestTable:
             if request is not None:
                 request.upstream = None
 
-    def remove(self, request_id: str) -> StageRequest | None:
+    def release(self, request_id: str) -> StageRequest | None:
+        """Free everything the stage holds for a request (its restore, if one runs, stops first); the record
+        released, if there was one."""
+        self._stop_restore(request_id)
         with self._lock:
             request = self._requests.pop(request_id, None)
+        if request is not None and request.grant is not None:
+            self._pool.give_back(request.grant)
         if request is not None and request.stream is not None:
             self._on_stream_closed(request.stream)
         return request

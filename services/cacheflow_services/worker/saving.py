@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from cacheflow_common.engine.stage_restore import StageRestore
+from cacheflow_common.engine import StageRestore
 from cacheflow_common.kv.keys import ChunkKey
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer

@@ -1,0 +1,107 @@
+"""What the connector needs to know of the model vLLM serves, taken from vLLM's loaded config so that any
+family vLLM runs works: the KV geometry (its chunks' shape), the dtype its cache holds KV in, and the
+fingerprint that salts every chunk key.
+
+The fingerprint of a family CacheFlow's own runtime implements is the one CacheFlow's stage workers use
+(`checkpoint_fingerprint`: a vLLM instance and a CacheFlow cluster share chunks). Any other checkpoint is
+identified by its files: a Hub snapshot by its repository and commit (immutable by construction, nothing to
+read), a local directory by every byte of its config and weight files, hashed once and kept beside them
+(`fingerprint_cache.py`). Either way the compute dtype is part of it: other dtype, other KV.
+
+An fp8 cache's chunks hold its bytes as they are (vLLM quantizes with the model's own scales, 1 where the
+checkpoint has none): their fingerprint is the whole checkpoint's files (scales included), the fp8 format and
+the cache's layout, so they are restored only into a cache that reads those bytes the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cacheflow_common.errors import ConfigError
+from cacheflow_common.model.config import ModelConfig
+from cacheflow_common.model.fingerprint_cache import cached_fingerprint
+from cacheflow_common.model.weights import checkpoint_fingerprint
+
+READ_BYTES = 16 << 20  # a weight file is hashed this much at a time
+SNAPSHOT = re.compile(r"models--(?P<repo>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})$")
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The shape of a model's KV, as a chunk holds it: [num_layers, 2, num_kv_heads, T, head_dim]."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> KVGeometry:
+        model = vllm_config.model_config
+        return cls(num_layers=model.get_total_num_hidden_layers(),
+                   num_kv_heads=model.get_total_num_kv_heads(), head_dim=model.get_head_size(),
+                   hidden_size=model.get_hidden_size())
+
+
+FP8 = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}  # vLLM's cache dtype -> chunk dtype
+
+
+def kv_dtype(vllm_config: Any) -> str:
+    """The chunk dtype of vLLM's KV cache: the model's dtype ("auto"), or an fp8 format."""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype == "auto":
+        return str(vllm_config.model_config.dtype).removeprefix("torch.")
+    if cache_dtype not in FP8:
+        raise ConfigError(f"KV cache dtype {cache_dtype}: the connector stores model-dtype or fp8 KV only")
+    return FP8[cache_dtype]
+
+
+def chunk_fingerprint(model_dir: Path, vllm_config: Any, layout: str) -> str:
+    """What every chunk key of this vLLM instance is salted with (both connector sides compute it alike)."""
+    dtype = vllm_config.model_config.dtype
+    if vllm_config.cache_config.cache_dtype == "auto":
+        return model_fingerprint(model_dir, dtype)
+    return _digest(f"{files_fingerprint(model_dir, dtype)}|{kv_dtype(vllm_config)}|{layout}".encode())
+
+
+def model_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
+    """The fingerprint chunk keys are salted with, for the checkpoint at `model_dir` computed in `dtype`."""
+    try:
+        config = ModelConfig.from_dir(model_dir)
+    except ConfigError:
+        return files_fingerprint(model_dir, dtype)
+    return checkpoint_fingerprint(model_dir, config, dtype)
+
+
+def files_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
+    """blake2b-128 of the checkpoint's identity and `dtype`: a Hub snapshot's repository and commit, else the
+    bytes of config.json and every weight file (hashed once, then kept beside them)."""
+    variant = "files-" + str(dtype).removeprefix("torch.")
+    snapshot = SNAPSHOT.search(model_dir.resolve().as_posix()) or SNAPSHOT.search(model_dir.as_posix())
+    if snapshot is not None:
+        return _digest(f"hub|{snapshot['repo']}|{snapshot['commit']}|{variant}".encode())
+    files = sorted([model_dir / "config.json", *model_dir.glob("*.safetensors"), *model_dir.glob("*.bin")])
+    if not files[0].is_file():
+        raise ConfigError(f"no config.json in {model_dir}")
+    return cached_fingerprint(model_dir, files, variant, lambda: _hash_files(model_dir, files, variant))
+
+
+def _hash_files(root: Path, files: list[Path], variant: str) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(variant.encode())
+    for file in files:
+        h.update(f"|{file.relative_to(root)}|{file.stat().st_size}|".encode())
+        with file.open("rb") as f:
+            while block := f.read(READ_BYTES):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()

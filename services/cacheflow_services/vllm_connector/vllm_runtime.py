@@ -1,0 +1,136 @@
+"""Recompute with vLLM's own model: a restore's front runs as chunked-prefill forwards of the model vLLM
+serves (its family, its layers, its weights as loaded, its attention backend), writing K and V straight into
+the request's blocks in the cache's own dtype and layout.
+
+Each compute unit of the restore engine becomes one forward of vLLM's top-level model over the unit's tokens
+at their positions, with the chunks before them already in the blocks as context — what vLLM's own
+chunked prefill does. The attention metadata comes from the backend's own metadata builder (one per
+backend and KV cache spec, as vLLM's model runner makes them), so a sliding window, a softcap or another
+backend is the backend's business. Several restores' units of one engine step run as one forward over a
+batch of requests. Loaded chunks are copied into the blocks before a unit attends over them (`BlockKV`).
+
+Token-wise only: a layer-wise unit would run the model's decoder layers one at a time, whose signatures
+differ by family. Called on vLLM's thread only (the connector computes there: `async_loads.py` says why).
+
+It holds no weights and no model code of its own, so it is not a CacheFlow `Transformer`: it offers the
+part of one the restore engine calls (`embed`, `forward_layers`, `new_kv`, `fingerprint`, the KV size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from cacheflow_common.errors import ConfigError
+from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.model.transformer import Span
+from cacheflow_services.vllm_connector.block_kv import BlockKV
+from cacheflow_services.vllm_connector.model_identity import KVGeometry
+
+
+class VllmRuntime:
+    """The restore engine's model, backed by vLLM's loaded `module` over all the rank's `layers`."""
+
+    def __init__(self, config: KVGeometry, module: Any, vllm_config: Any, *, layers: range, fingerprint: str) -> None:
+        self.config = config
+        self.module = module
+        self.vllm_config = vllm_config
+        self.layers = layers
+        self.device = next(module.parameters()).device
+        self.dtype: torch.dtype = vllm_config.model_config.dtype
+        self.weights: dict[str, torch.Tensor] = {}  # vLLM's module holds them all
+        self._fingerprint = fingerprint
+        self._builders: list[tuple[Any, list[str]]] | None = None  # (metadata builder, its layers), at first use
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        return 2 * self.config.num_kv_heads * self.config.head_dim * self.dtype.itemsize
+
+    def new_kv(self, layers: range, capacity: int) -> KVBuffer:
+        return KVBuffer(layer_start=layers.start, layer_end=layers.stop, num_kv_heads=self.config.num_kv_heads,
+                        head_dim=self.config.head_dim, capacity=capacity, dtype=self.dtype, device=self.device)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[T] int64 -> [T, hidden], as vLLM's model embeds its input (a family's scaling included)."""
+        out: torch.Tensor = self.module.embed_input_ids(token_ids.to(self.device))
+        return out
+
+    @torch.inference_mode()
+    def forward_layers(self, hidden: torch.Tensor, layers: range, spans: Sequence[Span]) -> torch.Tensor:
+        """vLLM's model over packed rows `hidden` [R, hidden] (embedded tokens), one span per request; the
+        KV of every layer lands in each span's blocks. Returns the model's output [R, hidden]."""
+        if layers != self.layers:
+            raise ConfigError(f"vLLM's model runs all the rank's layers {self.layers}, not {layers}: token-wise only")
+        from vllm.forward_context import set_forward_context
+
+        blocks = [_block_kv(span) for span in spans]
+        for span, kv in zip(spans, blocks, strict=True):
+            kv.sync(span.start)  # loaded chunks this unit attends over
+        common = self._common_metadata(spans, blocks)
+        metadata, slots = {}, {}
+        for builder, names in self._metadata_builders():
+            built = builder.build(common_prefix_len=0, common_attn_metadata=common)
+            metadata.update(dict.fromkeys(names, built))
+            slots.update(dict.fromkeys(names, common.slot_mapping))
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans]).to(self.device)  # [R]
+        with set_forward_context(metadata, self.vllm_config, num_tokens=hidden.shape[0], slot_mapping=slots):
+            out: torch.Tensor = self.module(input_ids=None, positions=positions, inputs_embeds=hidden)
+        for span, kv in zip(spans, blocks, strict=True):
+            kv.computed(span.start, span.start + span.length)
+        self.synchronize()
+        return out
+
+    def _common_metadata(self, spans: Sequence[Span], blocks: Sequence[BlockKV]) -> Any:
+        """What vLLM's model runner hands its metadata builders for these spans as one batch of prefills."""
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        lengths = torch.tensor([s.length for s in spans], dtype=torch.int32)  # [B]
+        query_start = torch.zeros(len(spans) + 1, dtype=torch.int32)  # [B + 1]
+        query_start[1:] = torch.cumsum(lengths, 0)
+        seq_lens = torch.tensor([s.start + s.length for s in spans], dtype=torch.int32)  # [B]
+        width = max(len(kv.block_ids) for kv in blocks)
+        table = torch.zeros(len(spans), width, dtype=torch.int32)  # [B, max blocks]
+        for i, kv in enumerate(blocks):
+            table[i, : len(kv.block_ids)] = torch.tensor(kv.block_ids, dtype=torch.int32)
+        slots = torch.cat([_slots(kv, s.start, s.start + s.length) for s, kv in zip(spans, blocks, strict=True)])
+        device = self.device
+        return CommonAttentionMetadata(
+            query_start_loc=query_start.to(device), query_start_loc_cpu=query_start, seq_lens=seq_lens.to(device),
+            num_reqs=len(spans), num_actual_tokens=int(lengths.sum()), max_query_len=int(lengths.max()),
+            max_seq_len=int(seq_lens.max()), block_table_tensor=table.to(device), slot_mapping=slots.to(device),
+            causal=True, seq_lens_cpu_upper_bound=seq_lens)
+
+    def _metadata_builders(self) -> list[tuple[Any, list[str]]]:
+        """One metadata builder per (attention backend, KV cache spec) over the model's attention layers."""
+        if self._builders is None:
+            layers = self.vllm_config.compilation_config.static_forward_context  # name -> Attention module
+            groups: dict[tuple[Any, Any], list[str]] = {}
+            for name, layer in sorted(layers.items()):
+                spec = layer.get_kv_cache_spec(self.vllm_config)
+                if spec is not None:
+                    groups.setdefault((layer.get_attn_backend(), spec), []).append(name)
+            self._builders = [(backend.get_builder_cls()(spec, names, self.vllm_config, self.device), names)
+                              for (backend, spec), names in groups.items()]
+        return self._builders
+
+
+def _block_kv(span: Span) -> BlockKV:
+    if not isinstance(span.kv, BlockKV):
+        raise TypeError(f"vLLM's model writes into a request's blocks: a BlockKV, not {type(span.kv).__name__}")
+    return span.kv
+
+
+def _slots(kv: BlockKV, start: int, end: int) -> torch.Tensor:
+    """The cache slots of positions [start, end): [T] int64."""
+    positions = torch.arange(start, end)  # [T]
+    blocks = torch.tensor(kv.block_ids, dtype=torch.long)[positions // kv.block_size]  # [T]
+    return blocks * kv.block_size + positions % kv.block_size
