@@ -15,6 +15,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -114,10 +115,10 @@ def run_cell(cell: Cell, root: Path) -> dict[str, Any]:
     """The cell's record: status (ok / failed / vllm_cannot_run), start-up, tokens, the connector's outcome."""
     started = time.perf_counter()
     work = root / cell.name
-    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # an empty pod: no chunk of an earlier run may be restored
+    work.mkdir(parents=True)
     model, adapter = model_dirs(root, cell.family)
     stats = work / "stats.jsonl"
-    stats.unlink(missing_ok=True)
     pod = launch_pod(work / "pod", tenants=(TENANT,), tokens=write_tokens(work / "tokens", [TENANT]))
     try:
         connector = {"pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": TENANT,
