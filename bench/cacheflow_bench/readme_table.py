@@ -299,19 +299,24 @@ def block(results: Results) -> str:
     return "\n".join([*lines, "", footer(results), END])
 
 
-def current_block(text: str) -> str:
-    """The README's region from BEGIN to END, markers included."""
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise SystemExit(f"cacheflow bench report: error: the README has no {BEGIN} ... {END} region")
-    return text[start:end + len(END)]
+def current_block(text: str, begin: str = BEGIN, end: str = END) -> str:
+    """The README's region from `begin` to `end`, markers included."""
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < start:
+        raise SystemExit(f"cacheflow bench: error: the README has no {begin} ... {end} region")
+    return text[start:stop + len(end)]
 
 
-def update_readme(path: Path, results: Results) -> bool:
-    """Replace the README's table with the one these results give; whether it changed."""
+def replace_block(path: Path, new: str, begin: str = BEGIN, end: str = END) -> bool:
+    """Replace the README's region between the markers with `new` (markers included); whether it changed."""
     text = path.read_text()
-    old, new = current_block(text), block(results)
+    old = current_block(text, begin, end)
     if old == new:
         return False
     path.write_text(text.replace(old, new, 1))
     return True
+
+
+def update_readme(path: Path, results: Results) -> bool:
+    """Replace the README's table with the one these results give; whether it changed."""
+    return replace_block(path, block(results))

@@ -1,0 +1,155 @@
+"""Tiny random checkpoints of the model families vLLM users run, built locally (no download) with
+transformers' own model classes and saved as config.json + model.safetensors, plus an FP8-weight variant
+and a tiny random LoRA adapter (adapter_config.json + adapter_model.safetensors).
+
+Every model: hidden 128, 2 layers, 4 query / 2 KV heads of 32 dims (vLLM's CPU attention runs its `vec`
+kernel on multiples of 32), vocab 1024, float32; DeepSeek-V2's MLA latent is 256 + 64 rope dims (vLLM's MLA
+takes 320, 512 or 576). Random weights at the usual 0.02 give near-uniform logits
+(greedy ties); larger ones (`STD`) give peaked, prompt-dependent outputs, so a wrong KV shows in the tokens.
+
+    python -m cacheflow_bench.tiny_models FAMILY DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 1024
+BASE: dict[str, Any] = {
+    "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024}
+# family -> (Hugging Face model_type, settings over BASE)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "qwen3_moe": ("qwen3_moe", {**MOE, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "gemma2": ("gemma2", {"sliding_window": 128, "query_pre_attn_scalar": 32, "tie_word_embeddings": True,
+                          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    "phi3": ("phi3", {"head_dim": None}),  # phi3 derives it: 128 / 4 = 32
+    "granite": ("granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0,
+                            "attention_multiplier": 0.03}),
+    "deepseek_v2": ("deepseek_v2", {"head_dim": None, "num_key_value_heads": 4, "kv_lora_rank": 256,
+                                    "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
+                                    "v_head_dim": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                    "n_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
+                                    "n_group": 1, "topk_group": 1}),
+    "qwen3_yarn": ("qwen3", {"rope_parameters": YARN}),
+    # FP8 weights with block scales (see `to_fp8`); 64-dim heads: o_proj's input split over 2 TP ranks must
+    # still hold whole 128-column blocks
+    "llama_fp8": ("llama", {"head_dim": 64}),
+}
+FP8_FAMILIES = {"llama_fp8"}
+# the dtype vLLM runs a family in where float32 is refused on its CPU build: fp8 quantization ("torch.float32
+# is not supported for quantization method fp8"), DeepSeek's MLA / MoE kernels ("expect weight to be bfloat16, ...")
+RUN_DTYPE = {"llama_fp8": "bfloat16", "deepseek_v2": "bfloat16"}
+# standard deviations of the random weights by name; norms keep their initial values
+STD = {"embed_tokens": 1.0, "lm_head": 0.2}
+OTHER_STD = 0.08
+FP8_MAX = 448.0  # float8_e4m3fn
+# FP8 weights' scale blocks, [output rows, input columns]: vLLM's CPU kernel (W8A16) takes 128 input
+# columns only; every output side here is a multiple of 32
+FP8_BLOCK = (32, 128)
+FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = ("q_proj", "v_proj", "qkv_proj", "o_proj")  # the first two a model has are adapted
+LORA_RANK = 8
+
+
+def hf_config(family: str) -> Any:
+    from transformers import AutoConfig
+
+    model_type, settings = FAMILIES[family]
+    kwargs = {k: v for k, v in {**BASE, **settings}.items() if v is not None or k == "sliding_window"}
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def build(family: str, seed: int = 0) -> Any:
+    """The family's transformers model with seeded random weights at `STD`."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, next((s for k, s in STD.items() if k in name), OTHER_STD))
+    return model
+
+
+def save(family: str, path: Path, seed: int = 0) -> Path:
+    """Save the family's tiny model under `path` (config.json + model.safetensors); returns `path`."""
+    model = build(family, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    if family in FP8_FAMILIES:
+        to_fp8(path)
+    return path
+
+
+def to_fp8(path: Path) -> None:
+    """Rewrite a saved checkpoint's decoder linears as float8_e4m3fn with a scale per FP8_BLOCK block
+    (`weight_scale_inv`, DeepSeek-V3's layout of vLLM's `fp8` quantization, dynamic activation scales) and
+    say so in config.json. (Per-tensor scales fail on vLLM's CPU build: it requantizes fused
+    q/k/v with `static_scaled_fp8_quant`, which has no CPU kernel.)"""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    for name, w in tensors.items():
+        if name.endswith(".weight") and name.split(".")[-2] in FP8_LINEARS:
+            out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = block_fp8(w)
+        else:
+            out[name] = w
+    save_file(out, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(FP8_BLOCK)}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` [out, in] (multiples of FP8_BLOCK) as float8_e4m3fn and its per-block scales."""
+    (n, k), (bn, bk) = w.shape, FP8_BLOCK
+    blocks = w.float().reshape(n // bn, bn, k // bk, bk)
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(w.shape)
+    return q, scale
+
+
+def save_lora(family: str, model_dir: Path, path: Path, seed: int = 1) -> Path:
+    """A random rank-8 LoRA adapter for the family's tiny model (on the first two of `LORA_TARGETS` it has,
+    every layer), saved as PEFT writes one; B is random too, so the adapter changes the outputs."""
+    from safetensors.torch import save_file
+
+    model = build(family)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    targets = [t for t in LORA_TARGETS if any(n.endswith(f".{t}") for n in linears)][:2]
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, m in linears.items():
+        if name.rsplit(".", 1)[-1] in targets:
+            tensors[f"base_model.model.{name}.lora_A.weight"] = torch.randn(LORA_RANK, m.in_features, generator=gen)
+            tensors[f"base_model.model.{name}.lora_B.weight"] = 0.1 * torch.randn(m.out_features, LORA_RANK,
+                                                                                  generator=gen)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": 2 * LORA_RANK,
+              "lora_dropout": 0.0, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+              "modules_to_save": None, "base_model_name_or_path": str(model_dir)}
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+if __name__ == "__main__":
+    print(save(sys.argv[1], Path(sys.argv[2])))

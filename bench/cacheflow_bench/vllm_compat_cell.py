@@ -1,0 +1,203 @@
+"""One cell of the vLLM compatibility matrix: a tiny checkpoint of one family in one fresh vLLM process
+(TP, KV cache dtype, LoRA on or off) with the CacheFlow connector over its own storage pod.
+
+The prompts run in passes, the connector's saves flushed and vLLM's prefix cache reset between passes:
+without LoRA a cold pass (vLLM computes; the connector stores the chunks: the reference) then a warm one
+(the connector restores or declines). With LoRA: the adapter cold (its reference), the base model while only
+the adapter's chunks are stored (any restore there used another adapter's chunks: a leak), then both warm.
+A later pass's greedy tokens must equal its reference pass's. When vLLM with the connector fails, vLLM runs
+once without it to tell vLLM's own failure (`vllm_cannot_run`) from the connector's (`failed`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from cacheflow_bench import tiny_models
+from cacheflow_bench.vllm import VLLM_PYTHON
+from cacheflow_services.storage.launch import launch_pod, write_tokens
+
+REPO = Path(__file__).resolve().parents[2]
+CHUNK, BLOCK = 64, 32  # CacheFlow chunk; vLLM block (its CPU attention needs a multiple of 32)
+PREFIXES = (256, 320, 448)  # whole chunks per prompt, then SUFFIX tokens vLLM always computes
+SUFFIX = 16
+MAX_TOKENS = 8
+DRIVE_TIMEOUT_S = 300
+TAIL_LINES = 15
+SPECIFIC_ERROR = re.compile(r"\b\w+Error: |timed out after")
+ERROR = re.compile(r"(Error|error|Exception)[:,]")
+TENANT = "compat"
+BASE_PASSES = (("cold", False), ("warm", False))  # (label, with the adapter), in order
+LORA_PASSES = (("lora-cold", True), ("base-after-lora", False), ("lora-warm", True), ("base-warm", False))
+REFERENCE = {"warm": "cold", "lora-warm": "lora-cold", "base-warm": "base-after-lora"}  # pass -> its reference
+OUTCOME_PASS = {False: "warm", True: "lora-warm"}  # the pass whose outcome is the cell's
+LEAK_PASS = "base-after-lora"
+
+
+@dataclass(frozen=True)
+class Cell:
+    family: str
+    tp: int
+    kv_dtype: str
+    lora: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}-tp{self.tp}-{self.kv_dtype}-{'lora' if self.lora else 'base'}"
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(tiny_models.VOCAB) for _ in range(n + SUFFIX)] for n in PREFIXES]
+
+
+def model_dirs(root: Path, family: str) -> tuple[Path, Path]:
+    """Where the family's tiny checkpoint and its LoRA adapter are (see `make_models`)."""
+    return root / "models" / family, root / "models" / f"{family}-lora"
+
+
+def make_models(root: Path, families: list[str]) -> None:
+    """Each family's tiny checkpoint and LoRA adapter under root/models, made afresh."""
+    for family in families:
+        model, adapter = model_dirs(root, family)
+        tiny_models.save(family, model)
+        tiny_models.save_lora(family, model, adapter)
+
+
+def vllm_env(tp: int) -> dict[str, str]:
+    """vLLM's process: a fixed KV space, no Hub, the engine in the driver's process; this checkout's
+    connector (ahead of any installed copy). With TP, one core per rank: on one NUMA node vLLM's CPU build
+    refuses to place more than one worker by itself."""
+    path = os.pathsep.join([str(REPO / "services"), str(REPO), os.environ.get("PYTHONPATH", "")])
+    ranks = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))} if tp > 1 else {}
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": path, **ranks}
+
+
+def drive(spec: dict[str, Any], root: Path, name: str) -> tuple[dict[str, Any] | None, str]:
+    """Run drive.py on `spec` in a fresh vLLM process: what it wrote (None if it failed) and its log."""
+    spec_path, out_path, log_path = (root / f"{name}{s}" for s in (".spec.json", ".out.json", ".log"))
+    spec_path.write_text(json.dumps({**spec, "out": str(out_path)}))
+    out_path.unlink(missing_ok=True)
+    with log_path.open("w") as log:
+        try:
+            rc = subprocess.run([str(VLLM_PYTHON), "-m", "cacheflow_services.vllm_connector.drive", str(spec_path)],
+                                stdout=log, stderr=subprocess.STDOUT, env=vllm_env(spec["tensor_parallel_size"]),
+                                cwd=root,
+                                timeout=DRIVE_TIMEOUT_S, check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+            log.write(f"\ntimed out after {DRIVE_TIMEOUT_S} s\n")
+    return (json.loads(out_path.read_text()) if rc == 0 and out_path.exists() else None), log_path.read_text(
+        errors="replace")
+
+
+def spec_for(cell: Cell, model: Path, adapter: Path, connector: dict[str, Any] | None) -> dict[str, Any]:
+    passes = LORA_PASSES if cell.lora else BASE_PASSES
+    return {"model": str(model), "dtype": tiny_models.RUN_DTYPE.get(cell.family, "float32"), "prompts": prompts(),
+            "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "block_size": BLOCK, "max_model_len": 1024, "tensor_parallel_size": cell.tp,
+            "kv_cache_dtype": cell.kv_dtype, "enable_lora": cell.lora, "connector": connector,
+            "passes": [{"label": label, "lora": str(adapter) if with_adapter else None}
+                       for label, with_adapter in passes]}
+
+
+def run_cell(cell: Cell, root: Path) -> dict[str, Any]:
+    """The cell's record: status (ok / failed / vllm_cannot_run), start-up, tokens, the connector's outcome."""
+    started = time.perf_counter()
+    work = root / cell.name
+    shutil.rmtree(work, ignore_errors=True)  # an empty pod: no chunk of an earlier run may be restored
+    work.mkdir(parents=True)
+    model, adapter = model_dirs(root, cell.family)
+    stats = work / "stats.jsonl"
+    pod = launch_pod(work / "pod", tenants=(TENANT,), tokens=write_tokens(work / "tokens", [TENANT]))
+    try:
+        connector = {"pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": TENANT,
+                     "pod_token_file": str(work / "tokens"), "chunk_size": CHUNK, "stats_file": str(stats)}
+        result, log = drive(spec_for(cell, model, adapter, connector), work, "connector")
+    finally:
+        pod.stop()
+    record = {**asdict(cell), "name": cell.name}
+    if result is None:
+        record |= without_connector(cell, work, model, adapter, log)
+    else:
+        record |= judge(cell, result, read_events(stats))
+    return {**record, "wall_s": round(time.perf_counter() - started, 1)}
+
+
+def without_connector(cell: Cell, work: Path, model: Path, adapter: Path, connector_log: str) -> dict[str, Any]:
+    """vLLM with the connector failed: whose failure it is, from one run without the connector."""
+    spec = spec_for(cell, model, adapter, None)
+    plain, log = drive({**spec, "passes": spec["passes"][:1]}, work, "plain")
+    if plain is None:
+        return {"status": "vllm_cannot_run", "start_ok": False, "error": error_line(log), "log_tail": tail(log)}
+    return {"status": "failed", "start_ok": False,
+            "error": f"vLLM starts without the connector; with it: {error_line(connector_log)}",
+            "log_tail": tail(connector_log)}
+
+
+def tail(log: str) -> str:
+    return "\n".join(log.splitlines()[-TAIL_LINES:])
+
+
+def error_line(log: str) -> str:
+    """The line of a failed run's log that says what went wrong: the last exception with a specific class
+    (a TP worker's, not the engine's generic report of it), else the last line naming an error, else the last."""
+    lines = [x.strip() for x in log.splitlines() if x.strip() and " WARNING " not in x]  # warnings are no cause
+    for pattern in (SPECIFIC_ERROR, ERROR):
+        if named := [x for x in lines if pattern.search(x)]:
+            return named[-1]
+    return lines[-1] if lines else ""
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def pass_of(request_id: str, labels: list[str]) -> str | None:
+    """The pass a request belongs to: drive.py names requests `{label}-{n}` (vLLM may add a suffix)."""
+    return next((label for label in sorted(labels, key=len, reverse=True) if request_id.startswith(f"{label}-")),
+                None)
+
+
+def outcome(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """restored (with computed and loaded totals) if a restore used stored chunks; else declined with the
+    reasons if the connector declined or stepped aside; else none."""
+    restores = [e for e in events if e["event"] == "restore" and e.get("computed", 0) + e.get("loaded", 0) > 0]
+    if restores:
+        return {"outcome": "restored", "computed": sum(e["computed"] for e in restores),
+                "loaded": sum(e["loaded"] for e in restores)}
+    reasons = sorted({e.get("reason", "?") for e in events if e["event"] in ("inactive", "declined")})
+    return {"outcome": "declined", "reasons": reasons} if reasons else {"outcome": "none"}
+
+
+def judge(cell: Cell, result: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per pass its tokens and the connector's outcome; the cell's status from them."""
+    labels = [label for label, _ in (LORA_PASSES if cell.lora else BASE_PASSES)]
+    n = len(PREFIXES)
+    tokens = {label: [r["tokens"] for r in result["results"][i * n:(i + 1) * n]] for i, label in enumerate(labels)}
+    inactive = [e for e in events if e["event"] == "inactive"]
+    per_pass = {label: outcome(inactive + [e for e in events if pass_of(str(e.get("req", "")), labels) == label])
+                for label in labels}
+    equal = all(tokens[later] == tokens[ref] for later, ref in REFERENCE.items() if later in tokens)
+    errors = [e for e in events if e["event"] == "load_error"]
+    record: dict[str, Any] = {"start_ok": True, "startup_s": round(result["startup_s"], 1), "tokens_equal": equal,
+                              **per_pass[OUTCOME_PASS[cell.lora]], "passes": per_pass, "load_errors": len(errors),
+                              "saved_chunks": sum(e.get("chunks", 0) for e in events if e["event"] == "save")}
+    if cell.lora:
+        record["lora_leak"] = per_pass[LEAK_PASS]["outcome"] == "restored"
+        record["adapter_changes_tokens"] = tokens["lora-cold"] != tokens[LEAK_PASS]
+        record["base_tokens"] = tokens[LEAK_PASS]
+    else:
+        record["base_tokens"] = tokens["cold"]
+    failed = not equal or errors or record.get("lora_leak")
+    return {"status": "failed" if failed else "ok", **record}

@@ -1,0 +1,117 @@
+"""The vLLM compatibility matrix's summary, its Markdown report and the README table generated from
+bench/results/vllm_compat.json (between its own markers, apart from the benchmark table)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cacheflow_bench.common import markdown_table
+from cacheflow_bench.readme_table import replace_block
+from cacheflow_bench.tiny_models import FP8_FAMILIES
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+BEGIN = "<!-- vllm-compat-table:begin -->"
+END = "<!-- vllm-compat-table:end -->"
+Cells = list[dict[str, Any]]
+
+
+def variant_key(c: dict[str, Any]) -> tuple[str, int, str]:
+    return c["family"], c["tp"], c["kv_dtype"]
+
+
+def cross_check(cells: Cells) -> None:
+    """A LoRA cell's base-model pass must give the LoRA-off cell's cold tokens (same model, TP, KV dtype):
+    where that cell ran, record it, and fail the LoRA cell if they differ."""
+    base = {variant_key(c): c["base_tokens"] for c in cells if not c["lora"] and "base_tokens" in c}
+    for c in cells:
+        if c["lora"] and "base_tokens" in c and variant_key(c) in base:
+            c["base_equals_lora_off_cell"] = c["base_tokens"] == base[variant_key(c)]
+            if not c["base_equals_lora_off_cell"]:
+                c["status"] = "failed"
+
+
+def lora_isolated(cells: Cells) -> bool | None:
+    """No LoRA cell restored its base pass from the adapter's chunks, and every pass gave its reference's
+    tokens; None if no LoRA cell ran."""
+    ran = [c for c in cells if c["lora"] and c.get("start_ok")]
+    if not ran:
+        return None
+    return all(not c.get("lora_leak") and c["tokens_equal"] and c.get("base_equals_lora_off_cell", True) for c in ran)
+
+
+def summarize(cells: Cells) -> dict[str, Any]:
+    restored = [c for c in cells if c["status"] == "ok" and c.get("outcome") == "restored"]
+    families = sorted({c["family"] for c in restored if c["family"] not in FP8_FAMILIES})
+    return {"cells": len(cells), "ok_cells": sum(c["status"] == "ok" for c in cells),
+            "failed_cells": sum(c["status"] == "failed" for c in cells),
+            "failed": [c["name"] for c in cells if c["status"] == "failed"],
+            "vllm_cannot_run_cells": sum(c["status"] == "vllm_cannot_run" for c in cells),
+            "restored_cells": len(restored), "declined_cells": sum(c.get("outcome") == "declined" for c in cells),
+            "families_restored": len(families), "restored_families": families,
+            "tp2_restored": any(c["tp"] == 2 for c in restored),
+            "fp8_kv_restored": any(c["kv_dtype"] == "fp8" for c in restored),
+            "fp8_weights_restored": any(c["family"] in FP8_FAMILIES for c in restored),
+            "lora_restored": any(c["lora"] for c in restored), "lora_isolated": lora_isolated(cells)}
+
+
+def one_line(text: str | None, limit: int = 200) -> str:
+    """An error line, fit for a table cell."""
+    return (text or "").replace("|", "/").replace("\n", " ")[:limit]
+
+
+def detail(c: dict[str, Any]) -> str:
+    if c.get("outcome") == "restored":
+        return f"computed {c['computed']}, loaded {c['loaded']}"
+    if c.get("outcome") == "declined":
+        return "; ".join(c["reasons"]).replace("|", "/")
+    return one_line(c.get("error"))
+
+
+def yes_no(value: Any) -> str:
+    return "—" if value is None else "yes" if value else "**no**"
+
+
+def report(body: dict[str, Any]) -> str:
+    """bench/results/vllm_compat.md: the summary, then one row per cell."""
+    cells = body["cells"]
+    rows = [[c["family"], c["tp"], c["kv_dtype"], "on" if c["lora"] else "off", c["status"], yes_no(c["start_ok"]),
+             yes_no(c.get("tokens_equal")), c.get("outcome", "—"), detail(c), c["wall_s"]] for c in cells]
+    table = markdown_table(["family", "TP", "KV dtype", "LoRA", "status", "vLLM starts", "tokens equal",
+                            "connector", "detail", "wall s"], rows)
+    summary = "\n".join(f"- {k}: {v}" for k, v in body["summary"].items())
+    return (f"# vLLM compatibility matrix (`cacheflow bench vllm-compat`)\n\n{body['command']}\n\n{summary}\n\n"
+            f"{table}\n")
+
+
+def short(c: dict[str, Any] | None) -> str:
+    if c is None:
+        return "not run"
+    if c["status"] == "vllm_cannot_run":
+        return "vLLM cannot run"
+    if c["status"] == "failed":
+        return "**FAILED**"
+    return str(c["outcome"])
+
+
+def block(body: dict[str, Any]) -> str:
+    """The README's compatibility table: one row per family, one column per (TP, KV dtype, LoRA)."""
+    cells = body["cells"]
+    columns = sorted({(c["tp"], c["kv_dtype"], c["lora"]) for c in cells})
+    by = {(c["family"], c["tp"], c["kv_dtype"], c["lora"]): c for c in cells}
+    families = list(dict.fromkeys(c["family"] for c in cells))
+    header = ["family", *(f"TP {tp}, KV {kv}, LoRA {'on' if lora else 'off'}" for tp, kv, lora in columns)]
+    rows = [[f, *(short(by.get((f, *col))) for col in columns)] for f in families]
+    s = body["summary"]
+    line = (f"{s['cells']} cells: {s['restored_cells']} restored, {s['declined_cells']} declined, "
+            f"{s['failed_cells']} failed, {s['vllm_cannot_run_cells']} that vLLM's CPU build cannot run; "
+            f"families restored {s['families_restored']}; TP 2 restored: {yes_no(s['tp2_restored'])}; fp8 KV "
+            f"restored: {yes_no(s['fp8_kv_restored'])}; FP8 weights restored: {yes_no(s['fp8_weights_restored'])}; "
+            f"LoRA isolated: {yes_no(s['lora_isolated'])} (commit {body['machine']['git']}, "
+            "`cacheflow bench vllm-compat`; details in bench/results/vllm_compat.md).")
+    return "\n".join([BEGIN, markdown_table(header, rows), "", line, END])
+
+
+def update_readme(path: Path, body: dict[str, Any]) -> bool:
+    """Replace the README's compatibility table with the one `body` gives; whether it changed."""
+    return replace_block(path, block(body), BEGIN, END)

@@ -1,0 +1,81 @@
+"""The compatibility matrix's bookkeeping without vLLM: a cell's outcome from the connector's stats events,
+the summary's targets, the LoRA cross-check, and the README table against the committed result."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from cacheflow_bench import vllm_compat_report as rep
+from cacheflow_bench.common import RESULTS_DIR
+from cacheflow_bench.readme_table import current_block
+from cacheflow_bench.vllm_compat_cell import outcome, pass_of
+
+
+def test_outcome_is_restored_declined_or_none_from_the_stats_events():
+    restore = {"event": "restore", "computed": 2, "loaded": 3}
+    assert outcome([restore, {**restore, "computed": 1}]) == {"outcome": "restored", "computed": 3, "loaded": 6}
+    assert outcome([{"event": "restore", "computed": 0, "loaded": 0}])["outcome"] == "none"
+    declined: list[dict[str, Any]] = [{"event": "inactive", "role": "worker", "reason": "sliding window"},
+                {"event": "declined", "req": "warm-3", "reason": "LoRA"}, {"event": "save", "chunks": 4}]
+    assert outcome(declined) == {"outcome": "declined", "reasons": ["LoRA", "sliding window"]}
+    assert outcome([{"event": "save", "chunks": 4}]) == {"outcome": "none"}
+
+
+def test_requests_belong_to_the_pass_whose_label_they_carry():
+    labels = ["lora-warm", "lora-cold", "base-warm"]
+    assert pass_of("lora-warm-7-1a2b", labels) == "lora-warm"
+    assert pass_of("base-warm-9", labels) == "base-warm"
+    assert pass_of("warm-9", labels) is None
+
+
+def cell(family="llama", tp=1, kv="auto", lora=False, status="ok", out="restored", **extra):
+    return {"family": family, "tp": tp, "kv_dtype": kv, "lora": lora, "status": status, "outcome": out,
+            "name": f"{family}-tp{tp}-{kv}-{'lora' if lora else 'base'}", "start_ok": status != "vllm_cannot_run",
+            "tokens_equal": True, "computed": 1, "loaded": 2, "reasons": ["r"], "wall_s": 1.0, **extra}
+
+
+def test_summary_counts_restored_families_and_each_target():
+    cells = [cell(), cell(kv="fp8"), cell("gemma2", out="declined"), cell("llama_fp8", tp=2),
+             cell("deepseek_v2", status="vllm_cannot_run", out=None, error="boom"),
+             cell("qwen2", status="failed", tokens_equal=False)]
+    s = rep.summarize(cells)
+    assert s["families_restored"] == 1 and s["restored_families"] == ["llama"]  # FP8 weights are no family
+    assert (s["failed_cells"], s["failed"], s["vllm_cannot_run_cells"]) == (1, ["qwen2-tp1-auto-base"], 1)
+    assert s["tp2_restored"] and s["fp8_kv_restored"] and s["fp8_weights_restored"]
+    assert s["lora_isolated"] is None and not s["lora_restored"]
+
+
+def test_a_lora_cell_whose_base_pass_differs_from_the_lora_off_cell_fails_and_breaks_isolation():
+    base = cell(base_tokens=[[1, 2]])
+    good = cell(lora=True, base_tokens=[[1, 2]], lora_leak=False, kv="auto")
+    other = cell(lora=True, kv="fp8", base_tokens=[[7]], lora_leak=False)  # no LoRA-off fp8 cell to compare
+    cells = [base, good, other]
+    rep.cross_check(cells)
+    assert good["base_equals_lora_off_cell"] and "base_equals_lora_off_cell" not in other
+    assert rep.lora_isolated(cells) is True
+    bad = cell(lora=True, base_tokens=[[2, 1]], lora_leak=False)
+    rep.cross_check([base, bad])
+    assert bad["status"] == "failed" and rep.lora_isolated([base, bad]) is False
+    assert rep.lora_isolated([cell(lora=True, lora_leak=True)]) is False
+
+
+def test_the_readme_table_has_a_row_per_family_and_a_column_per_configuration(tmp_path):
+    cells = [cell(), cell(lora=True, out="declined", lora_leak=False),
+             cell("phi3", status="vllm_cannot_run", out=None, error="x"), cell("phi3", lora=True, status="failed")]
+    body = {"cells": cells, "summary": rep.summarize(cells), "machine": {"git": "abc1234"}, "command": "c"}
+    table = rep.block(body)
+    assert "| family | TP 1, KV auto, LoRA off | TP 1, KV auto, LoRA on |" in table
+    assert "| llama | restored | declined |" in table and "| phi3 | vLLM cannot run | **FAILED** |" in table
+    assert "commit abc1234" in table and "phi3-tp1" in rep.report(body)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{rep.BEGIN}\nold\n{rep.END}\nafter\n")
+    assert rep.update_readme(readme, body) and not rep.update_readme(readme, body)
+    assert readme.read_text() == f"before\n{table}\nafter\n"
+
+
+def test_the_committed_readme_compat_table_is_the_one_the_committed_result_gives():
+    """A README that disagrees with bench/results/vllm_compat.json fails here: rerun the matrix."""
+    result = RESULTS_DIR / "vllm_compat.json"
+    expected = rep.block(json.loads(result.read_text())) if result.exists() else f"{rep.BEGIN}\n{rep.END}"
+    assert current_block(rep.README.read_text(), rep.BEGIN, rep.END) == expected

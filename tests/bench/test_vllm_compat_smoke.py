@@ -1,0 +1,28 @@
+"""A CI-sized slice of the vLLM compatibility matrix on real vLLM (CPU) processes: a Llama that the
+connector restores with vLLM's own greedy tokens, and a Gemma 2 (sliding window) that vLLM must serve with
+the connector in place, restored or declined, with the same tokens either way."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cacheflow_bench import vllm, vllm_compat
+from cacheflow_bench.vllm_compat_cell import CHUNK, PREFIXES
+
+pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
+
+
+def test_llama_restores_and_gemma2_serves_with_the_connector(tmp_path):
+    assert vllm_compat.main(["--families", "llama,gemma2", "--tp", "1", "--kv-dtypes", "auto", "--lora", "off",
+                             "--out", str(tmp_path), "--workdir", str(tmp_path / "work")]) == 0
+    body = json.loads((tmp_path / "vllm_compat.json").read_text())
+    llama, gemma2 = body["cells"]
+    assert (llama["name"], gemma2["name"]) == ("llama-tp1-auto-base", "gemma2-tp1-auto-base")
+    assert llama["status"] == "ok" and llama["tokens_equal"] and llama["outcome"] == "restored", llama
+    assert llama["computed"] + llama["loaded"] == sum(n // CHUNK for n in PREFIXES)  # every whole chunk
+    assert gemma2["status"] == "ok" and gemma2["start_ok"] and gemma2["tokens_equal"], gemma2
+    assert gemma2["outcome"] in ("restored", "declined")
+    assert body["summary"]["failed_cells"] == 0
+    assert "| llama | 1 | auto | off | ok | yes | yes | restored |" in (tmp_path / "vllm_compat.md").read_text()
