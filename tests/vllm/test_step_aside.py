@@ -143,3 +143,31 @@ def test_tensor_parallel_ranks_restore_their_own_heads(cluster: dict[str, Any],
     restores = _events(stats, "restore")
     assert sorted((e["tp_rank"], e["tokens"]) for e in restores) == [(0, 192), (0, 320), (1, 192), (1, 320)]
     assert all(e["computed"] == 0 and e["loaded"] == e["tokens"] // CHUNK and not e["misses"] for e in restores)
+
+
+def test_lora_requests_restore_only_their_adapters_chunks(cluster: dict[str, Any]) -> None:
+    """One vLLM process with LoRA on, four passes (saves flushed, prefix cache reset between them): the base
+    prompts stored; the same prompts with an adapter find none of those chunks (its KV is not the base
+    model's) and are stored under the adapter; then each restores from its own chunks, by loads alone for
+    the adapter, with the outputs it gave computed."""
+    from cacheflow_bench.tiny_models import save, save_lora
+
+    model_dir = save("qwen3", cluster["root"] / "lora-base")
+    adapter = save_lora("qwen3", model_dir, cluster["root"] / "lora-adapter")
+    stats = cluster["root"] / "lora.jsonl"
+    passes = [{"label": "base"}, {"label": "lora", "lora": str(adapter)}, {"label": "lora2", "lora": str(adapter)},
+              {"label": "base2"}]
+    spec = {"model": str(model_dir), "prompts": cluster["prompts"], "max_tokens": 6, "block_size": BLOCK,
+            "connector": _connector(cluster, stats), "enable_lora": True, "passes": passes}
+    results = drive(spec, cluster["root"], "lora")["results"]
+    tokens: dict[str, list[list[int]]] = {}
+    for r in results:
+        tokens.setdefault(r["request_id"].rsplit("-", 1)[0], []).append(r["tokens"])
+    assert tokens["lora"] != tokens["base"]  # the adapter changes the outputs: sharing KV would show
+    assert tokens["lora2"] == tokens["lora"] and tokens["base2"] == tokens["base"]
+    restores: dict[str, list[dict[str, Any]]] = {}
+    for e in _events(stats, "restore"):
+        restores.setdefault(e["req"].rsplit("-", 1)[0], []).append(e)
+    assert set(restores) == {"lora2", "base2"}  # nothing restored across the adapter boundary
+    assert all(e["computed"] == 0 and e["loaded"] == e["tokens"] // CHUNK for e in restores["lora2"])
+    assert [e["tokens"] for e in restores["base2"]] == [192, 320]

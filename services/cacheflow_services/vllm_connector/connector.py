@@ -106,6 +106,12 @@ class CacheFlowConnector(KVConnectorBase_V1):
             log.info("tensor-parallel ranks restore by loading their chunks in vLLM's step, vLLM recomputing "
                      "from the first miss (load_through.py says why)")
             self.cfg = replace(self.cfg, policy="load-only", on_miss="vllm", async_loads=False)
+        # With LoRA on, vLLM's LoRA layers apply the adapters its last step set up, to any forward: a restore's
+        # recompute would carry another request's adapter (measured: a base prompt restored right after a LoRA
+        # batch gave other tokens). So every restore is by loads alone, vLLM recomputing from the first miss.
+        self._loads_only = vllm_config.lora_config is not None and self.cfg.runtime == "vllm"
+        if self._loads_only:
+            log.info("LoRA is on: CacheFlow restores by loading chunks only (no recompute beside vLLM's adapters)")
         self.inactive = self._resolve_model(model_config.revision) \
             or unsupported(vllm_config, self.cfg.model, self.cfg.runtime) or unsupported_cache(kv_cache_config)
         try:
@@ -164,7 +170,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
         except ConfigError as exc:  # a LoRA adapter whose files cannot be read
             reason, keying = str(exc), Keying()
         if not reason:
-            return keying
+            return replace(keying, load_only=True) if self._loads_only else keying
         self._declined.add(request.request_id)
         self._once.warn("the CacheFlow connector leaves requests to vLLM: %s", reason)
         self._stats.event("declined", req=request.request_id, reason=reason)
