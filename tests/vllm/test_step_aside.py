@@ -162,12 +162,12 @@ def test_lora_requests_restore_only_their_adapters_chunks(cluster: dict[str, Any
     results = drive(spec, cluster["root"], "lora")["results"]
     tokens: dict[str, list[list[int]]] = {}
     for r in results:
-        tokens.setdefault(r["request_id"].rsplit("-", 1)[0], []).append(r["tokens"])
+        tokens.setdefault(r["request_id"].split("-")[0], []).append(r["tokens"])  # "{pass}-{n}"
     assert tokens["lora"] != tokens["base"]  # the adapter changes the outputs: sharing KV would show
     assert tokens["lora2"] == tokens["lora"] and tokens["base2"] == tokens["base"]
     restores: dict[str, list[dict[str, Any]]] = {}
     for e in _events(stats, "restore"):
-        restores.setdefault(e["req"].rsplit("-", 1)[0], []).append(e)
+        restores.setdefault(e["req"].split("-")[0], []).append(e)  # "{pass}-{n}-{vLLM suffix}"
     assert set(restores) == {"lora2", "base2"}  # nothing restored across the adapter boundary
     assert all(e["computed"] == 0 and e["loaded"] == e["tokens"] // CHUNK for e in restores["lora2"])
     assert [e["tokens"] for e in restores["base2"]] == [192, 320]
