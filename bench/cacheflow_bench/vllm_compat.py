@@ -11,7 +11,8 @@ and vLLM's prefix cache reset (the connector restores or declines); greedy token
 `ok`, `failed` (tokens differ, a load error, a LoRA leak, or vLLM fails to start only with the connector)
 or `vllm_cannot_run` (vLLM's CPU build fails without the connector too: its own error is kept). Writes
 vllm_compat.{json,md}; with --merge, cells of an earlier vllm_compat.json that this run does not redo are
-kept. Written to the committed results, the README's compatibility table is regenerated from them.
+kept (each cell records the commit it ran at). Written to the committed results, the README's compatibility
+table is regenerated from them.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ def merged(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[st
     order = {f: i for i, f in enumerate(FAMILIES)}
     return sorted(by_name.values(), key=lambda c: (c["tp"], order.get(c["family"], len(order)), c["kv_dtype"],
                                                    c["lora"]))
+
+
+def earlier_cells(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """An earlier result's cells, each with the commit it ran at (older results name it only once)."""
+    return [{"commit": body["machine"]["git"], **c} for c in body["cells"]]
 
 
 def run(args: argparse.Namespace, out: Path, old: list[dict[str, Any]]) -> dict[str, Any]:
@@ -102,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out) if args.out else RESULTS_DIR
     earlier = out / "vllm_compat.json"
-    old = json.loads(earlier.read_text())["cells"] if args.merge and earlier.exists() else []
+    old = earlier_cells(json.loads(earlier.read_text())) if args.merge and earlier.exists() else []
     body = run(args, out, old)
     if out.resolve() == RESULTS_DIR.resolve():
         print(f"README table: {'rewritten' if update_readme(README, body) else 'already up to date'}")

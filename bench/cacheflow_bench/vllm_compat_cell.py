@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cacheflow_bench import tiny_models
+from cacheflow_bench.common import machine_facts
 from cacheflow_bench.vllm import VLLM_PYTHON
 from cacheflow_services.storage.launch import launch_pod, write_tokens
 
@@ -126,7 +127,7 @@ def run_cell(cell: Cell, root: Path) -> dict[str, Any]:
         result, log = drive(spec_for(cell, model, adapter, connector), work, "connector")
     finally:
         pod.stop()
-    record = {**asdict(cell), "name": cell.name}
+    record = {**asdict(cell), "name": cell.name, "commit": machine_facts()["git"]}
     if result is None:
         record |= without_connector(cell, work, model, adapter, log)
     else:

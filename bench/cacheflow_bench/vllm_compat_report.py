@@ -76,9 +76,10 @@ def report(body: dict[str, Any]) -> str:
     """bench/results/vllm_compat.md: the summary, then one row per cell."""
     cells = body["cells"]
     rows = [[c["family"], c["tp"], c["kv_dtype"], "on" if c["lora"] else "off", c["status"], yes_no(c["start_ok"]),
-             yes_no(c.get("tokens_equal")), c.get("outcome", "—"), detail(c), c["wall_s"]] for c in cells]
+             yes_no(c.get("tokens_equal")), c.get("outcome", "—"), detail(c), c["wall_s"],
+             c.get("commit") or body["machine"]["git"]] for c in cells]
     table = markdown_table(["family", "TP", "KV dtype", "LoRA", "status", "vLLM starts", "tokens equal",
-                            "connector", "detail", "wall s"], rows)
+                            "connector", "detail", "wall s", "commit"], rows)
     summary = "\n".join(f"- {k}: {v}" for k, v in body["summary"].items())
     return (f"# vLLM compatibility matrix (`cacheflow bench vllm-compat`)\n\n{body['command']}\n\n{summary}\n\n"
             f"{table}\n")
@@ -107,9 +108,15 @@ def block(body: dict[str, Any]) -> str:
             f"{s['failed_cells']} failed, {s['vllm_cannot_run_cells']} that vLLM's CPU build cannot run; "
             f"families restored {s['families_restored']}; TP 2 restored: {yes_no(s['tp2_restored'])}; fp8 KV "
             f"restored: {yes_no(s['fp8_kv_restored'])}; FP8 weights restored: {yes_no(s['fp8_weights_restored'])}; "
-            f"LoRA isolated: {yes_no(s['lora_isolated'])} (commit {body['machine']['git']}, "
+            f"LoRA isolated: {yes_no(s['lora_isolated'])} ({commits(body)}, "
             "`cacheflow bench vllm-compat`; details in bench/results/vllm_compat.md).")
     return "\n".join([BEGIN, markdown_table(header, rows), "", line, END])
+
+
+def commits(body: dict[str, Any]) -> str:
+    """`commit X`, or `commits X, Y` where a merged result's cells ran at several."""
+    seen = sorted({c.get("commit") or body["machine"]["git"] for c in body["cells"]})
+    return f"commit{'s' if len(seen) > 1 else ''} {', '.join(seen)}"
 
 
 def update_readme(path: Path, body: dict[str, Any]) -> bool:

@@ -67,11 +67,13 @@ def test_the_readme_table_has_a_row_per_family_and_a_column_per_configuration(tm
     table = rep.block(body)
     assert "| family | TP 1, KV auto, LoRA off | TP 1, KV auto, LoRA on |" in table
     assert "| llama | restored | declined |" in table and "| phi3 | vLLM cannot run | **FAILED** |" in table
-    assert "commit abc1234" in table and "phi3-tp1" in rep.report(body)
+    assert "(commit abc1234, " in table and "phi3-tp1" in rep.report(body)
     readme = tmp_path / "README.md"
     readme.write_text(f"before\n{rep.BEGIN}\nold\n{rep.END}\nafter\n")
     assert rep.update_readme(readme, body) and not rep.update_readme(readme, body)
     assert readme.read_text() == f"before\n{table}\nafter\n"
+    cells[0]["commit"] = "def5678"  # a cell of a merged result ran at another commit
+    assert "(commits abc1234, def5678, " in rep.block(body)
 
 
 def test_the_committed_readme_compat_table_is_the_one_the_committed_result_gives():
