@@ -102,16 +102,15 @@ class CacheFlowConnector(KVConnectorBase_V1):
         if vllm_config.parallel_config.pipeline_parallel_size > 1 and self.cfg.runtime == "vllm":
             log.info("pipeline ranks restore from boundary activations with CacheFlow's runtime (runtime: cacheflow)")
             self.cfg = replace(self.cfg, runtime="cacheflow")
-        if vllm_config.parallel_config.tensor_parallel_size > 1 and self.cfg.runtime == "vllm":
-            log.info("tensor-parallel ranks restore by loading their chunks in vLLM's step, vLLM recomputing "
-                     "from the first miss (load_through.py says why)")
-            self.cfg = replace(self.cfg, policy="load-only", on_miss="vllm", async_loads=False)
-        # With LoRA on, vLLM's LoRA layers apply the adapters its last step set up, to any forward: a restore's
-        # recompute would carry another request's adapter (measured: a base prompt restored right after a LoRA
-        # batch gave other tokens). So every restore is by loads alone, vLLM recomputing from the first miss.
-        self._loads_only = vllm_config.lora_config is not None and self.cfg.runtime == "vllm"
+        # Every restore is by loads alone, in vLLM's step, vLLM recomputing from the first miss, where a recompute
+        # beside vLLM's forwards cannot be right: under tensor parallelism (a rank's forward needs every other
+        # rank's in lockstep: load_through.py), and with LoRA on (vLLM's LoRA layers apply the adapters its last
+        # step set up to any forward; measured: a base prompt restored right after a LoRA batch gave other tokens).
+        tensor_parallel = vllm_config.parallel_config.tensor_parallel_size > 1
+        self._loads_only = self.cfg.runtime == "vllm" and (tensor_parallel or vllm_config.lora_config is not None)
         if self._loads_only:
-            log.info("LoRA is on: CacheFlow restores by loading chunks only (no recompute beside vLLM's adapters)")
+            log.info("CacheFlow restores by loading chunks only (%s)", "tensor parallelism" if tensor_parallel
+                     else "LoRA is on: no recompute beside vLLM's adapters")
         self.inactive = self._resolve_model(model_config.revision) \
             or unsupported(vllm_config, self.cfg.model, self.cfg.runtime) or unsupported_cache(kv_cache_config)
         try:

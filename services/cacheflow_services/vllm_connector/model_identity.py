@@ -86,11 +86,7 @@ def salted(fingerprint: str, salt: str) -> str:
 
 def adapter_fingerprint(adapter_dir: Path) -> str:
     """A LoRA adapter's identity: every byte of its config and weight files (hashed once, kept beside them)."""
-    config = adapter_dir / "adapter_config.json"
-    if not config.is_file():
-        raise ConfigError(f"no adapter_config.json in {adapter_dir}")
-    files = sorted([config, *adapter_dir.glob("*.safetensors"), *adapter_dir.glob("*.bin")])
-    return cached_fingerprint(adapter_dir, files, "adapter", lambda: _hash_files(adapter_dir, files, "adapter"))
+    return _hashed_dir(adapter_dir, "adapter_config.json", "adapter")
 
 
 def model_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
@@ -109,11 +105,17 @@ def files_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
     snapshot = SNAPSHOT.search(model_dir.resolve().as_posix()) or SNAPSHOT.search(model_dir.as_posix())
     if snapshot is not None:
         return _digest(f"hub|{snapshot['repo']}|{snapshot['commit']}|{variant}".encode())
-    config = model_dir / "config.json"
+    return _hashed_dir(model_dir, "config.json", variant)
+
+
+def _hashed_dir(root: Path, config_name: str, variant: str) -> str:
+    """blake2b-128 of `variant` and the bytes of `config_name` and every weight file in `root` (hashed once,
+    then kept beside them)."""
+    config = root / config_name
     if not config.is_file():
-        raise ConfigError(f"no config.json in {model_dir}")
-    files = sorted([config, *model_dir.glob("*.safetensors"), *model_dir.glob("*.bin")])
-    return cached_fingerprint(model_dir, files, variant, lambda: _hash_files(model_dir, files, variant))
+        raise ConfigError(f"no {config_name} in {root}")
+    files = sorted([config, *root.glob("*.safetensors"), *root.glob("*.bin")])
+    return cached_fingerprint(root, files, variant, lambda: _hash_files(root, files, variant))
 
 
 def _hash_files(root: Path, files: list[Path], variant: str) -> str:

@@ -102,7 +102,7 @@ class WorkerEngine:
         `layers`: this pipeline rank's layers, where known before `register` (its copy then loads only them).
         `attention_isa`: vLLM's CPU attention kernel, where CacheFlow's runtime attends with it (`PagedKV`); "":
         CacheFlow's. `vllm_config`: vLLM's, which `runtime: "vllm"` runs vLLM's model with. `tp_rank`: this
-        rank's, under tensor parallelism (its restores load only: `load_through.py`)."""
+        rank's, under tensor parallelism (its chunks hold its KV heads)."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown paged KV layout {layout!r}; known: {LAYOUTS}")
         self.cfg = cfg
@@ -186,7 +186,7 @@ class WorkerEngine:
         there are several (`batch_restores`), else one after another; by loads alone where nothing may
         recompute them (`_load_through`). Returns the block ids vLLM must recompute (those of every restore
         that failed outright, and of misses with `on_miss="vllm"`)."""
-        through = [s for s in specs if s.load_only or self.tp_rank is not None]
+        through = [s for s in specs if s.load_only]
         failed = self._load_through(through) if through else set()
         specs = [s for s in specs if s not in through]
         if not specs:
@@ -213,8 +213,8 @@ class WorkerEngine:
         return failed
 
     def _load_through(self, specs: Sequence[LoadSpec]) -> set[int]:
-        """Restores by loads alone (a tensor-parallel rank's, a LoRA request's): the chunks loaded up to the
-        first miss, vLLM recomputing the rest."""
+        """Restores by loads alone (the scheduler marks them: tensor-parallel ranks, LoRA): the chunks loaded up
+        to the first miss, vLLM recomputing the rest."""
         failed: set[int] = set()
         for spec in specs:
             started = time.perf_counter()
@@ -319,10 +319,10 @@ class WorkerEngine:
                              blocks=len(failed), error="miss")
             return failed
         keys = [job.keys[i] for i in missed] if result.mode == "token" else list(job.keys)
-        if self.cfg.save and isinstance(result.kv, BlockKV):  # vLLM's model wrote what it recomputed to the blocks
-            for key in keys:
-                result.kv.pull(key.token_start, key.token_end)
         if self.cfg.save:
+            if isinstance(result.kv, BlockKV):  # vLLM's model wrote what it recomputed to the blocks
+                for key in keys:
+                    result.kv.pull(key.token_start, key.token_end)
             self.saves.store_again(spec.req_id, result.kv, job, keys, salt=spec.salt)
         return set()
 
