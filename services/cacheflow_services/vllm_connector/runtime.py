@@ -81,8 +81,8 @@ class RuntimeChoice:
             if final:
                 raise RuntimeError("vLLM's loaded model could not be reached from the connector")
             return
-        geometry = KVGeometry.from_vllm(self.vllm_config)
-        runtime = VllmRuntime(geometry, module, self.vllm_config, layers=layers, fingerprint=self.fingerprint)
+        assert isinstance(self.config, KVGeometry), "vLLM's model runs over the geometry of vLLM's config"
+        runtime = VllmRuntime(self.config, module, self.vllm_config, layers=layers, fingerprint=self.fingerprint)
         self.model = cast(Transformer, runtime)  # it offers what the restore engine calls of a Transformer
         self.kind = "vllm"
         log.info("CacheFlow recomputes with vLLM's own model (%s) and attention backend", type(module).__name__)
