@@ -1,6 +1,6 @@
-"""Rules in one place: the simulator plans every request in the mode a stage worker's engine restores it
-in, on every stage of every pipeline; without a profile the stage worker, the vLLM connector and the
-library's `restore()` all fall back to Cake."""
+"""Rules in one place: the simulator plans every request in the mode a stage worker's engine, and a vLLM
+pipeline rank's connector, restores it in, on every stage of every pipeline; without a profile the stage
+worker, the vLLM connector and the library's `restore()` all fall back to Cake."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from cacheflow_common.sched.policies import NO_PROFILE, POLICIES
 from cacheflow_common.sim import ModelShape, SimConfig, TraceRequest, simulate
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_common.transport.pod_client import PodAddress
+from cacheflow_services.vllm_connector import restorer
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.worker import connector_policy
 from cacheflow_services.worker.config import WorkerConfig, engine_settings
@@ -62,6 +63,18 @@ def _engine_spec(model: Transformer, policy: str, n_tokens: int, profile: Profil
                         delivers=False)
 
 
+def _connector_mode(model: Transformer, policy: str, n_tokens: int, profile: Profile, stage: int,
+                    split: list[range]) -> str:
+    """The mode a vLLM rank holding split[stage] restores the prefix in (CacheFlow's runtime)."""
+    cfg = ConnectorConfig(pods=("p0=127.0.0.1:1",), tenant="t", pod_token_file="", policy=policy, chunk_size=CHUNK,
+                          runtime="cacheflow")
+    settings = restorer.engine_settings(cfg, split[stage], profile, LINK_GBPS * 1e9 / 8, policy, num_layers=LAYERS,
+                                        paged_attention=False)
+    builder = RestoreBuilder(settings, model, on_input=lambda: None)
+    return builder.spec("r", _job(model, n_tokens, split[stage]), policy, input_mode="boundary", upstream=False,
+                        delivers=False).mode
+
+
 def _simulated_mode(policy: str, n_tokens: int, profile: Profile, n_stages: int) -> str:
     shape = ModelShape(num_layers=LAYERS, kv_bytes_per_token_layer=1000)
     config = SimConfig.from_profile(profile, model=shape, link_gbps=LINK_GBPS, policy=policy, n_stages=n_stages,
@@ -79,7 +92,8 @@ def test_the_simulator_plans_the_mode_every_stage_restores_in(model, policy, n_s
         for n_tokens in PREFIXES:
             simulated = _simulated_mode(policy, n_tokens, profile, n_stages)
             restored = [_engine_spec(model, policy, n_tokens, profile, s, split).mode for s in range(n_stages)]
-            assert restored == [simulated] * n_stages, f"{n_tokens} tokens, L_delta {l_delta}"
+            ranks = [_connector_mode(model, policy, n_tokens, profile, s, split) for s in range(n_stages)]
+            assert restored == ranks == [simulated] * n_stages, f"{n_tokens} tokens, L_delta {l_delta}"
 
 
 def test_a_short_prefix_on_a_pipeline_stage_goes_token_wise_in_both(model):

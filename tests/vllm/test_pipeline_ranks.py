@@ -5,13 +5,17 @@ the same two real storage pods, with paged caches allocated here. The "forward p
 prefill of the whole model: its KV is written into each rank's blocks, and rank 1's boundary activation
 (the hidden state entering layer L/2) reaches its connector through the pre-hook on a stand-in for vLLM's
 model, split into hidden_states + residual as rank 0 would send it, over two chunked-prefill steps with
-another request in the batch. Fresh engines then restore both ranks at once (threads), each from its own
-chunks (rank 1 from its boundary activations); the chunk names are those of a CacheFlow stage split.
+another request's rows before its own, and padding rows after; the rows are filed by their slots in the
+step's slot mapping (a dict stands in for vLLM's forward context, which this venv has no vLLM for; the
+last test reads vLLM's own, in vLLM's venv). Fresh engines then restore both ranks at once (threads), each
+from its own chunks (rank 1 from its boundary activations); the chunk names are those of a CacheFlow stage split.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -28,10 +32,10 @@ from cacheflow_common.restore.save import make_job
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_services.storage.launch import LocalPod, launch_pod, write_tokens
 from cacheflow_services.vllm_connector.config import ConnectorConfig
-from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
+from cacheflow_services.vllm_connector.plan import LoadSpec, PromptRows, SaveSpec, SchedulerPlan
 from cacheflow_services.vllm_connector.ranks import rank_layers
 from cacheflow_services.vllm_connector.worker import WorkerEngine, open_store
-from tests.vllm.helpers import save_tiny_qwen3
+from tests.vllm.helpers import DRIVE_TIMEOUT_S, REPO, VLLM_PYTHON, save_tiny_qwen3, vllm_env
 
 CHUNK, BS, BLOCKS = 16, 8, 24
 LENGTH = 53  # 3 whole chunks (48 tokens) and a partial one
@@ -66,13 +70,15 @@ class Ranks:
                                **overrides)
 
     def engine(self, layers: range, vllm_model: torch.nn.Module | None = None, registered: range | None = None,
-               **overrides: Any) -> tuple[WorkerEngine, dict[int, torch.Tensor]]:
+               step_slots: dict[str, torch.Tensor] | None = None, **overrides: Any
+               ) -> tuple[WorkerEngine, dict[int, torch.Tensor]]:
         """A connector worker engine for the rank holding `layers` (vLLM's split: its runtime loads only
         them), registered with fresh paged caches of `registered` (default: the same; `split` layout)."""
         c = self.model.config
         caches = {i: torch.zeros(BLOCKS, c.num_kv_heads, BS, 2 * c.head_dim) for i in registered or layers}
         engine = WorkerEngine(self.cfg(**overrides), dtype=torch.float32, block_size=BS, device="cpu",
-                              layout="split", vllm_model=(lambda: vllm_model), layers=layers)
+                              layout="split", vllm_model=(lambda: vllm_model), layers=layers,
+                              step_slots=None if step_slots is None else step_slots.__getitem__)
         assert engine.model.layers == layers
         engine.register({f"model.layers.{i}.self_attn.attn": cache for i, cache in caches.items()})
         return engine, caches
@@ -113,27 +119,41 @@ def read_blocks(caches: dict[int, torch.Tensor], end: int, block_ids: tuple[int,
     return torch.stack([gather(caches[i], "split", block_ids, BS, 0, end) for i in sorted(caches)])
 
 
+def slots(block_ids: tuple[int, ...], start: int, end: int) -> torch.Tensor:
+    """The cache slots of positions [start, end) of a request with these blocks, [end - start]."""
+    return torch.tensor([block_ids[p // BS] * BS + p % BS for p in range(start, end)])
+
+
 def save_on_both_ranks(ranks: Ranks, prompt: list[int], *, capture: bool) -> None:
     """Two chunked-prefill steps (20 then 33 prompt rows) on both ranks, each followed by its saves; rank 1
-    gets its boundary rows through the hook on vLLM's model (another request's rows come first in the
-    first step's batch) unless `capture` is off."""
+    gets its boundary rows through the hook on vLLM's model (another request's prompt rows come first in the
+    first step's batch, padding rows last) unless `capture` is off."""
     kv, boundary = reference(ranks.model, prompt, ranks.split)
     stand_in = StandIn()
+    forward_slots: dict[str, torch.Tensor] = {}  # the slot mappings of the forward running now, by layer
     rank0, _ = ranks.engine(ranks.split[0])
-    rank1, _ = ranks.engine(ranks.split[1], vllm_model=stand_in)
+    rank1, _ = ranks.engine(ranks.split[1], vllm_model=stand_in, step_slots=forward_slots)
     assert rank1.capture.attached and not rank0.capture.attached
-    other = torch.randn(5, boundary.shape[1])  # [5, hidden]: rows of another request (a decode and more)
-    steps = [([("other", 5, 100), ("r", 20, LENGTH)], 0, 20, SaveSpec("r", tuple(prompt[:16]), BLOCK_IDS, 0)),
-             ([("r", LENGTH - 20, LENGTH)], 20, LENGTH, SaveSpec("r", tuple(prompt[:CACHED]), BLOCK_IDS, 16))]
-    for order, start, end, save in steps:
+    other = torch.randn(5, boundary.shape[1])  # [5, hidden]: rows of another request, positions 40-44 of 100
+    steps = [(0, 20, SaveSpec("r", tuple(prompt[:16]), BLOCK_IDS, 0)),
+             (20, LENGTH, SaveSpec("r", tuple(prompt[:CACHED]), BLOCK_IDS, 16))]
+    for start, end, save in steps:
+        rows = PromptRows(BS)
+        rows.add("r", BLOCK_IDS, start, end, LENGTH)
+        if start == 0:
+            rows.add("other", OTHER_BLOCK_IDS, 40, 45, 100)
         for engine in (rank0, rank1):
-            engine.begin_step(order)
+            engine.begin_step(rows)
             write_blocks(engine, kv, start, end)
         if capture:
-            stream = torch.cat([other, boundary[start:end]]) if order[0][0] == "other" else boundary[start:end]
+            stream = torch.cat([other, boundary[start:end]]) if start == 0 else boundary[start:end]
+            step_slots = torch.cat([slots(OTHER_BLOCK_IDS, 40, 45), slots(BLOCK_IDS, start, end)]) if start == 0 \
+                else slots(BLOCK_IDS, start, end)
+            stream = torch.cat([stream, torch.randn(3, stream.shape[1])])  # [R + 3, hidden]: 3 padding rows
+            forward_slots[f"model.layers.{ranks.split[1].start}.self_attn.attn"] = \
+                torch.cat([step_slots, torch.full((3,), -1)])
             residual = torch.randn_like(stream)  # [R, hidden]: what rank 0 sends is hidden + residual
-            positions = torch.cat([torch.arange(50, 55), torch.arange(start, end)]) if start == 0 else \
-                torch.arange(start, end)
+            positions = torch.zeros(len(stream), dtype=torch.long)  # not read: the slots place the rows
             stand_in(None, positions, intermediate_tensors={"hidden_states": stream - residual, "residual": residual})
         for engine in (rank0, rank1):
             engine.save(save)
@@ -242,21 +262,54 @@ def test_a_rank_without_boundary_activations_fails_its_load_and_vllm_recomputes(
                                        atol=KV_TOL, rtol=KV_TOL)
 
 
-def test_capture_files_rows_by_request_and_never_fails_the_forward():
+def test_prompt_rows_place_a_slot_at_its_request_and_position():
+    rows = PromptRows(4)
+    rows.add("a", (7, 2, 9), 3, 10, 9)  # positions 3-8 of a prompt of 9 (the 10th row is a decode)
+    assert sorted(rows.blocks) == [2, 7, 9]
+    assert rows.owner(7 * 4 + 3) == ("a", 3) and rows.owner(2 * 4 + 1) == ("a", 5) and rows.owner(9 * 4) == ("a", 8)
+    assert rows.owner(9 * 4 + 1) is None  # position 9: past the prompt
+    assert rows.owner(-1) is None and rows.owner(5 * 4) is None  # padding, another request's block
+    rows.add("b", (1,), 0, 0, 4)  # no rows this step
+    rows.add("c", (3,), 2, 8, 8)  # blocks the scheduler has not handed over yet are left out
+    assert 1 not in rows.blocks and rows.blocks[3] == ("c", 0, 8)
+
+
+def test_the_scheduler_places_a_running_requests_rows_in_the_blocks_it_was_given_over_steps():
+    plan = SchedulerPlan(chunk_size=16, block_size=8, lookup=lambda tokens, limit, salt: 0, save=True)
+    plan.new_request("r", list(range(30)), [4, 5], computed_after=12)
+    first = PromptRows(8)
+    plan.add_prompt_rows(first, "r", 0, 12)
+    assert first.blocks == {4: ("r", 0, 30), 5: ("r", 8, 30)}
+    plan.running_request("r", [11, 6], resumed=False, computed_after=30)
+    second = PromptRows(8)
+    plan.add_prompt_rows(second, "r", 12, 30)
+    plan.add_prompt_rows(second, "unknown", 0, 8)  # never scheduled through the plan: nothing
+    assert second.blocks == {5: ("r", 8, 30), 11: ("r", 16, 30), 6: ("r", 24, 30)}
+
+
+def test_capture_files_rows_by_slot_in_any_batch_order_and_never_fails_the_forward():
     from cacheflow_services.vllm_connector.ranks import BoundaryCapture
 
-    capture, stand_in = BoundaryCapture(), StandIn()
-    capture.attach(stand_in)
+    forward_slots: dict[str, torch.Tensor] = {}
+    capture, stand_in = BoundaryCapture(forward_slots.__getitem__), StandIn()
+    capture.attach(stand_in, "layer")
     hidden = torch.randn(7, 4)  # [R, hidden]: 6 rows and one of padding
-    capture.begin_step([("a", 2, 10), ("b", 4, 3)])  # b: a prompt of 3, then its first decode row
-    stand_in(None, torch.tensor([8, 9, 0, 1, 2, 3, 0]), {"hidden_states": hidden, "residual": None})
+    rows = PromptRows(4)
+    rows.add("a", (5, 6, 2), 8, 10, 10)
+    rows.add("b", (3,), 0, 4, 3)  # b: a prompt of 3, then its first decode row
+    forward_slots["layer"] = torch.tensor([13, 14, 15, 2 * 4, 12, 2 * 4 + 1, -1])  # b's rows first, then a's
+    capture.begin_step(rows)
+    stand_in(None, torch.zeros(7, dtype=torch.long), {"hidden_states": hidden, "residual": None})
     a_rows, b_rows = capture.take("a", 8, 10), capture.take("b", 0, 3)
-    assert a_rows is not None and torch.equal(a_rows, hidden[0:2])
-    assert b_rows is not None and torch.equal(b_rows, hidden[2:5])
+    assert a_rows is not None and torch.equal(a_rows, hidden[[3, 5]])
+    assert b_rows is not None and torch.equal(b_rows, hidden[[4, 0, 1]])
     assert capture.take("b", 0, 4) is None and capture.take("a", 7, 9) is None  # decode rows are not kept
-    capture.begin_step([("a", 1, 10)])
-    stand_in(None, torch.zeros(3, 1, dtype=torch.long), {"hidden_states": hidden})  # unreadable: nothing kept
+    capture.begin_step(rows)
+    forward_slots["layer"] = torch.zeros(3, 1, dtype=torch.long)  # unreadable: nothing kept
+    stand_in(None, torch.zeros(3), {"hidden_states": hidden})
+    capture.begin_step(rows)
     stand_in(None, torch.tensor([5]), {"residual": hidden})  # no hidden_states: nothing kept, no error
+    stand_in(None, torch.tensor([5]), {"hidden_states": hidden})  # no step begun: nothing kept
     capture.release("a", 9)
     assert capture.take("a", 8, 9) is None and capture.take("a", 9, 10) is not None
     capture.finish("b")
@@ -267,3 +320,25 @@ def test_capture_files_rows_by_request_and_never_fails_the_forward():
 def test_a_rank_refuses_caches_of_other_layers_than_its_split_gives(ranks: Ranks):
     with pytest.raises(Exception, match="not this rank's"):
         ranks.engine(ranks.split[1], registered=range(1, ranks.n_layers))
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
+def test_vllms_own_slot_mapping_places_every_prompt_row_at_its_request_and_position(ranks: Ranks, tmp_path: Path):
+    """vLLM's model runner with the connector: chunked prefills of 3 prompts beside decodes, every forward's
+    rows placed by the scheduler's metadata and the forward context's slot mapping (rows_probe.py)."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1024) for _ in range(n)] for n in (150, 37, 90)]
+    connector = {"pods": [f"pod-0=127.0.0.1:{ranks.pods[0].data_port}"], "tenant": "alpha",
+                 "pod_token_file": str(ranks.token_file), "chunk_size": 64}
+    spec = {"model": str(ranks.model_dir), "prompts": prompts, "block_size": 32, "connector": connector,
+            "out": str(tmp_path)}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    with (tmp_path / "probe.log").open("w") as log:
+        proc = subprocess.run([str(VLLM_PYTHON), "-P", str(REPO / "tests/vllm/rows_probe.py"),
+                               str(tmp_path / "spec.json")], stdout=log, stderr=subprocess.STDOUT, env=vllm_env(),
+                              cwd=tmp_path, timeout=DRIVE_TIMEOUT_S)
+    assert proc.returncode == 0, (tmp_path / "probe.log").read_text()[-4000:]
+    report = json.loads((tmp_path / "probe.json").read_text())
+    assert report["wrong"] == []
+    assert report["placed"] == sum(len(p) for p in prompts)  # every prompt row, once (no prefix cache)
+    assert report["forwards"] >= 6 and report["generated"] == [3, 3, 3]  # chunked prefills, then decodes

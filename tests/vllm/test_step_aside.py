@@ -1,8 +1,8 @@
 """A configuration the connector cannot restore correctly never stops vLLM: it steps aside (vLLM starts and
 computes every prompt, giving the tokens it gives without the connector) and says why in its stats. What it
 can serve beyond CacheFlow's own runtime: a family that runtime lacks, served by a Hub id, restored with
-vLLM's own model; a `cache_salt` keying its own chunks; an fp8 KV cache; tensor parallelism. Real vLLM (CPU
-build) processes against real storage pods."""
+vLLM's own model; a `cache_salt` keying its own chunks; an fp8 KV cache; tensor parallelism (a meeting
+point planned up front). Real vLLM (CPU build) processes against real storage pods."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
+from cacheflow_common.restore.profile import Crossover, Profile
 from cacheflow_services.storage.launch import launch_pod, write_tokens
 from tests.vllm.helpers import VLLM_PYTHON, drive, read_stats, save_tiny_qwen3
 
@@ -126,23 +128,37 @@ def test_a_hub_id_is_read_from_the_local_cache(cluster: dict[str, Any], monkeypa
     shutil.rmtree(hub)
 
 
+def _tp_profile(path: Path) -> str:
+    """Costs under which a 64-token chunk's recompute on a rank (4 layers) takes about as long as its load, so the
+    planned split recomputes some chunks and loads the others: 1 of 3 for the 200-token prompt, 2 of 5 for the
+    330-token one."""
+    costs = CostModel(chunk_compute=LinearCost(fixed_s=2e-4, per_token_s=2e-6, per_token_ctx_s=1e-9),
+                      layer_compute=LinearCost(fixed_s=2e-4, per_token_s=2e-6, per_token_ctx_s=1e-9),
+                      load=LoadCost(bytes_per_s=6e7, latency_s=5e-5))
+    Profile(model="tiny-qwen3-tp", model_name="tiny-qwen3-tp", dtype="float32", chunk_size=CHUNK, threads=1,
+            costs=costs, crossovers=(Crossover(link_bytes_per_s=6e7, l_delta=0),)).save(path)
+    return str(path)
+
+
 def test_tensor_parallel_ranks_restore_their_own_heads(cluster: dict[str, Any],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """TP 2: each rank stores and loads the chunks of its own KV heads (no recompute: a rank's forward would
-    need the other's in lockstep); the second pass restores every prompt with vLLM's own outputs."""
+    """TP 2: each rank stores and restores the chunks of its own KV heads; the second pass restores every prompt
+    on both ranks with the same planned split (the front recomputed with vLLM's model in lockstep, the back
+    loaded), with vLLM's own outputs."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     model_dir = cluster["root"] / "tiny-qwen3-tp"
     save_tiny_qwen3(model_dir, seed=5)
     stats = cluster["root"] / "tp.jsonl"
+    connector = {**_connector(cluster, stats), "profile": _tp_profile(cluster["root"] / "tp-profile.json")}
     spec = {"model": str(model_dir), "prompts": cluster["prompts"], "max_tokens": 6, "block_size": BLOCK,
-            "connector": _connector(cluster, stats), "tensor_parallel_size": 2,
-            "passes": [{"label": "cold"}, {"label": "warm"}]}
+            "connector": connector, "tensor_parallel_size": 2, "passes": [{"label": "cold"}, {"label": "warm"}]}
     results = drive(spec, cluster["root"], "tp2")["results"]
     cold, warm = results[: len(cluster["prompts"])], results[len(cluster["prompts"]):]
     assert [r["tokens"] for r in warm] == [r["tokens"] for r in cold]
     restores = _events(stats, "restore")
-    assert sorted((e["tp_rank"], e["tokens"]) for e in restores) == [(0, 192), (0, 320), (1, 192), (1, 320)]
-    assert all(e["computed"] == 0 and e["loaded"] == e["tokens"] // CHUNK and not e["misses"] for e in restores)
+    assert sorted((e["tp_rank"], e["tokens"], e["computed"], e["loaded"]) for e in restores) == [
+        (0, 192, 1, 2), (0, 320, 2, 3), (1, 192, 1, 2), (1, 320, 2, 3)]
+    assert all(not e["misses"] and e["written"] == e["tokens"] for e in restores)
 
 
 def test_lora_requests_restore_only_their_adapters_chunks(cluster: dict[str, Any]) -> None:

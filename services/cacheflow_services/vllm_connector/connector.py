@@ -22,9 +22,10 @@ the logic lives in `plan.py` (scheduler), `worker.py` and `async_loads.py` (work
 
 Pipeline parallelism (`--pipeline-parallel-size N`): every rank's worker connector holds that rank's layers,
 a CacheFlow stage (worker.py, ranks.py); the scheduler looks prefixes up for the ranks' split, and each step
-tells the ranks which prompt rows it computes, so a rank after the first can store the boundary activation
-entering its first layer. The capture is a forward pre-hook on vLLM's top-level model, outside the region
-vLLM compiles; a step replayed as one full CUDA graph (pure decode batches) skips it, and a prompt row
+tells the ranks where its prompt rows go (their blocks), so a rank after the first can store the boundary
+activation entering its first layer. The capture is a forward pre-hook on vLLM's top-level model, outside
+the region vLLM compiles, which files each row by its slot in the step's slot mapping (vLLM's forward
+context, on both model runners); a step replayed as one full CUDA graph (pure decode batches) skips it, and a prompt row
 computed in one leaves its chunk without a boundary activation (that rank then recomputes the prefix).
 """
 
@@ -47,7 +48,7 @@ from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.store.prefix import cached_prefix_tokens
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.model_identity import KVGeometry, chunk_fingerprint, salted
-from cacheflow_services.vllm_connector.plan import Keying, LoadSpec, SaveSpec, SchedulerPlan
+from cacheflow_services.vllm_connector.plan import Keying, LoadSpec, PromptRows, SaveSpec, SchedulerPlan
 from cacheflow_services.vllm_connector.support import (
     OnceLog,
     declined,
@@ -76,7 +77,8 @@ class CacheFlowMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)  # restored in the step, before its forward
     background_loads: list[LoadSpec] = field(default_factory=list)  # started now, reported by get_finished
     saves: list[SaveSpec] = field(default_factory=list)
-    scheduled: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (rows this step, prompt length)
+    scheduled: dict[str, int] = field(default_factory=dict)  # request -> its rows this step
+    prompt_rows: PromptRows | None = None  # where the step's prompt rows go, where pipeline ranks capture them
     finished: list[str] = field(default_factory=list)
 
 
@@ -98,19 +100,21 @@ class CacheFlowConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._refused: set[str] = set()  # worker side: background loads refused, reported by the next get_finished
         self._declined: set[str] = set()  # scheduler side: requests the connector neither restores nor stores
-        self._prompt_lens: dict[str, int] = {}  # scheduler side: each running request's prompt length
-        if vllm_config.parallel_config.pipeline_parallel_size > 1 and self.cfg.runtime == "vllm":
+        pipeline = vllm_config.parallel_config.pipeline_parallel_size > 1
+        self._captured = pipeline and self.cfg.save  # ranks after the first capture boundary activations
+        if pipeline and self.cfg.runtime == "vllm":
             log.info("pipeline ranks restore from boundary activations with CacheFlow's runtime (runtime: cacheflow)")
             self.cfg = replace(self.cfg, runtime="cacheflow")
-        # Every restore is by loads alone, in vLLM's step, vLLM recomputing from the first miss, where a recompute
-        # beside vLLM's forwards cannot be right: under tensor parallelism (a rank's forward needs every other
-        # rank's in lockstep: load_through.py), and with LoRA on (vLLM's LoRA layers apply the adapters its last
-        # step set up to any forward; measured: a base prompt restored right after a LoRA batch gave other tokens).
-        tensor_parallel = vllm_config.parallel_config.tensor_parallel_size > 1
-        self._loads_only = self.cfg.runtime == "vllm" and (tensor_parallel or vllm_config.lora_config is not None)
+        # Restores run in vLLM's step, with their meeting point planned before they start, under tensor parallelism
+        # (a rank's forward needs every other rank's in lockstep: planned_split.py); by loads alone, vLLM
+        # recomputing from the first miss, with LoRA on (vLLM's LoRA layers apply the adapters its last step set
+        # up to any forward; measured: a base prompt restored right after a LoRA batch gave other tokens).
+        self._tensor_parallel = vllm_config.parallel_config.tensor_parallel_size > 1
+        self._loads_only = self.cfg.runtime == "vllm" and vllm_config.lora_config is not None
         if self._loads_only:
-            log.info("CacheFlow restores by loading chunks only (%s)", "tensor parallelism" if tensor_parallel
-                     else "LoRA is on: no recompute beside vLLM's adapters")
+            log.info("CacheFlow restores by loading chunks only (LoRA is on: no recompute beside vLLM's adapters)")
+        elif self._tensor_parallel:
+            log.info("CacheFlow restores in vLLM's step, with a meeting point planned up front (tensor parallelism)")
         self.inactive = self._resolve_model(model_config.revision) \
             or unsupported(vllm_config, self.cfg.model, self.cfg.runtime) or unsupported_cache(kv_cache_config)
         try:
@@ -129,7 +133,8 @@ class CacheFlowConnector(KVConnectorBase_V1):
             self._engine = WorkerEngine(self.cfg, dtype=dtype, block_size=block_size, device=device, layout=layout,
                                         vllm_model=lambda: find_vllm_model(vllm_config),
                                         layers=_rank_layers(self.cfg, vllm_config), attention_isa=isa,
-                                        vllm_config=vllm_config, tp_rank=_tp_rank(vllm_config))
+                                        vllm_config=vllm_config, tp_rank=_tp_rank(vllm_config),
+                                        step_slots=forward_context_slots)
 
     def _resolve_model(self, revision: str | None) -> str:
         """Point `cfg.model` at the checkpoint's directory (a Hub id resolved in the local cache); the reason
@@ -151,13 +156,17 @@ class CacheFlowConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The tokens CacheFlow can restore past vLLM's own hit, and whether it restores them in the background
         (`async_loads`: the request waits in WAITING_FOR_REMOTE_KVS while the batch goes on; a request restored
-        by loads alone, in vLLM's step)."""
+        by loads alone, or on tensor-parallel ranks, in vLLM's step)."""
         keying = self._keying(request) if self._plan is not None else None
         if self._plan is None or keying is None:
             return 0, False
         matched = self._plan.matched(request.request_id, list(request.prompt_token_ids or ()), num_computed_tokens,
                                      keying)
-        return matched, matched > 0 and self.cfg.async_loads and not keying.load_only
+        return matched, matched > 0 and self._in_background(keying)
+
+    def _in_background(self, keying: Keying) -> bool:
+        """Whether a request's restore runs in the background while it waits (else in vLLM's step)."""
+        return self.cfg.async_loads and not keying.load_only and not self._tensor_parallel
 
     def _keying(self, request: Request) -> Keying | None:
         """How the request's chunks are keyed, or None where the connector leaves it to vLLM (said once per
@@ -178,7 +187,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._plan is None or request.request_id in self._declined:
             return
-        if self.cfg.async_loads and not self._plan.keying(request.request_id).load_only:
+        if self._in_background(self._plan.keying(request.request_id)):
             self._plan.allocated_in_background(request.request_id, list(request.prompt_token_ids or ()),
                                                blocks.get_block_ids()[0], num_external_tokens)
         else:
@@ -188,14 +197,16 @@ class CacheFlowConnector(KVConnectorBase_V1):
         plan, meta = self._plan, CacheFlowMetadata()
         if plan is None:
             return meta
+        if self._captured:
+            meta.prompt_rows = PromptRows(plan.block_size)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._declined:
                 continue
-            self._prompt_lens[new.req_id] = len(new.prompt_token_ids or ())
             specs = plan.new_request(new.req_id, list(new.prompt_token_ids or ()), new.block_ids[0],
                                      new.num_computed_tokens + scheduled.get(new.req_id, 0))
             _add(meta, *specs)
+            self._add_rows(meta, new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[i]
@@ -203,14 +214,19 @@ class CacheFlowConnector(KVConnectorBase_V1):
                                          resumed=req_id in cached.resumed_req_ids,
                                          computed_after=cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
             _add(meta, *specs)
+            self._add_rows(meta, req_id, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
         for req_id in scheduler_output.finished_req_ids:
             plan.finished(req_id)
-            self._prompt_lens.pop(req_id, None)
             self._declined.discard(req_id)
         meta.background_loads = plan.take_background_loads()
-        meta.scheduled = {r: (n, self._prompt_lens.get(r, 0)) for r, n in scheduled.items()}
+        meta.scheduled = dict(scheduled)
         meta.finished = list(scheduler_output.finished_req_ids)
         return meta
+
+    def _add_rows(self, meta: CacheFlowMetadata, req_id: str, computed: int, rows: int) -> None:
+        """Where the request's rows this step go, when pipeline ranks capture boundary activations."""
+        if meta.prompt_rows is not None and self._plan is not None:
+            self._plan.add_prompt_rows(meta.prompt_rows, req_id, computed, computed + rows)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._plan is not None:
@@ -230,14 +246,12 @@ class CacheFlowConnector(KVConnectorBase_V1):
             engine.close()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Before the step's forward (vLLM 0.32 calls `start_load_kv` after it when the step loads nothing
-        in it): a rank that captures boundary activations learns the step's rows, in the batch order of
-        the model runner on the stack."""
+        """Before the step's forward, on both of vLLM's model runners (`start_load_kv` may come after it): a
+        rank that captures boundary activations learns where the step's prompt rows go."""
         super().bind_connector_metadata(connector_metadata)
         meta = connector_metadata
-        if self._engine is not None and self._engine.captures and isinstance(meta, CacheFlowMetadata):
-            order = _batch_order()
-            self._engine.begin_step([(r, *meta.scheduled[r]) for r in order if r in meta.scheduled])
+        if self._engine is not None and isinstance(meta, CacheFlowMetadata) and meta.prompt_rows is not None:
+            self._engine.begin_step(meta.prompt_rows)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -381,14 +395,14 @@ def _rank_layers(cfg: ConnectorConfig, vllm_config: VllmConfig) -> range | None:
     return range(*get_pp_indices(ModelConfig.from_dir(cfg.model).num_layers, rank, pp_size))
 
 
-def _batch_order() -> list[str]:
-    """The request ids of this step's batch, in the order of its rows: the model runner's `input_batch`
-    (taken from the call stack; vLLM calls `start_load_kv` after preparing the step's inputs)."""
-    for owner in _vllm_owners():
-        batch = getattr(owner, "input_batch", None)
-        if batch is not None:
-            return [r for r in batch.req_ids if r is not None]
-    return []
+def forward_context_slots(layer: str) -> torch.Tensor:
+    """The slot mapping vLLM's runner (V1 or V2) put in the forward context for `layer`'s KV cache group."""
+    from vllm.forward_context import get_forward_context
+
+    slots = get_forward_context().slot_mapping
+    if not isinstance(slots, dict):
+        raise ValueError("a micro-batched step (dual batch overlap) has one slot mapping per micro-batch")
+    return slots[layer]
 
 
 def _model_of(owner: Any) -> Any:

@@ -12,7 +12,7 @@ prefix comes from CacheFlow: its front recomputed by CacheFlow, its back loaded.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,34 @@ class Keying:
 
     salt: str = ""
     load_only: bool = False
+
+
+@dataclass
+class PromptRows:
+    """Where one step writes the prompt rows of the requests it computes: the blocks those rows land in,
+    each with its request, the position of its first slot and the request's prompt length (decode rows,
+    past the prompt, are never stored)."""
+
+    block_size: int
+    blocks: dict[int, tuple[str, int, int]] = field(default_factory=dict)
+
+    def add(self, req_id: str, block_ids: Sequence[int], start: int, end: int, prompt_len: int) -> None:
+        """The request's rows for positions [start, end) (clipped to its prompt), its blocks from position 0."""
+        end = min(end, prompt_len)
+        last = min(-(-end // self.block_size), len(block_ids)) if end > start else 0
+        for index in range(start // self.block_size, last):
+            # A block two requests share (a cached one whose last token vLLM recomputes) holds one prefix:
+            # either request's row is the same activation.
+            self.blocks[block_ids[index]] = (req_id, index * self.block_size, prompt_len)
+
+    def owner(self, slot: int) -> tuple[str, int] | None:
+        """(request, position) of the prompt row written to `slot`, or None (padding, decode, not ours)."""
+        entry = self.blocks.get(slot // self.block_size) if slot >= 0 else None
+        if entry is None:
+            return None
+        req_id, first, prompt_len = entry
+        position = first + slot % self.block_size
+        return (req_id, position) if position < prompt_len else None
 
 
 @dataclass
@@ -125,6 +153,13 @@ class SchedulerPlan:
             tracked.block_ids.extend(new_block_ids)
         cached = self._cached.pop(req_id, 0)
         return self._load(req_id, tracked, cached), self._save(req_id, tracked, computed_after)
+
+    def add_prompt_rows(self, rows: PromptRows, req_id: str, start: int, end: int) -> None:
+        """Where the request's rows for positions [start, end) go this step (after `new_request` or
+        `running_request` gave its blocks), for the pipeline ranks that capture boundary activations."""
+        tracked = self._tracked.get(req_id)
+        if tracked is not None:
+            rows.add(req_id, tracked.block_ids, start, end, len(tracked.prompt))
 
     def keying(self, req_id: str) -> Keying:
         """How the request's chunks are keyed and restored (a request vLLM never asked about: plainly)."""

@@ -6,20 +6,23 @@ get_pp_indices`), exactly a CacheFlow stage. Rank r > 0 receives from rank r-1 t
 {"hidden_states", "residual"}; vLLM's Llama/Qwen decoder layers fold the residual in at their input norm,
 so the residual stream entering layer a is hidden_states + residual: CacheFlow's boundary activation.
 `BoundaryCapture` takes it from a forward pre-hook on vLLM's top-level model (outside the region vLLM
-compiles), row by row, with the rows' positions, and keeps each request's prompt rows until their
-chunks are stored.
+compiles) and keeps each request's prompt rows until their chunks are stored. Whose row is which, at which
+position, comes from the step's slot mapping in vLLM's forward context (each row's cache slot: block id x
+block size + offset) and the blocks the scheduler gave each request (`PromptRows`, in the connector's
+metadata): both runners set them, in any batch order, so nothing is read off the model runner.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from cacheflow_common.errors import ConfigError
+from cacheflow_services.vllm_connector.plan import PromptRows
 
 log = logging.getLogger(__name__)
 
@@ -33,22 +36,30 @@ def rank_layers(layer_ids: Sequence[int], num_layers: int) -> range:
     return range(ids[0], ids[-1] + 1)
 
 
+# an attention layer's name -> the slot mapping of the forward running now, [R] (-1 for padding rows)
+StepSlots = Callable[[str], torch.Tensor]
+
+
 class BoundaryCapture:
     """The residual stream entering a rank's first layer, per request, by prompt position.
 
-    Each step: `begin_step` says which requests the step's rows belong to, in vLLM's batch order (request
-    id, rows scheduled, prompt length); `record` (the pre-hook) files the rows; `take` returns a request's
-    rows [start, end) once all are there; `release` / `finish` drop them.
+    Each step: `begin_step` says where its prompt rows go (`PromptRows`); `record` (the pre-hook) files the
+    rows by their slots; `take` returns a request's rows [start, end) once all are there; `release` /
+    `finish` drop them.
     """
 
-    def __init__(self) -> None:
-        self._order: list[tuple[str, int, int]] = []
+    def __init__(self, slots: StepSlots | None = None) -> None:
+        self._slots = slots  # None: no step's slots can be read (not in vLLM), nothing is captured
+        self._layer = ""  # the rank's attention layer whose slot mapping the hook reads
+        self._step: PromptRows | None = None
         self._rows: dict[str, dict[int, torch.Tensor]] = {}  # request -> position -> [hidden] (on the CPU)
         self._lock = threading.Lock()
         self._handle: Any = None
 
-    def attach(self, model: torch.nn.Module) -> None:
-        """Hook vLLM's top-level model: its forward takes (input_ids, positions, intermediate_tensors, ...)."""
+    def attach(self, model: torch.nn.Module, layer: str) -> None:
+        """Hook vLLM's top-level model: its forward takes (input_ids, positions, intermediate_tensors, ...);
+        `layer`: one of the rank's attention layers."""
+        self._layer = layer
         if self._handle is None:
             self._handle = model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
 
@@ -63,42 +74,39 @@ class BoundaryCapture:
 
     def _pre_hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Never fails vLLM's forward: a step it cannot read leaves its chunks without a boundary."""
-        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
         inter = kwargs.get("intermediate_tensors", args[2] if len(args) > 2 else None)
-        if positions is None or inter is None:  # rank 0 (no boundary), or a call not made by the runner
+        if inter is None or self._slots is None:  # rank 0 (no boundary), or a call not made by the runner
+            return
+        with self._lock:
+            step, self._step = self._step, None
+        if step is None or not step.blocks:  # nothing of a prompt this step (decodes only)
             return
         try:
             tensors = getattr(inter, "tensors", inter)  # vLLM's IntermediateTensors, or a plain dict
-            self.record(positions, tensors["hidden_states"], tensors.get("residual"))
+            self.record(step, self._slots(self._layer), tensors["hidden_states"], tensors.get("residual"))
         except Exception as exc:
-            with self._lock:
-                self._order = []
             log.warning("no boundary activation captured this step (%s: %s)", type(exc).__name__, exc)
 
-    def begin_step(self, order: Sequence[tuple[str, int, int]]) -> None:
+    def begin_step(self, rows: PromptRows) -> None:
         with self._lock:
-            self._order = list(order)
+            self._step = rows
 
-    def record(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
-        """positions [R] (R >= the step's rows: padding rows at the end are ignored), hidden and residual
-        [R, hidden] as rank r-1 sends them."""
-        with self._lock:
-            order, self._order = self._order, []
-        rows = sum(n for _, n, _ in order)
-        if rows == 0:
+    def record(self, step: PromptRows, slots: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+               ) -> None:
+        """slots [R] (each row's cache slot, -1 for padding), hidden and residual [R, hidden] as rank r-1
+        sends them."""
+        if slots.dim() != 1 or slots.shape[0] > hidden.shape[0]:
+            raise ValueError(f"a slot mapping of shape {tuple(slots.shape)} for {hidden.shape[0]} rows")
+        owners = [(row, owner) for row, slot in enumerate(slots.to("cpu").tolist())
+                  if (owner := step.owner(slot)) is not None]
+        if not owners:
             return
-        stream = hidden[:rows] if residual is None else hidden[:rows] + residual[:rows]  # [rows, hidden]
-        if positions.dim() != 1:  # M-RoPE's [3, R]: not the rows' token positions
-            raise ValueError(f"positions of shape {tuple(positions.shape)}: the boundary needs [R] token positions")
-        stream, pos = stream.detach().to("cpu", copy=True), positions[:rows].to("cpu").tolist()
-        first = 0
+        rows = torch.tensor([row for row, _ in owners], device=hidden.device)
+        stream = hidden[rows] if residual is None else hidden[rows] + residual[rows]  # [n, hidden]
+        stream = stream.detach().to("cpu", copy=True)
         with self._lock:
-            for req_id, n, prompt_len in order:
-                kept = self._rows.setdefault(req_id, {})
-                for row in range(first, first + n):
-                    if pos[row] < prompt_len:  # decode rows are never stored
-                        kept[pos[row]] = stream[row]
-                first += n
+            for (_, (req_id, position)), row_stream in zip(owners, stream, strict=True):
+                self._rows.setdefault(req_id, {})[position] = row_stream
 
     def take(self, req_id: str, start: int, end: int) -> torch.Tensor | None:
         """Rows for positions [start, end) of a request, [end - start, hidden], or None if any is missing."""

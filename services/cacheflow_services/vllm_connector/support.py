@@ -8,7 +8,7 @@ agree without talking. Refused, whatever recomputes the restore's front:
 * a KV cache in a dtype other than the model's or fp8 (with CacheFlow's runtime: any but the model's), or with
   layers left out of its quantization (`kv_cache_dtype_skip_layers`);
 * decode- or prefill-context parallelism (a rank's cache holds a slice of the tokens); tensor parallelism
-  with CacheFlow's runtime (with vLLM's model a rank loads its slice of the heads: `load_through.py`);
+  with CacheFlow's runtime (with vLLM's model a rank restores its slice of the heads: `planned_split.py`);
 * speculative decoding (the draft's layers have KV of their own that chunks do not hold);
 * a cache of other than full-attention blocks: several groups (hybrid models: one block table per group),
   sliding-window blocks (dropped outside the window), state caches.

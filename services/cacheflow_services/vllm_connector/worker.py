@@ -50,7 +50,6 @@ from cacheflow_common.transport.shaping import gbps
 from cacheflow_services.vllm_connector.async_loads import AsyncLoads
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.config import ConnectorConfig
-from cacheflow_services.vllm_connector.load_through import load_prefix
 from cacheflow_services.vllm_connector.model_identity import (
     KVGeometry,
     chunk_fingerprint,
@@ -60,9 +59,10 @@ from cacheflow_services.vllm_connector.model_identity import (
 )
 from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather, layer_index, scatter
 from cacheflow_services.vllm_connector.paged_attention import PagedKV
-from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
-from cacheflow_services.vllm_connector.ranks import BoundaryCapture, rank_layers
-from cacheflow_services.vllm_connector.restorer import engine_settings
+from cacheflow_services.vllm_connector.plan import LoadSpec, PromptRows, SaveSpec
+from cacheflow_services.vllm_connector.planned_split import planned_front, restore_split
+from cacheflow_services.vllm_connector.ranks import BoundaryCapture, StepSlots, rank_layers
+from cacheflow_services.vllm_connector.restorer import PREFILL_TOKENS, engine_settings
 from cacheflow_services.vllm_connector.runtime import RuntimeChoice, VllmModel
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
@@ -96,13 +96,15 @@ class StatsLog:
 class WorkerEngine:
     def __init__(self, cfg: ConnectorConfig, *, dtype: torch.dtype, block_size: int, device: str,
                  layout: str, vllm_model: VllmModel | None = None, layers: range | None = None,
-                 attention_isa: str = "", vllm_config: Any = None, tp_rank: int | None = None) -> None:
+                 attention_isa: str = "", vllm_config: Any = None, tp_rank: int | None = None,
+                 step_slots: StepSlots | None = None) -> None:
         """`vllm_model` finds vLLM's loaded model module (None while it cannot); it is asked now, and if it
         has no answer yet, again at `register` and at the first load, before falling back to a copy.
         `layers`: this pipeline rank's layers, where known before `register` (its copy then loads only them).
         `attention_isa`: vLLM's CPU attention kernel, where CacheFlow's runtime attends with it (`PagedKV`); "":
         CacheFlow's. `vllm_config`: vLLM's, which `runtime: "vllm"` runs vLLM's model with. `tp_rank`: this
-        rank's, under tensor parallelism (its chunks hold its KV heads)."""
+        rank's, under tensor parallelism (its chunks hold its KV heads). `step_slots`: the slot mapping of the forward
+        running now (vLLM's forward context), which files a pipeline rank's boundary rows by request."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown paged KV layout {layout!r}; known: {LAYOUTS}")
         self.cfg = cfg
@@ -129,7 +131,8 @@ class WorkerEngine:
         self.caches: list[tuple[int, torch.Tensor]] = []  # (decoder layer, its vLLM cache), by layer
         self._expected = layers  # the rank's layers vLLM's split gives, checked at `register`
         self.layers = layers or range(self.config.num_layers)  # this rank's layers [a, b), set at `register`
-        self.capture = BoundaryCapture()  # the hidden state entering layer a (ranks with a > 0 that save)
+        self.capture = BoundaryCapture(step_slots)  # the hidden state entering layer a (ranks with a > 0 that save)
+        self._first_layer = ""  # the name of the rank's first attention layer, set at `register`
         self.policy, self.link = connector_policy(cfg, self.profile)  # the link: bytes/s, if known
         self.attention_isa = attention_isa if cfg.attention == "vllm" else ""
         self._engine: Engine | None = None  # started at the first restore
@@ -153,6 +156,7 @@ class WorkerEngine:
         self._runtime.choose(self.layers, final=False)
         c = self.config
         self.caches = sorted((layer_index(name), cache) for name, cache in kv_caches.items())
+        self._first_layer = min(kv_caches, key=layer_index)
         self.layers = rank_layers([layer for layer, _ in self.caches], c.num_layers)
         if self._expected is not None and self.layers != self._expected:
             raise ConfigError(f"vLLM registered the caches of layers {self.layers}, not this rank's {self._expected}")
@@ -161,7 +165,7 @@ class WorkerEngine:
         if self.layers.start > 0:
             log.info("CacheFlow connector on a pipeline rank holding layers [%d, %d)", self.layers.start,
                      self.layers.stop)
-        _attach_capture(self.capture, self._vllm_model, wanted=self.captures)
+        self._attach_capture()
 
     # ------------------------------------------------------------------------------------ pipeline ranks
     @property
@@ -169,12 +173,16 @@ class WorkerEngine:
         """Whether this rank stores boundary activations (a rank after the first that saves)."""
         return self.layers.start > 0 and self.cfg.save
 
-
-    def begin_step(self, order: Sequence[tuple[str, int, int]]) -> None:
-        """The step's requests in vLLM's batch order: (request id, rows scheduled, prompt length)."""
+    def begin_step(self, rows: PromptRows) -> None:
+        """Where the step's prompt rows go, before its forward."""
         if self.captures:
-            _attach_capture(self.capture, self._vllm_model, wanted=self.captures)
-            self.capture.begin_step(order)
+            self._attach_capture()
+            self.capture.begin_step(rows)
+
+    def _attach_capture(self) -> None:
+        """Hook the boundary capture into vLLM's model once it can be reached (ranks that store boundaries)."""
+        if self.captures and not self.capture.attached and (module := self._vllm_model()) is not None:
+            self.capture.attach(module, self._first_layer)
 
     def finished(self, req_ids: Sequence[str]) -> None:
         for req_id in req_ids:
@@ -183,12 +191,13 @@ class WorkerEngine:
     # ------------------------------------------------------------------------------------ restore
     def load_step(self, specs: Sequence[LoadSpec]) -> set[int]:
         """Restore the prefixes one vLLM step loads into their blocks: together, by the batch engine, when
-        there are several (`batch_restores`), else one after another; by loads alone where nothing may
-        recompute them (`_load_through`). Returns the block ids vLLM must recompute (those of every restore
-        that failed outright, and of misses with `on_miss="vllm"`)."""
-        through = [s for s in specs if s.load_only]
-        failed = self._load_through(through) if through else set()
-        specs = [s for s in specs if s not in through]
+        there are several (`batch_restores`), else one after another; with a meeting point planned up front
+        on tensor-parallel ranks and by loads alone where nothing may recompute them (`_restore_planned`).
+        Returns the block ids vLLM must recompute (those of every restore that failed outright, and of misses
+        with `on_miss="vllm"`)."""
+        planned = [s for s in specs if s.load_only or self.tp_rank is not None]
+        failed = self._restore_planned(planned) if planned else set()
+        specs = [s for s in specs if s not in planned]
         if not specs:
             return failed
         jobs: dict[str, RestoreJob] = {}
@@ -212,26 +221,37 @@ class WorkerEngine:
                 failed |= self.land(spec, jobs[spec.req_id], outcome, batch=len(jobs) if together else 1)
         return failed
 
-    def _load_through(self, specs: Sequence[LoadSpec]) -> set[int]:
-        """Restores by loads alone (the scheduler marks them: tensor-parallel ranks, LoRA): the chunks loaded up
-        to the first miss, vLLM recomputing the rest."""
+    def _restore_planned(self, specs: Sequence[LoadSpec]) -> set[int]:
+        """Restores whose meeting point is planned before they start (planned_split.py), one after another in
+        the scheduler's order (every tensor-parallel rank runs the same forwards): the front recomputed with
+        vLLM's model while the back loads, up to the first miss; vLLM recomputes the rest."""
         failed: set[int] = set()
+        model = self.model if isinstance(self.model, VllmRuntime) else None
+        costs = self.profile.cost_model(self.link) if self.profile is not None and model is not None else None
         for spec in specs:
             started = time.perf_counter()
             try:
                 job = self.job(spec)
-                done = load_prefix(job, self.store, self._block_kv(spec, job), start=spec.start)
+                front = spec.start if spec.load_only else planned_front(
+                    job, start=spec.start, costs=costs, policy=self.policy, kv_bytes=self.kv_bytes_per_token_layer)
+                done = restore_split(job, self.store, self._block_kv(spec, job), model, start=spec.start, front=front,
+                                     prefill_tokens=PREFILL_TOKENS)
             except Exception as exc:
                 failed |= self.failed_load(spec, exc)
                 continue
             self.stats.event("restore", req=spec.req_id, tokens=len(spec.token_ids), written=done.end - spec.start,
-                             policy="load-only", mode="token", computed=0, loaded=done.chunks,
-                             misses={done.miss: 1} if done.miss else {}, bytes_loaded=done.bytes_read, batch=1,
-                             elapsed_s=time.perf_counter() - started, runtime=self.runtime, asynchronous=False,
-                             attention="vllm", tp_rank=self.tp_rank)
+                             policy="load-only" if front == spec.start else self.policy, mode="token",
+                             computed=done.computed, loaded=done.loaded, misses={done.miss: 1} if done.miss else {},
+                             bytes_loaded=done.bytes_read, batch=1, elapsed_s=time.perf_counter() - started,
+                             runtime=self.runtime, asynchronous=False, attention="vllm", tp_rank=self.tp_rank)
             if done.miss:
                 failed |= blocks_from(spec, done.end, self.block_size)
         return failed
+
+    @property
+    def kv_bytes_per_token_layer(self) -> int:
+        """One token's K and V in one layer, as the chunks hold it (this rank's heads, the cache's dtype)."""
+        return 2 * self.config.num_kv_heads * self.config.head_dim * TORCH_DTYPES[self.kv_dtype].itemsize
 
     def start_loads(self, specs: Sequence[LoadSpec]) -> None:
         """Restore prefixes in the background (`async_loads`); `finished_loads` reports them."""
@@ -302,6 +322,7 @@ class WorkerEngine:
         (in the step, or between steps for background restores: `async_loads.py` says why)."""
         if self._engine is None:
             settings = engine_settings(self.cfg, self.layers, self.profile, self.link, self.policy,
+                                       num_layers=self.config.num_layers,
                                        paged_attention=bool(self.attention_isa) or self.runtime == "vllm",
                                        token_only=self.runtime == "vllm")
             self._engine = Engine.for_connector(settings, self.model)
@@ -371,9 +392,3 @@ def blocks_from(spec: LoadSpec, first: int, block_size: int) -> set[int]:
     """The block ids holding positions [first, N) of the spec's prefix."""
     last = -(-len(spec.token_ids) // block_size)
     return set(spec.block_ids[first // block_size : last])
-
-
-def _attach_capture(capture: BoundaryCapture, vllm_model: VllmModel, *, wanted: bool) -> None:
-    """Hook the boundary capture into vLLM's model once it can be reached (ranks that store boundaries)."""
-    if wanted and not capture.attached and (module := vllm_model()) is not None:
-        capture.attach(module)

@@ -1,0 +1,69 @@
+"""Restores with a meeting point planned before they start (tensor-parallel ranks, LoRA): the split every rank
+plans alike from the chunks, the profile's costs and the policy; and the back's loads into a request's
+blocks up to the first miss. The front's forwards need vLLM's model: `test_step_aside.py` runs them on two
+tensor-parallel vLLM ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheflow_common.kv.keys import object_name
+from cacheflow_common.restore.save import make_job, save_prefix
+from cacheflow_common.store.memory import MemoryStore
+from cacheflow_services.vllm_connector.block_kv import BlockKV
+from cacheflow_services.vllm_connector.paged import gather
+from cacheflow_services.vllm_connector.planned_split import planned_front, restore_split
+from tests.factories import TINY_COSTS, tiny_model
+
+CHUNK, BS = 16, 8
+KV_BYTES = 256  # one token's KV in one layer
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def _job(model, n_tokens: int):
+    return make_job(model, [i % model.config.vocab_size for i in range(n_tokens)], tenant="t", chunk_size=CHUNK)
+
+
+def test_the_front_is_the_split_that_ends_first_or_what_the_policy_fixes(model):
+    job = _job(model, 8 * CHUNK)
+    planned = planned_front(job, start=0, costs=TINY_COSTS, policy="cacheflow", kv_bytes=KV_BYTES)
+    assert 0 < planned < 8 * CHUNK and planned % CHUNK == 0  # some chunks each side at these costs
+    assert planned_front(job, start=0, costs=TINY_COSTS, policy="cake", kv_bytes=KV_BYTES) == planned
+    assert planned_front(job, start=0, costs=None, policy="cacheflow", kv_bytes=KV_BYTES) == 0  # no profile
+    assert planned_front(job, start=0, costs=TINY_COSTS, policy="load-only", kv_bytes=KV_BYTES) == 0
+    assert planned_front(job, start=0, costs=TINY_COSTS, policy="compute-only", kv_bytes=KV_BYTES) == 8 * CHUNK
+    slow_loads = planned_front(job, start=0, costs=TINY_COSTS, policy="cacheflow", kv_bytes=100 * KV_BYTES)
+    assert slow_loads > planned  # dearer loads: more recomputed
+    held = planned_front(job, start=3 * CHUNK + BS, costs=TINY_COSTS, policy="compute-only", kv_bytes=KV_BYTES)
+    assert held == 8 * CHUNK  # vLLM holds a prefix: the split is over the chunks from it on
+    assert planned_front(job, start=8 * CHUNK, costs=TINY_COSTS, policy="cacheflow", kv_bytes=KV_BYTES) == 8 * CHUNK
+
+
+def _blocks(model, n_tokens: int, start: int) -> tuple[BlockKV, dict[int, torch.Tensor]]:
+    c = model.config
+    caches = {i: torch.zeros(n_tokens // BS + 2, c.num_kv_heads, BS, 2 * c.head_dim) for i in range(c.num_layers)}
+    kv = BlockKV(layers=range(c.num_layers), num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, capacity=n_tokens,
+                 dtype=torch.float32, caches=caches, layout="split", block_ids=tuple(range(1, n_tokens // BS + 1)),
+                 block_size=BS, first_writable=start)
+    return kv, caches
+
+
+def test_the_back_loads_into_the_blocks_up_to_the_first_miss(model):
+    n = 6 * CHUNK
+    job, store = _job(model, n), MemoryStore()
+    reference = save_prefix(model, job, store).data  # [L, 2, Hkv, N, D]
+    store.delete(object_name(job.keys[4], "kv", 0, model.config.num_layers))
+    kv, caches = _blocks(model, n, start=CHUNK)
+    done = restore_split(job, store, kv, None, start=CHUNK, front=CHUNK, prefill_tokens=2048)
+    assert (done.end, done.computed, done.loaded, done.miss) == (4 * CHUNK, 0, 3, "absent")
+    block_ids = tuple(range(1, n // BS + 1))
+    got = torch.stack([gather(caches[i], "split", block_ids, BS, 0, n) for i in sorted(caches)])
+    assert torch.equal(got[:, :, :, CHUNK : 4 * CHUNK], reference[:, :, :, CHUNK : 4 * CHUNK])  # exact
+    assert not got[:, :, :, :CHUNK].any() and not got[:, :, :, 4 * CHUNK :].any()  # vLLM's, and vLLM recomputes
+    with pytest.raises(RuntimeError, match="vLLM's model"):
+        restore_split(job, store, _blocks(model, n, 0)[0], None, start=0, front=CHUNK, prefill_tokens=2048)
