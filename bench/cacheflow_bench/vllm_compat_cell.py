@@ -1,6 +1,10 @@
 """One cell of the vLLM compatibility matrix: a tiny checkpoint of one family in one fresh vLLM process
 (TP, KV cache dtype, LoRA on or off) with the CacheFlow connector over its own storage pod.
 
+The connector plans with a profile whose costs make a chunk's recompute on these tiny models about as dear
+as its load (`COSTS`), so every restore runs CacheFlow's own policy with both pointers moving (its
+recompute beside vLLM, tensor-parallel ranks' planned fronts included), not Cake's no-profile fallback.
+
 The prompts run in passes, the connector's saves flushed and vLLM's prefix cache reset between passes:
 without LoRA a cold pass (vLLM computes; the connector stores the chunks: the reference) then a warm one
 (the connector restores or declines). With LoRA: the adapter cold (its reference), the base model while only
@@ -25,6 +29,8 @@ from typing import Any
 from cacheflow_bench import tiny_models
 from cacheflow_bench.common import machine_facts
 from cacheflow_bench.vllm import VLLM_PYTHON
+from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
+from cacheflow_common.restore.profile import Crossover, Profile
 from cacheflow_services.storage.launch import launch_pod, write_tokens
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,6 +48,20 @@ LORA_PASSES = (("lora-cold", True), ("base-after-lora", False), ("lora-warm", Tr
 REFERENCE = {"warm": "cold", "lora-warm": "lora-cold", "base-warm": "base-after-lora"}  # pass -> its reference
 OUTCOME_PASS = {False: "warm", True: "lora-warm"}  # the pass whose outcome is the cell's
 LEAK_PASS = "base-after-lora"
+
+
+# Per layer, a 64-token chunk's recompute takes about 0.3 ms; a chunk's load 1 ms, whatever its bytes: on 2-4
+# layers, recompute and load are within a factor of 2 of each other, so the split falls inside the prefix.
+COSTS = CostModel(chunk_compute=LinearCost(fixed_s=1e-4, per_token_s=3e-6, per_token_ctx_s=0.0),
+                  layer_compute=LinearCost(fixed_s=1e-4, per_token_s=3e-6, per_token_ctx_s=0.0),
+                  load=LoadCost(bytes_per_s=1e12, latency_s=1e-3))
+
+
+def write_profile(path: Path) -> Path:
+    """The cells' profile (`COSTS`; token-wise at every length: vLLM's model restores token-wise)."""
+    Profile(model="tiny", model_name="vllm-compat tiny checkpoints", dtype="float32", chunk_size=CHUNK, threads=1,
+            costs=COSTS, crossovers=(Crossover(link_bytes_per_s=1e12, l_delta=0),)).save(path)
+    return path
 
 
 @dataclass(frozen=True)
@@ -123,7 +143,8 @@ def run_cell(cell: Cell, root: Path) -> dict[str, Any]:
     pod = launch_pod(work / "pod", tenants=(TENANT,), tokens=write_tokens(work / "tokens", [TENANT]))
     try:
         connector = {"pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": TENANT,
-                     "pod_token_file": str(work / "tokens"), "chunk_size": CHUNK, "stats_file": str(stats)}
+                     "pod_token_file": str(work / "tokens"), "chunk_size": CHUNK, "stats_file": str(stats),
+                     "profile": str(write_profile(work / "profile.json"))}
         result, log = drive(spec_for(cell, model, adapter, connector), work, "connector")
     finally:
         pod.stop()

@@ -50,6 +50,7 @@ def summarize(cells: Cells) -> dict[str, Any]:
             "restored_cells": len(restored), "declined_cells": sum(c.get("outcome") == "declined" for c in cells),
             "families_restored": len(families), "restored_families": families,
             "tp2_restored": any(c["tp"] == 2 for c in restored),
+            "tp2_recomputed": any(c["tp"] == 2 and c.get("computed", 0) > 0 for c in restored),
             "fp8_kv_restored": any(c["kv_dtype"] == "fp8" for c in restored),
             "fp8_weights_restored": any(c["family"] in FP8_FAMILIES for c in restored),
             "lora_restored": any(c["lora"] for c in restored), "lora_isolated": lora_isolated(cells)}
@@ -106,7 +107,8 @@ def block(body: dict[str, Any]) -> str:
     s = body["summary"]
     line = (f"{s['cells']} cells: {s['restored_cells']} restored, {s['declined_cells']} declined, "
             f"{s['failed_cells']} failed, {s['vllm_cannot_run_cells']} that vLLM's CPU build cannot run; "
-            f"families restored {s['families_restored']}; TP 2 restored: {yes_no(s['tp2_restored'])}; fp8 KV "
+            f"families restored {s['families_restored']}; TP 2 restored: {yes_no(s['tp2_restored'])} (with a "
+            f"recomputed front: {yes_no(s.get('tp2_recomputed', False))}); fp8 KV "
             f"restored: {yes_no(s['fp8_kv_restored'])}; FP8 weights restored: {yes_no(s['fp8_weights_restored'])}; "
             f"LoRA isolated: {yes_no(s['lora_isolated'])} ({commits(body)}, "
             "`cacheflow bench vllm-compat`; details in bench/results/vllm_compat.md).")

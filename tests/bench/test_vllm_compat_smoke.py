@@ -22,6 +22,7 @@ def test_llama_restores_and_gemma2_serves_with_the_connector(tmp_path):
     assert (llama["name"], gemma2["name"]) == ("llama-tp1-auto-base", "gemma2-tp1-auto-base")
     assert llama["status"] == "ok" and llama["tokens_equal"] and llama["outcome"] == "restored", llama
     assert llama["computed"] + llama["loaded"] == sum(n // CHUNK for n in PREFIXES)  # every whole chunk
+    assert llama["computed"] > 0 and llama["loaded"] > 0  # CacheFlow's plan: both pointers moved
     assert gemma2["status"] == "ok" and gemma2["start_ok"] and gemma2["tokens_equal"], gemma2
     assert gemma2["outcome"] in ("restored", "declined")
     assert body["summary"]["failed_cells"] == 0
