@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from cacheflow_common.errors import ConfigError
+from cacheflow_common.kv.chunk import TORCH_DTYPES
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span
 from cacheflow_services.vllm_connector.block_kv import BlockKV
-from cacheflow_services.vllm_connector.model_identity import KVGeometry
+from cacheflow_services.vllm_connector.model_identity import KVGeometry, kv_dtype
 
 
 class VllmRuntime:
@@ -49,7 +50,9 @@ class VllmRuntime:
 
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
-        return 2 * self.config.num_kv_heads * self.config.head_dim * self.dtype.itemsize
+        """One token's K and V in one layer as the cache (and its chunks) hold it: this rank's heads, the
+        cache's dtype (fp8 included)."""
+        return 2 * self.config.num_kv_heads * self.config.head_dim * TORCH_DTYPES[kv_dtype(self.vllm_config)].itemsize
 
     def new_kv(self, layers: range, capacity: int) -> KVBuffer:
         return KVBuffer(layer_start=layers.start, layer_end=layers.stop, num_kv_heads=self.config.num_kv_heads,

@@ -232,8 +232,8 @@ class WorkerEngine:
             started = time.perf_counter()
             try:
                 job = self.job(spec)
-                front = spec.start if spec.load_only else planned_front(
-                    job, start=spec.start, costs=costs, policy=self.policy, kv_bytes=self.kv_bytes_per_token_layer)
+                front = spec.start if spec.load_only or model is None else planned_front(
+                    job, start=spec.start, costs=costs, policy=self.policy, kv_bytes=model.kv_bytes_per_token_per_layer)
                 done = restore_split(job, self.store, self._block_kv(spec, job), model, start=spec.start, front=front,
                                      prefill_tokens=PREFILL_TOKENS)
             except Exception as exc:
@@ -247,11 +247,6 @@ class WorkerEngine:
             if done.miss:
                 failed |= blocks_from(spec, done.end, self.block_size)
         return failed
-
-    @property
-    def kv_bytes_per_token_layer(self) -> int:
-        """One token's K and V in one layer, as the chunks hold it (this rank's heads, the cache's dtype)."""
-        return 2 * self.config.num_kv_heads * self.config.head_dim * TORCH_DTYPES[self.kv_dtype].itemsize
 
     def start_loads(self, specs: Sequence[LoadSpec]) -> None:
         """Restore prefixes in the background (`async_loads`); `finished_loads` reports them."""
