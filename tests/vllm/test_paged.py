@@ -70,7 +70,9 @@ def test_a_salted_request_finds_only_its_own_chunks_and_carries_its_salt():
     prompt = list(range(30))
     plan = _plan_with_stored(prompt, stored_chunks=3)
     lora = Keying(salt="lora:abc", load_only=True)
+    assert plan.known_keying("r") is None  # not asked yet: the connector works the keying out
     assert plan.matched("r", prompt, 0, lora) == 0
+    assert plan.known_keying("r") == lora  # asked again next step: kept
     load, save = plan.new_request("r", prompt, list(range(8)), computed_after=30)
     assert load is None and save is not None and save.salt == "lora:abc"
     assert plan.matched("b", prompt, 0) == 24  # the base request finds them

@@ -170,9 +170,11 @@ class CacheFlowConnector(KVConnectorBase_V1):
 
     def _keying(self, request: Request) -> Keying | None:
         """How the request's chunks are keyed, or None where the connector leaves it to vLLM (said once per
-        request, logged once per reason)."""
+        request, logged once per reason; worked out at the first ask: a waiting request is asked every step)."""
         if request.request_id in self._declined:
             return None
+        if self._plan is not None and (known := self._plan.known_keying(request.request_id)) is not None:
+            return known
         try:
             reason, keying = declined(request), request_keying(request)
         except ConfigError as exc:  # a LoRA adapter whose files cannot be read

@@ -165,6 +165,10 @@ class SchedulerPlan:
         """How the request's chunks are keyed and restored (a request vLLM never asked about: plainly)."""
         return self._keying.get(req_id, Keying())
 
+    def known_keying(self, req_id: str) -> Keying | None:
+        """The keying `matched` was given for the request, or None before its first ask."""
+        return self._keying.get(req_id)
+
     def finished(self, req_id: str) -> None:
         self._keying.pop(req_id, None)
         self._loaded_in_background.discard(req_id)
