@@ -10,6 +10,7 @@ import torch
 
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.restore.save import make_job, save_prefix
+from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.paged import gather
@@ -29,19 +30,23 @@ def _job(model, n_tokens: int):
     return make_job(model, [i % model.config.vocab_size for i in range(n_tokens)], tenant="t", chunk_size=CHUNK)
 
 
+def _front(job, policy: str, *, start: int = 0, costs=TINY_COSTS, kv_bytes: int = KV_BYTES) -> int:
+    return planned_front(job, start=start, costs=costs, policy=POLICIES[policy], kv_bytes=kv_bytes)
+
+
 def test_the_front_is_the_split_that_ends_first_or_what_the_policy_fixes(model):
     job = _job(model, 8 * CHUNK)
-    planned = planned_front(job, start=0, costs=TINY_COSTS, policy="cacheflow", kv_bytes=KV_BYTES)
+    planned = _front(job, "cacheflow")
     assert 0 < planned < 8 * CHUNK and planned % CHUNK == 0  # some chunks each side at these costs
-    assert planned_front(job, start=0, costs=TINY_COSTS, policy="cake", kv_bytes=KV_BYTES) == planned
-    assert planned_front(job, start=0, costs=None, policy="cacheflow", kv_bytes=KV_BYTES) == 0  # no profile
-    assert planned_front(job, start=0, costs=TINY_COSTS, policy="load-only", kv_bytes=KV_BYTES) == 0
-    assert planned_front(job, start=0, costs=TINY_COSTS, policy="compute-only", kv_bytes=KV_BYTES) == 8 * CHUNK
-    slow_loads = planned_front(job, start=0, costs=TINY_COSTS, policy="cacheflow", kv_bytes=100 * KV_BYTES)
+    assert _front(job, "cake") == planned
+    assert _front(job, "cacheflow", costs=None) == 0  # no profile
+    assert _front(job, "load-only") == 0
+    assert _front(job, "compute-only") == 8 * CHUNK
+    slow_loads = _front(job, "cacheflow", kv_bytes=100 * KV_BYTES)
     assert slow_loads > planned  # dearer loads: more recomputed
-    held = planned_front(job, start=3 * CHUNK + BS, costs=TINY_COSTS, policy="compute-only", kv_bytes=KV_BYTES)
+    held = _front(job, "compute-only", start=3 * CHUNK + BS)
     assert held == 8 * CHUNK  # vLLM holds a prefix: the split is over the chunks from it on
-    assert planned_front(job, start=8 * CHUNK, costs=TINY_COSTS, policy="cacheflow", kv_bytes=KV_BYTES) == 8 * CHUNK
+    assert _front(job, "cacheflow", start=8 * CHUNK) == 8 * CHUNK
 
 
 def _blocks(model, n_tokens: int, start: int) -> tuple[BlockKV, dict[int, torch.Tensor]]:

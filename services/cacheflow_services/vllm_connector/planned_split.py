@@ -26,6 +26,7 @@ from cacheflow_common.restore.costs import CostModel, best_split
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.restore.loader import KVLoader
 from cacheflow_common.sched.plan import chunk_costs
+from cacheflow_common.sched.policies import Policy
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
@@ -39,13 +40,14 @@ class Split(NamedTuple):
     miss: str  # why the chunk at `end` missed, or "" (all restored)
 
 
-def planned_front(job: RestoreJob, *, start: int, costs: CostModel | None, policy: str, kv_bytes: int) -> int:
-    """The position the loads start from: chunks before it are recomputed, the others loaded. `start`: the
-    first position vLLM does not hold; `kv_bytes`: one token's KV in one layer, as stored."""
+def planned_front(job: RestoreJob, *, start: int, costs: CostModel | None, policy: Policy, kv_bytes: int) -> int:
+    """The position the loads start from: chunks before it are recomputed, the others loaded (a policy that
+    fixes the split fixes it here too). `start`: the first position vLLM does not hold; `kv_bytes`: one
+    token's KV in one layer, as stored."""
     units = [key for key in job.keys if key.token_end > start]
-    if not units or costs is None or policy == "load-only":
+    if not units or costs is None or not policy.computes_pending:
         return start
-    if policy == "compute-only":
+    if not policy.loads:
         return units[-1].token_end
     n_layers = len(job.layers)
     compute_s = [chunk_costs(costs, max(key.token_start, start), key.token_end, n_layers)[0] for key in units]

@@ -227,13 +227,14 @@ class WorkerEngine:
         vLLM's model while the back loads, up to the first miss; vLLM recomputes the rest."""
         failed: set[int] = set()
         model = self.model if isinstance(self.model, VllmRuntime) else None
-        costs = self.profile.cost_model(self.link) if self.profile is not None and model is not None else None
+        costs = self.profile.cost_model(self.link) if self.profile is not None else None
         for spec in specs:
             started = time.perf_counter()
             try:
                 job = self.job(spec)
                 front = spec.start if spec.load_only or model is None else planned_front(
-                    job, start=spec.start, costs=costs, policy=self.policy, kv_bytes=model.kv_bytes_per_token_per_layer)
+                    job, start=spec.start, costs=costs, policy=make_policy(self.policy),
+                    kv_bytes=model.kv_bytes_per_token_per_layer)
                 done = restore_split(job, self.store, self._block_kv(spec, job), model, start=spec.start, front=front,
                                      prefill_tokens=PREFILL_TOKENS)
             except Exception as exc:
