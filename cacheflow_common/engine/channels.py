@@ -39,14 +39,23 @@ class ChannelLoader:
 
     def _run(self) -> None:
         move_off_compute_cores()
-        while (claim := self.core.wait_for_load(self.channel)) is not None:  # None: the engine stopped
-            task, restore = claim
-            started = time.perf_counter()
-            miss = self._load(restore, task.unit)
-            ended = time.perf_counter()
-            restore.loaded(task.unit, started, ended, miss)
-            self.core.report_load(self.channel, task, miss, ended)
-            self.on_load(self.channel, ended - started)
+        while self._load_next():
+            pass
+
+    def _load_next(self) -> bool:
+        """Load the next unit the scheduler gives this channel; False once the engine stopped. Its own frame,
+        so that nothing of the request it loaded (its KV buffer) stays referenced while the thread waits."""
+        claim = self.core.wait_for_load(self.channel)
+        if claim is None:
+            return False
+        task, restore = claim
+        started = time.perf_counter()
+        miss = self._load(restore, task.unit)
+        ended = time.perf_counter()
+        restore.loaded(task.unit, started, ended, miss)
+        self.core.report_load(self.channel, task, miss, ended)
+        self.on_load(self.channel, ended - started)
+        return True
 
     def _load(self, restore: StageRestore, unit: int) -> str:
         if len(self._staging) < restore.loader.staging_bytes:

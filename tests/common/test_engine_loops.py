@@ -5,8 +5,10 @@ that fails is a miss that compute restores."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -166,6 +168,24 @@ def test_a_channel_loads_every_unit_the_scheduler_gives_it(model):
     assert (summary.loaded, summary.computed, loads) == (3, 0, [0, 0, 0])
     assert torch.equal(restore.kv.data[..., : 3 * CHUNK, :], saved.data[..., : 3 * CHUNK, :])
     assert not set(threading.enumerate()) - before  # the channel's thread ended with its engine
+
+
+def test_a_channel_waiting_for_work_keeps_nothing_of_the_request_it_loaded(model):
+    """Its last request's restore (and with it the KV buffer) goes when the request does, not when the channel
+    loads again: a waiting thread that still held it kept one request's KV alive per channel."""
+    stage = Stage(model, "load-only")
+    store, job = MemoryStore(), _job(model, 2 * CHUNK)
+    save_prefix(model, job, store)
+    channel = stage.channel()
+    try:
+        restore = stage.admit("a", job, store)
+        assert restore.done.result(timeout=30).loaded == 2
+        gone = weakref.ref(restore.kv)
+        del restore
+        gc.collect()
+        assert gone() is None
+    finally:
+        stage.stop(channel)
 
 
 class _FailingReads(MemoryStore):
