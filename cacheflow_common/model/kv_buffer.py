@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.layers import attention
+
+if TYPE_CHECKING:
+    from cacheflow_common.restore.device_landing import StagedLanding
 
 
 class KVBuffer:
@@ -28,6 +33,15 @@ class KVBuffer:
                   device: torch.device | str = "cpu") -> KVBuffer:
         return cls(layer_start=layers.start, layer_end=layers.stop, num_kv_heads=config.num_kv_heads,
                    head_dim=config.head_dim, capacity=capacity, dtype=dtype, device=device)
+
+    def landing(self, max_bytes: int) -> StagedLanding | None:
+        """Where the loader lands chunks when it cannot read them straight into `data` (None: the loader's
+        default, by the device). A buffer whose KV lives elsewhere says where."""
+        return None
+
+    def seal(self) -> None:
+        """No load lands in this buffer after this returns (its restore is over). Nothing to do for a buffer of
+        its own; one that writes into memory its owner reuses once told the restore ended stops writing there."""
 
     def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write one layer's K/V of positions [start, start + T), then attend over [0, start + T) causally:

@@ -5,7 +5,8 @@ same cores. An unquantized chunk bound for a CPU buffer lands where it belongs a
 scatters each section's payload straight into the buffer's rows (`readv_into`; over TCP the kernel
 copies it there), its header into a small staging area, and the section is checked in place. Others
 (int8 chunks, dequantized on landing; a KV buffer in GPU memory, filled through `DeviceLanding`: pinned
-host buffer, copy on its own stream) are read into a staging buffer, checked, then copied.
+host buffer, copy on its own stream; a buffer with a landing of its own, `KVBuffer.landing`) are read into a
+staging buffer, checked, then copied.
 
 A load returns "" on success or the reason it missed. A miss leaves its unit's rows holding whatever
 arrived, which nothing reads: the unit is not loaded, so it is recomputed (which overwrites them), and
@@ -76,9 +77,10 @@ class KVLoader:
             for k in keys
         ]
         # CPU: land straight into kv.data, [n_buf_layers, 2, Hkv, capacity, D * itemsize] bytes sharing its memory.
-        # GPU: land in a pinned host buffer, then copy to the device.
-        self._device = DeviceLanding(kv, self._landed_bytes()) if kv.data.is_cuda else None
-        self.direct = self._device is None and quant == "none"  # read straight into kv.data's rows
+        # GPU: land in a pinned host buffer, then copy to the device. A buffer may say where its KV lands instead.
+        landed = self._landed_bytes()
+        self._staged = kv.landing(landed) or (DeviceLanding(kv, landed) if kv.data.is_cuda else None)
+        self.direct = self._staged is None and quant == "none"  # read straight into kv.data's rows
         self.staging_bytes = self._staging_needed()
         self._staging: memoryview | None = None  # the loader's own, for callers that bring none
         self._lock = threading.Lock()  # bytes_read, and the device landing's one pinned buffer
@@ -123,12 +125,12 @@ class KVLoader:
             return "absent"
         self._count(len(buf))
         key = self.keys[index]
-        if self._device is None:
+        if self._staged is None:
             return self._landed(buf, layout, key, self._host_kv(), key.token_start)
         with self._lock:
-            reason = self._landed(buf, layout, key, self._device.tokens_target(layout.n_tokens), 0)
+            reason = self._landed(buf, layout, key, self._staged.tokens_target(layout.n_tokens), 0)
             if not reason:
-                self._device.push_tokens(key.token_start, key.token_end)
+                self._staged.push_tokens(key.token_start, key.token_end)
         return reason
 
     def _landed(self, buf: memoryview, layout: ChunkLayout, key: ChunkKey, dst: np.ndarray, token_start: int) -> str:
@@ -169,7 +171,7 @@ class KVLoader:
             self._count(len(buf))
             spans.append((i, buf))
             offset += layout.section_size
-        if self._device is not None:
+        if self._staged is not None:
             with self._lock:
                 return self._land_layer(layer, spans)
         return self._land_layer(layer, spans)
@@ -180,15 +182,15 @@ class KVLoader:
 
     def _land_layer(self, layer: int, spans: list[tuple[int, memoryview]]) -> str:
         n_tokens = self.keys[-1].token_end
-        dst, dst_layer_start = (self._host_kv(), self.kv.layer_start) if self._device is None else (
-            self._device.layer_target(n_tokens), layer)
+        dst, dst_layer_start = (self._host_kv(), self.kv.layer_start) if self._staged is None else (
+            self._staged.layer_target(n_tokens), layer)
         for i, buf in spans:
             check = land_kv_sections(buf, layout=self.layouts[i], key=self.keys[i], layers=range(layer, layer + 1),
                                      dst=dst, dst_layer_start=dst_layer_start, token_start=self.keys[i].token_start)
             if not check.ok:
                 return check.reason
-        if self._device is not None:
-            self._device.push_layer(layer, n_tokens)
+        if self._staged is not None:
+            self._staged.push_layer(layer, n_tokens)
         return ""
 
     def _landed_bytes(self) -> int:

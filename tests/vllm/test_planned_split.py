@@ -13,7 +13,7 @@ from cacheflow_common.restore.save import make_job, save_prefix
 from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_services.vllm_connector.block_kv import BlockKV
-from cacheflow_services.vllm_connector.paged import gather
+from cacheflow_services.vllm_connector.paged import LAYOUTS, gather
 from cacheflow_services.vllm_connector.planned_split import planned_front, restore_split
 from tests.factories import TINY_COSTS, tiny_model
 
@@ -49,13 +49,49 @@ def test_the_front_is_the_split_that_ends_first_or_what_the_policy_fixes(model):
     assert _front(job, "cacheflow", start=8 * CHUNK) == 8 * CHUNK
 
 
-def _blocks(model, n_tokens: int, start: int) -> tuple[BlockKV, dict[int, torch.Tensor]]:
+def _blocks(model, n_tokens: int, start: int, layout: str = "split", fill: float = 0.0
+            ) -> tuple[BlockKV, dict[int, torch.Tensor]]:
     c = model.config
-    caches = {i: torch.zeros(n_tokens // BS + 2, c.num_kv_heads, BS, 2 * c.head_dim) for i in range(c.num_layers)}
+    caches = {i: torch.full((n_tokens // BS + 2, c.num_kv_heads, BS, 2 * c.head_dim), fill)
+              for i in range(c.num_layers)}
     kv = BlockKV(layers=range(c.num_layers), num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, capacity=n_tokens,
-                 dtype=torch.float32, caches=caches, layout="split", block_ids=tuple(range(1, n_tokens // BS + 1)),
+                 dtype=torch.float32, caches=caches, layout=layout, block_ids=tuple(range(1, n_tokens // BS + 1)),
                  block_size=BS, first_writable=start)
     return kv, caches
+
+
+def _in_blocks(caches: dict[int, torch.Tensor], layout: str, n_tokens: int) -> torch.Tensor:
+    """[L, 2, Hkv, N, D]: what the request's blocks hold."""
+    block_ids = tuple(range(1, n_tokens // BS + 1))
+    return torch.stack([gather(caches[i], layout, block_ids, BS, 0, n_tokens) for i in sorted(caches)])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_loaded_chunks_go_straight_into_the_blocks_and_never_before_vllms_own_prefix(model, layout):
+    """No buffer of the restore's own: each loaded chunk is written into the blocks as it lands (in every cache
+    layout), from the first position vLLM does not hold (here mid-chunk) on; vLLM's own positions keep theirs."""
+    n, start = 4 * CHUNK, CHUNK + 3
+    job, store = _job(model, n), MemoryStore()
+    reference = save_prefix(model, job, store).data  # [L, 2, Hkv, N, D]
+    kv, caches = _blocks(model, n, start=start, layout=layout, fill=-7.0)
+    assert kv.data.numel() == 0
+    done = restore_split(job, store, kv, None, start=start, front=start, prefill_tokens=2048)
+    assert (done.end, done.loaded, done.miss) == (n, 3, "")
+    got = _in_blocks(caches, layout, n)
+    assert torch.equal(got[:, :, :, start:], reference[:, :, :, start:])  # exact
+    assert (got[:, :, :, :start] == -7.0).all()
+
+
+def test_a_sealed_restore_writes_nothing_into_the_blocks(model):
+    """Once the connector has told vLLM a load is over, vLLM may give the blocks to another request: a load
+    still in flight then must not land there."""
+    n = 2 * CHUNK
+    job, store = _job(model, n), MemoryStore()
+    save_prefix(model, job, store)
+    kv, caches = _blocks(model, n, start=0)
+    kv.seal()
+    restore_split(job, store, kv, None, start=0, front=0, prefill_tokens=2048)
+    assert not any(cache.any() for cache in caches.values())
 
 
 def test_the_back_loads_into_the_blocks_up_to_the_first_miss(model):
@@ -66,8 +102,7 @@ def test_the_back_loads_into_the_blocks_up_to_the_first_miss(model):
     kv, caches = _blocks(model, n, start=CHUNK)
     done = restore_split(job, store, kv, None, start=CHUNK, front=CHUNK, prefill_tokens=2048)
     assert (done.end, done.computed, done.loaded, done.miss) == (4 * CHUNK, 0, 3, "absent")
-    block_ids = tuple(range(1, n // BS + 1))
-    got = torch.stack([gather(caches[i], "split", block_ids, BS, 0, n) for i in sorted(caches)])
+    got = _in_blocks(caches, "split", n)
     assert torch.equal(got[:, :, :, CHUNK : 4 * CHUNK], reference[:, :, :, CHUNK : 4 * CHUNK])  # exact
     assert not got[:, :, :, :CHUNK].any() and not got[:, :, :, 4 * CHUNK :].any()  # vLLM's, and vLLM recomputes
     with pytest.raises(RuntimeError, match="vLLM's model"):

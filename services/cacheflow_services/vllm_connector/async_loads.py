@@ -192,6 +192,7 @@ class AsyncLoads:
         """A finished restore into the request's blocks (on vLLM's thread: landing calls vLLM's kernels)."""
         spec, r, restore, job = pending.spec, self.restorer, pending.restore, pending.job
         assert restore is not None and job is not None
+        restore.kv.seal()  # a load still in flight (the restore failed or was cancelled) must not write from here on
         if pending.aborted:  # nobody reads the blocks: report the load, land nothing
             self._complete(spec.req_id, set())
             return

@@ -1,20 +1,26 @@
-"""A restore's KV when vLLM's own model recomputes it (`vllm_runtime.py`): computed positions are written by
-vLLM's attention layers straight into the request's blocks, in the cache's own layout; loaded chunks land in
-this buffer (where CacheFlow's loader puts them) and are copied into the blocks before anything attends over
-them, and at the end. `in_blocks` says which positions the blocks hold already.
+"""A restore's KV in the request's own blocks of vLLM's cache, with no buffer of its own: vLLM's attention
+layers write what vLLM's model recomputes (`vllm_runtime.py`) straight into the blocks, in the cache's own
+layout and dtype, and the loader writes each loaded chunk there as it lands (`BlockLanding`), so a unit that
+attends over a loaded chunk finds it in the blocks.
 
 Positions before `first_writable` are vLLM's own prefix-cache hit: its blocks hold them (and may be shared
 with other requests), so they are never written.
+
+The blocks are vLLM's: once a load is reported to vLLM, it may schedule the request, or free its blocks and
+give them to another. So the connector seals the buffer before it reports (`seal`): a load still in flight
+then (of a restore that failed or was cancelled) writes nothing.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from cacheflow_common.model.kv_buffer import KVBuffer
-from cacheflow_services.vllm_connector.paged import gather, scatter
+from cacheflow_common.restore.device_landing import StagedLanding
+from cacheflow_services.vllm_connector.paged import gather, scatter, scatter_bytes
 
 
 class BlockKV(KVBuffer):
@@ -22,43 +28,66 @@ class BlockKV(KVBuffer):
                  caches: Mapping[int, torch.Tensor], layout: str, block_ids: Sequence[int], block_size: int,
                  first_writable: int) -> None:
         """`caches`: vLLM's cache of each of `layers`; `block_ids`: the request's blocks from position 0."""
-        super().__init__(layer_start=layers.start, layer_end=layers.stop, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, capacity=capacity, dtype=dtype)
         self.caches = {layer: caches[layer] for layer in layers}
+        device = next(iter(self.caches.values())).device
+        # no KV of its own: `data` only tells the loader the KV's shape, dtype and device
+        super().__init__(layer_start=layers.start, layer_end=layers.stop, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, capacity=0, dtype=dtype, device=device)  # data: [L, 2, Hkv, 0, D]
+        self.capacity = capacity
         self.layout = layout
         self.block_ids = tuple(block_ids)
         self.block_size = block_size
-        self.in_blocks = torch.zeros(capacity, dtype=torch.bool)  # [capacity]
-        self.in_blocks[:first_writable] = True
+        self.first_writable = first_writable
+        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._lock = threading.Lock()  # one write at a time, and none after `seal`
+        self._sealed = False
+
+    def landing(self, max_bytes: int) -> BlockLanding:
+        return BlockLanding(self, max_bytes)
+
+    def seal(self) -> None:
+        with self._lock:
+            self._sealed = True
 
     def attend(self, layer: int, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("vLLM's attention layers attend over a BlockKV's blocks; CacheFlow's never do")
 
-    def computed(self, start: int, end: int) -> None:
-        """vLLM's model wrote positions [start, end) of every layer into the blocks."""
-        self.in_blocks[start:end] = True
+    def write_loaded(self, layers: range, start: int, kv: torch.Tensor) -> None:
+        """Write kv [len(layers), 2, Hkv, T, D] (positions [start, start + T), on the host) into the blocks,
+        but not before `first_writable`; nothing once sealed. Done when it returns (on a GPU: waited for on
+        a stream of its own)."""
+        skip = max(0, min(self.first_writable - start, kv.shape[3]))
+        with self._lock:
+            if self._sealed or skip == kv.shape[3]:
+                return
+            for i, layer in enumerate(layers):
+                part = kv[i, :, :, skip:]  # [2, Hkv, T - skip, D]
+                self._write_layer(self.caches[layer], start + skip, part)
+            if self._stream is not None:
+                self._stream.synchronize()
 
-    def sync(self, end: int) -> None:
-        """Copy into the blocks every position in [0, end) that only this buffer holds (loaded chunks)."""
-        for start, stop in _runs((~self.in_blocks[:end]).nonzero().flatten().tolist()):
-            for layer, cache in self.caches.items():
-                part = self.data[layer - self.layer_start, :, :, start:stop]  # [2, Hkv, T, D]
-                scatter(cache, self.layout, self.block_ids, self.block_size, start, part)
-            self.in_blocks[start:stop] = True
+    def gather(self, start: int, end: int) -> torch.Tensor:
+        """A copy of positions [start, end) of every layer out of the blocks: [L, 2, Hkv, T, D] (to store chunks
+        recomputed there)."""
+        return torch.stack([gather(cache, self.layout, self.block_ids, self.block_size, start, end)
+                            for cache in self.caches.values()])
 
-    def pull(self, start: int, end: int) -> None:
-        """Copy positions [start, end) of every layer out of the blocks into this buffer (to store them)."""
-        for layer, cache in self.caches.items():
-            part = gather(cache, self.layout, self.block_ids, self.block_size, start, end)  # [2, Hkv, T, D]
-            self.data[layer - self.layer_start, :, :, start:end] = part.to(self.data.dtype)
+    def _write_layer(self, cache: torch.Tensor, start: int, part: torch.Tensor) -> None:
+        if self._stream is None:
+            scatter_bytes(cache, self.layout, self.block_ids, self.block_size, start, part)
+            return
+        with torch.cuda.stream(self._stream):
+            scatter(cache, self.layout, self.block_ids, self.block_size, start, part)
 
 
-def _runs(positions: list[int]) -> list[tuple[int, int]]:
-    """Sorted positions as maximal runs [start, stop)."""
-    runs: list[tuple[int, int]] = []
-    for p in positions:
-        if runs and runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], p + 1)
-        else:
-            runs.append((p, p + 1))
-    return runs
+class BlockLanding(StagedLanding):
+    """Loaded chunks (or layers) into a `BlockKV`'s blocks: each is landed and checked in a host staging area
+    (pinned for a GPU cache), then written into the blocks."""
+
+    kv: BlockKV
+
+    def push_tokens(self, start: int, end: int) -> None:
+        self.kv.write_loaded(range(self.kv.layer_start, self.kv.layer_end), start, self.tokens(end - start))
+
+    def push_layer(self, layer: int, n_tokens: int) -> None:
+        self.kv.write_loaded(range(layer, layer + 1), 0, self.layer_tokens(n_tokens))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from cacheflow_common.errors import ConfigError
@@ -79,6 +80,32 @@ def scatter(cache: torch.Tensor, layout: str, block_ids: Sequence[int], block_si
         values[blk, :, off] = src[1]
     else:
         cache[blk, :, off] = torch.cat([src[0], src[1]], dim=-1)  # [T, Hkv, 2*D]
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def scatter_bytes(cache: torch.Tensor, layout: str, block_ids: Sequence[int], block_size: int, start: int,
+                  kv: torch.Tensor) -> None:
+    """`scatter` into a CPU cache by numpy copies on the calling thread: no torch op, so a loader thread does
+    not start torch's thread pool beside vLLM's forward. kv [2, Hkv, T, D] holds values as the cache does
+    (its dtype, or one of the same size: fp8 as uint8); they are copied bit for bit."""
+    if cache.device.type != "cpu" or kv.element_size() != cache.element_size():
+        raise ConfigError(f"cannot copy {kv.dtype} KV into a {cache.dtype} cache on {cache.device} byte for byte")
+    as_int = _SAME_SIZE_INT[cache.element_size()]
+    end = start + kv.shape[2]
+    pos = np.arange(start, end)  # [T]
+    blk, off = np.asarray(block_ids, dtype=np.int64)[pos // block_size], pos % block_size  # [T] each
+    src = kv.view(as_int).numpy().transpose(0, 2, 1, 3)  # [2, T, Hkv, D]
+    if layout.startswith("cpu"):
+        keys, values = (view.numpy() for view in _cpu_views(cache.view(as_int), layout, block_size))  # [B, Hkv, bs, D]
+        keys[blk, :, off] = src[0]  # [T, Hkv, D]
+        values[blk, :, off] = src[1]
+    else:
+        rows = cache.view(as_int).numpy()  # [B, Hkv, bs, 2*D]
+        head_dim = kv.shape[3]
+        rows[blk, :, off, :head_dim] = src[0]
+        rows[blk, :, off, head_dim:] = src[1]
 
 
 def layer_index(layer_name: str) -> int:

@@ -59,7 +59,7 @@ def planned_front(job: RestoreJob, *, start: int, costs: CostModel | None, polic
 def restore_split(job: RestoreJob, store: ChunkStore, kv: BlockKV, model: VllmRuntime | None, *, start: int,
                   front: int, prefill_tokens: int) -> Split:
     """Recompute positions [start, front) with vLLM's `model` while a thread loads the job's chunks from
-    `front` on, in order, until one misses; then copy the loaded chunks into the blocks."""
+    `front` on, in order, until one misses (each written into the blocks as it lands)."""
     loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
     back = [unit for unit, key in enumerate(job.keys) if key.token_end > max(start, front)]
     loaded: list[str] = []  # the back's miss reasons, in order, up to the first miss
@@ -71,7 +71,6 @@ def restore_split(job: RestoreJob, store: ChunkStore, kv: BlockKV, model: VllmRu
         thread.join()
     hits = loaded[:-1] if loaded and loaded[-1] else loaded
     end = job.keys[back[len(hits) - 1]].token_end if hits else max(start, front)
-    kv.sync(end)
     return Split(end, computed, len(hits), loader.bytes_read, loaded[-1] if loaded else "")
 
 

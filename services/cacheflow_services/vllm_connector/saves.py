@@ -9,10 +9,9 @@ import torch
 
 from cacheflow_common.kv.chunk import encode_kv_chunk
 from cacheflow_common.kv.keys import ChunkKey, chunk_keys, object_name, tenant_salt
-from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.restore.boundary import save_boundaries
 from cacheflow_common.restore.job import RestoreJob
-from cacheflow_common.restore.save import dtype_name, save_chunks
+from cacheflow_common.restore.save import dtype_name
 from cacheflow_common.restore.saver_thread import SaverThread
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.vllm_connector.model_identity import salted
@@ -40,11 +39,13 @@ class ConnectorSaves:
         that `captures`) hidden [T, hidden], the boundary activations entering its first layer."""
         self._thread.submit(spec.req_id, lambda: self._store_new(spec, kv, hidden, layers, captures))
 
-    def store_again(self, request_id: str, kv: KVBuffer, job: RestoreJob, keys: list[ChunkKey], *, salt: str) -> None:
-        """Queue chunks a restore recomputed because their load missed (`salt`: the request's, as its keys')."""
+    def store_again(self, request_id: str, chunks: list[tuple[ChunkKey, torch.Tensor]], job: RestoreJob, *,
+                    salt: str) -> None:
+        """Queue chunks a restore recomputed because their load missed, each (key, its KV [L, 2, Hkv, C, D] for
+        the job's layers); `salt`: the request's, as its keys'."""
         fingerprint = salted(self.fingerprint, salt)
-        self._thread.submit(request_id,
-                            lambda: save_chunks(kv, job, self.store, model_fingerprint=fingerprint, keys=keys))
+        self._thread.submit(request_id, lambda: [self._put_chunk(key, job.token_ids, kv, job.layers, fingerprint)
+                                                 for key, kv in chunks])
 
     def flush(self) -> None:
         """Wait for every queued save."""
@@ -69,7 +70,12 @@ class ConnectorSaves:
 
     def _put(self, spec: SaveSpec, key: ChunkKey, kv: torch.Tensor, layers: range, fingerprint: str) -> int:
         part = kv[:, :, :, key.token_start - spec.start : key.token_end - spec.start]  # [b - a, 2, Hkv, C, D]
-        obj = encode_kv_chunk(key=key, token_ids=spec.token_ids[key.token_start : key.token_end],
-                              model=fingerprint, layer_start=layers.start, kv=part, dtype=self.kv_dtype)
+        return self._put_chunk(key, spec.token_ids, part, layers, fingerprint)
+
+    def _put_chunk(self, key: ChunkKey, token_ids: tuple[int, ...], kv: torch.Tensor, layers: range,
+                   fingerprint: str) -> int:
+        """Store one chunk: kv [b - a, 2, Hkv, C, D], its layers' KV in the cache's dtype; the bytes written."""
+        obj = encode_kv_chunk(key=key, token_ids=token_ids[key.token_start : key.token_end],
+                              model=fingerprint, layer_start=layers.start, kv=kv, dtype=self.kv_dtype)
         self.store.put(object_name(key, "kv", layers.start, layers.stop), obj)
         return len(obj)

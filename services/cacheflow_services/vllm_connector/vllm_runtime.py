@@ -7,7 +7,8 @@ at their positions, with the chunks before them already in the blocks as context
 chunked prefill does. The attention metadata comes from the backend's own metadata builder (one per
 backend and KV cache spec, as vLLM's model runner makes them), so a sliding window, a softcap or another
 backend is the backend's business. Several restores' units of one engine step run as one forward over a
-batch of requests. Loaded chunks are copied into the blocks before a unit attends over them (`BlockKV`).
+batch of requests. Loaded chunks are written into the blocks as they land (`BlockKV`), so a unit finds them
+there.
 
 Token-wise only: a layer-wise unit would run the model's decoder layers one at a time, whose signatures
 differ by family. Called on vLLM's thread only (the connector computes there: `async_loads.py` says why).
@@ -75,9 +76,7 @@ class VllmRuntime:
             raise ConfigError(f"vLLM's model runs all the rank's layers {self.layers}, not {layers}: token-wise only")
         from vllm.forward_context import set_forward_context
 
-        blocks = [_block_kv(span) for span in spans]
-        for span, kv in zip(spans, blocks, strict=True):
-            kv.sync(span.start)  # loaded chunks this unit attends over
+        blocks = [_block_kv(span) for span in spans]  # loaded chunks are in them as soon as they land
         common = self._common_metadata(spans, blocks)
         metadata, slots = {}, {}
         for builder, names in self._metadata_builders():
@@ -87,8 +86,6 @@ class VllmRuntime:
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans]).to(self.device)  # [R]
         with set_forward_context(metadata, self.vllm_config, num_tokens=hidden.shape[0], slot_mapping=slots):
             out: torch.Tensor = self.module(input_ids=None, positions=positions, inputs_embeds=hidden)
-        for span, kv in zip(spans, blocks, strict=True):
-            kv.computed(span.start, span.start + span.length)
         self.synchronize()
         return out
 

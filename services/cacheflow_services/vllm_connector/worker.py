@@ -38,6 +38,7 @@ import torch
 from cacheflow_common.engine import Engine, RestoreJob, RestoreResult
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.kv.chunk import TORCH_DTYPES
+from cacheflow_common.kv.keys import ChunkKey
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
@@ -213,6 +214,8 @@ class WorkerEngine:
         outcomes = engine.restore_batch(jobs, self.store, policy, kvs=kvs) if together else {
             request_id: engine.restore_batch({request_id: job}, self.store, policy, kvs=kvs)[request_id]
             for request_id, job in jobs.items()}
+        for kv in kvs.values():
+            kv.seal()  # a restore that failed may still have a load in flight: it must not write once vLLM knows
         for spec in specs:
             outcome = outcomes.get(spec.req_id)
             if isinstance(outcome, Exception):
@@ -297,9 +300,7 @@ class WorkerEngine:
         n = len(spec.token_ids)
         if isinstance(result.kv, PagedKV):  # what it computed is there already: the loaded positions
             result.kv.fill_all(n)
-        elif isinstance(result.kv, BlockKV):
-            result.kv.sync(n)
-        else:
+        elif not isinstance(result.kv, BlockKV):  # a BlockKV's loads and computes went into the blocks
             kv = result.kv.data  # [b - a, 2, Hkv, N, D]: this rank's layers
             for layer, cache in self.caches:
                 part = kv[layer - result.kv.layer_start, :, :, spec.start : n]  # [2, Hkv, n - start, D]
@@ -337,10 +338,8 @@ class WorkerEngine:
             return failed
         keys = [job.keys[i] for i in missed] if result.mode == "token" else list(job.keys)
         if self.cfg.save:
-            if isinstance(result.kv, BlockKV):  # vLLM's model wrote what it recomputed to the blocks
-                for key in keys:
-                    result.kv.pull(key.token_start, key.token_end)
-            self.saves.store_again(spec.req_id, result.kv, job, keys, salt=spec.salt)
+            self.saves.store_again(spec.req_id, [(key, _recomputed(result.kv, key)) for key in keys], job,
+                                   salt=spec.salt)
         return set()
 
     # ------------------------------------------------------------------------------------ save
@@ -388,3 +387,10 @@ def blocks_from(spec: LoadSpec, first: int, block_size: int) -> set[int]:
     """The block ids holding positions [first, N) of the spec's prefix."""
     last = -(-len(spec.token_ids) // block_size)
     return set(spec.block_ids[first // block_size : last])
+
+
+def _recomputed(kv: KVBuffer, key: ChunkKey) -> torch.Tensor:
+    """The chunk's KV as a restore recomputed it: [L, 2, Hkv, C, D] (vLLM's model wrote a BlockKV's into the blocks)."""
+    if isinstance(kv, BlockKV):
+        return kv.gather(key.token_start, key.token_end)
+    return kv.data[:, :, :, key.token_start : key.token_end]
