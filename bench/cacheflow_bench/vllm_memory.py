@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     weight_bytes = sum(t.numel() * t.element_size() for t in model.weights.values())
     model.save(root / "model")
     del model
-    prompt = [random.Random(0).randrange(hf["vocab_size"]) for _ in range(PROMPT)]
+    rng = random.Random(0)
+    prompt = [rng.randrange(hf["vocab_size"]) for _ in range(PROMPT)]  # one seeded draw (not one token repeated)
     pod = launch_pod(root / "pod", tenants=("bench",), tokens=write_tokens(root / "tokens", ["bench"]))
     rows = []
     try:
