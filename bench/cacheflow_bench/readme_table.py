@@ -216,8 +216,8 @@ def vllm_row(r: Row) -> tuple[str, str]:
     headline = (f"TTFT for 1k–8k-token prefixes at Tio/Tcomp = 0.5, 1, 2 ({len(r.body.get('rows', []))} points): "
                 f"CacheFlow / Cake median **{r.times('cacheflow_vs_cake_median')}**, best "
                 f"{r.times('cacheflow_vs_cake_min')}{verdict}; CacheFlow fastest at every point: {fastest}; "
-                f"at least {r.times('min_speedup_vs_best_other')} faster than the better of vLLM's recompute and "
-                "load-only")
+                f"speedup over the better of vLLM's recompute and load-only at its worst point "
+                f"{r.times('min_speedup_vs_best_other')}")
     if "connector_recompute_vs_vllm_prefill_max" in s:
         headline += (f". The connector's whole-prefix recompute / vLLM's own prefill, 1k–8k tokens in one process: "
                      f"worst **{r.times('connector_recompute_vs_vllm_prefill_max')}**")
