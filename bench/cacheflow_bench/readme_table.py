@@ -264,6 +264,10 @@ def vllm_memory_row(r: Row) -> tuple[str, str]:
                 f"{_percent(raw['connector-vllm'])} raw); CacheFlow's runtime over vLLM's weights "
                 f"{_percent(trimmed['connector-shared'])}, over a separate copy "
                 f"{_percent(trimmed['connector-separate'])}")
+    for key, tp in r.summary.items():
+        if key.startswith("tp") and isinstance(tp, dict):
+            headline += (f"; a TP={key.removeprefix('tp')} instance (all its processes) "
+                         f"**{_percent(tp['trimmed_rss_bytes'])}** ({_percent(tp['rss_bytes'])} raw)")
     return headline, "≤ 1 % of the weights"
 
 

