@@ -117,6 +117,11 @@ def runs(tps: Sequence[int], repeats: int) -> list[tuple[int, int, str]]:
             for name in (CONFIGS if tp == 1 else TP_CONFIGS)]
 
 
+def parallel_sizes(rows: list[dict[str, Any]]) -> list[int]:
+    """The tensor-parallel sizes above 1 that the rows were run at."""
+    return sorted({r.get("tp", 1) for r in rows} - {1})
+
+
 def medians(rows: list[dict[str, Any]], tp: int = 1) -> dict[str, dict[str, float]]:
     """Per configuration run at TP size `tp`, the median over its repeats of each memory figure."""
     names = dict.fromkeys(r["config"] for r in rows if r.get("tp", 1) == tp)
@@ -144,7 +149,7 @@ def summarize(body: dict[str, Any]) -> dict[str, Any]:
                "runtimes_as_configured": all(r["runtime"][0]["runtime"] == r["config"].removeprefix("connector-")
                                              for r in rows if r["config"] != "vllm"),
                "same_tokens": all(r["tokens"] == reference for r in rows)}
-    for tp in sorted({r.get("tp", 1) for r in rows} - {1}):
+    for tp in parallel_sizes(rows):
         fractions = {key: by_name["connector-vllm"] for key, by_name in added_fractions(rows, weights, tp).items()}
         summary[f"tp{tp}"] = {**fractions, "within_target": max(fractions["rss_bytes"],
                                                                 fractions["trimmed_rss_bytes"]) <= TARGET}
@@ -211,7 +216,7 @@ def memory_table(body: dict[str, Any], tp: int) -> str:
 def tp_lines(body: dict[str, Any]) -> list[str]:
     """The tensor-parallel instances' tables and verdicts."""
     lines = []
-    for tp in sorted({r.get("tp", 1) for r in body["rows"]} - {1}):
+    for tp in parallel_sizes(body["rows"]):
         t = body["summary"][f"tp{tp}"]
         lines += [f"\n## Tensor parallel, {tp} ranks\n", "Each figure is the instance's: the sum over its processes "
                   "(vLLM's driver and each rank's worker, one core each).\n", memory_table(body, tp),

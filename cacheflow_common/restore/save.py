@@ -73,12 +73,19 @@ def save_chunks(kv: KVBuffer, job: RestoreJob, store: ChunkStore, *, model_finge
     written = 0
     for key in keys if keys is not None else job.keys:
         part = kv.data[lo : lo + len(job.layers), :, :, key.token_start : key.token_end]  # [L, 2, Hkv, T, D]
-        obj = encode_kv_chunk(key=key, token_ids=job.token_ids[key.token_start : key.token_end],
-                              model=model_fingerprint, layer_start=job.layers.start, kv=part,
-                              dtype=job.kv_dtype, quant=job.quant)
-        store.put(object_name(key, "kv", job.layers.start, job.layers.stop), obj)
-        written += len(obj)
+        written += put_chunk(store, key, job.token_ids, part, model_fingerprint=model_fingerprint, layers=job.layers,
+                             dtype=job.kv_dtype, quant=job.quant)
     return written
+
+
+def put_chunk(store: ChunkStore, key: ChunkKey, token_ids: Sequence[int], kv: torch.Tensor, *, model_fingerprint: str,
+              layers: range, dtype: str, quant: str = "none") -> int:
+    """Store one chunk: kv [len(layers), 2, Hkv, T, D] of its tokens (`token_ids`: the whole prefix's), its
+    KV stored in `dtype`; returns the bytes written."""
+    obj = encode_kv_chunk(key=key, token_ids=token_ids[key.token_start : key.token_end], model=model_fingerprint,
+                          layer_start=layers.start, kv=kv, dtype=dtype, quant=quant)
+    store.put(object_name(key, "kv", layers.start, layers.stop), obj)
+    return len(obj)
 
 
 def save_prefix(model: Transformer, job: RestoreJob, store: ChunkStore) -> KVBuffer:

@@ -20,7 +20,7 @@ import torch
 
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.restore.device_landing import StagedLanding
-from cacheflow_services.vllm_connector.paged import gather, scatter, scatter_bytes
+from cacheflow_services.vllm_connector.paged import gather_layers, scatter, scatter_bytes
 
 
 class BlockKV(KVBuffer):
@@ -69,8 +69,7 @@ class BlockKV(KVBuffer):
     def gather(self, start: int, end: int) -> torch.Tensor:
         """A copy of positions [start, end) of every layer out of the blocks: [L, 2, Hkv, T, D] (to store chunks
         recomputed there)."""
-        return torch.stack([gather(cache, self.layout, self.block_ids, self.block_size, start, end)
-                            for cache in self.caches.values()])
+        return gather_layers(self.caches.values(), self.layout, self.block_ids, self.block_size, start, end)
 
     def _write_layer(self, cache: torch.Tensor, start: int, part: torch.Tensor) -> None:
         if self._stream is None:

@@ -17,7 +17,7 @@ Both functions take positions [start, end) and the request's block ids, and copy
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -66,6 +66,12 @@ def gather(cache: torch.Tensor, layout: str, block_ids: Sequence[int], block_siz
         rows = cache[blk, :, off]  # [T, Hkv, 2*D]
         k, v = rows.chunk(2, dim=-1)  # [T, Hkv, D] each
     return torch.stack([k, v]).transpose(1, 2).contiguous()  # [2, Hkv, T, D]
+
+
+def gather_layers(caches: Iterable[torch.Tensor], layout: str, block_ids: Sequence[int], block_size: int, start: int,
+                  end: int) -> torch.Tensor:
+    """A copy of positions [start, end) of every layer's cache in `caches`, in order: [L, 2, Hkv, T, D]."""
+    return torch.stack([gather(cache, layout, block_ids, block_size, start, end) for cache in caches])
 
 
 def scatter(cache: torch.Tensor, layout: str, block_ids: Sequence[int], block_size: int, start: int,

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from cacheflow_common.kv.chunk import encode_kv_chunk
-from cacheflow_common.kv.keys import ChunkKey, chunk_keys, object_name, tenant_salt
+from cacheflow_common.kv.keys import ChunkKey, chunk_keys, tenant_salt
 from cacheflow_common.restore.boundary import save_boundaries
 from cacheflow_common.restore.job import RestoreJob
-from cacheflow_common.restore.save import dtype_name
+from cacheflow_common.restore.save import dtype_name, put_chunk
 from cacheflow_common.restore.saver_thread import SaverThread
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.vllm_connector.model_identity import salted
@@ -44,7 +43,7 @@ class ConnectorSaves:
         """Queue chunks a restore recomputed because their load missed, each (key, its KV [L, 2, Hkv, C, D] for
         the job's layers); `salt`: the request's, as its keys'."""
         fingerprint = salted(self.fingerprint, salt)
-        self._thread.submit(request_id, lambda: [self._put_chunk(key, job.token_ids, kv, job.layers, fingerprint)
+        self._thread.submit(request_id, lambda: [self._put(key, job.token_ids, kv, job.layers, fingerprint)
                                                  for key, kv in chunks])
 
     def flush(self) -> None:
@@ -59,7 +58,9 @@ class ConnectorSaves:
         fingerprint = salted(self.fingerprint, spec.salt)
         every = tuple(chunk_keys(spec.token_ids, self.chunk_size, tenant_salt(fingerprint, self.tenant)))
         keys = [k for k in every if k.token_start >= spec.start]
-        written = sum(self._put(spec, key, kv, layers, fingerprint) for key in keys)
+        first = spec.start  # kv's first position
+        written = sum(self._put(key, spec.token_ids, kv[:, :, :, key.token_start - first : key.token_end - first],
+                                layers, fingerprint) for key in keys)  # each chunk's [b - a, 2, Hkv, C, D]
         if captures and hidden is None:  # this rank cannot restore these chunks: vLLM will recompute them
             self.event("boundary_missing", req=spec.req_id, chunks=len(keys), layer=layers.start)
         elif hidden is not None:
@@ -68,14 +69,8 @@ class ConnectorSaves:
                                        keys=keys, first_row_token=spec.start)
         self.event("save", req=spec.req_id, chunks=len(keys), bytes=written, tokens_end=len(spec.token_ids))
 
-    def _put(self, spec: SaveSpec, key: ChunkKey, kv: torch.Tensor, layers: range, fingerprint: str) -> int:
-        part = kv[:, :, :, key.token_start - spec.start : key.token_end - spec.start]  # [b - a, 2, Hkv, C, D]
-        return self._put_chunk(key, spec.token_ids, part, layers, fingerprint)
-
-    def _put_chunk(self, key: ChunkKey, token_ids: tuple[int, ...], kv: torch.Tensor, layers: range,
-                   fingerprint: str) -> int:
+    def _put(self, key: ChunkKey, token_ids: tuple[int, ...], kv: torch.Tensor, layers: range, fingerprint: str
+             ) -> int:
         """Store one chunk: kv [b - a, 2, Hkv, C, D], its layers' KV in the cache's dtype; the bytes written."""
-        obj = encode_kv_chunk(key=key, token_ids=token_ids[key.token_start : key.token_end],
-                              model=fingerprint, layer_start=layers.start, kv=kv, dtype=self.kv_dtype)
-        self.store.put(object_name(key, "kv", layers.start, layers.stop), obj)
-        return len(obj)
+        return put_chunk(self.store, key, token_ids, kv, model_fingerprint=fingerprint, layers=layers,
+                         dtype=self.kv_dtype)

@@ -58,7 +58,7 @@ from cacheflow_services.vllm_connector.model_identity import (
     model_fingerprint,
     salted,
 )
-from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather, layer_index, scatter
+from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather_layers, layer_index, scatter
 from cacheflow_services.vllm_connector.paged_attention import PagedKV
 from cacheflow_services.vllm_connector.plan import LoadSpec, PromptRows, SaveSpec
 from cacheflow_services.vllm_connector.planned_split import planned_front, restore_split
@@ -346,8 +346,8 @@ class WorkerEngine:
     def save(self, spec: SaveSpec) -> None:
         """Copy the spec's new chunks out of vLLM's blocks, then store them off the forward thread."""
         end = len(spec.token_ids)
-        kv = torch.stack([gather(cache, self.layout, spec.block_ids, self.block_size, spec.start, end)
-                          for _, cache in self.caches])  # [b - a, 2, Hkv, T, D]
+        kv = gather_layers([cache for _, cache in self.caches], self.layout, spec.block_ids, self.block_size,
+                           spec.start, end)  # [b - a, 2, Hkv, T, D]
         hidden = None
         if self.captures:
             hidden = self.capture.take(spec.req_id, spec.start, end)  # [T, hidden] entering layer a, or None
@@ -390,7 +390,8 @@ def blocks_from(spec: LoadSpec, first: int, block_size: int) -> set[int]:
 
 
 def _recomputed(kv: KVBuffer, key: ChunkKey) -> torch.Tensor:
-    """The chunk's KV as a restore recomputed it: [L, 2, Hkv, C, D] (vLLM's model wrote a BlockKV's into the blocks)."""
+    """The chunk's KV as a restore recomputed it, in host memory for the saver's thread: [L, 2, Hkv, C, D]
+    (vLLM's model wrote a BlockKV's into the blocks)."""
     if isinstance(kv, BlockKV):
-        return kv.gather(key.token_start, key.token_end)
-    return kv.data[:, :, :, key.token_start : key.token_end]
+        return kv.gather(key.token_start, key.token_end).cpu()
+    return kv.data[:, :, :, key.token_start : key.token_end].cpu()
