@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from cacheflow_common.kv.keys import object_name
+from cacheflow_common.restore.loader import KVLoader
 from cacheflow_common.restore.save import make_job, save_prefix
 from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.paged import LAYOUTS, gather
 from cacheflow_services.vllm_connector.planned_split import planned_front, restore_split
+from cacheflow_services.vllm_connector.saves import ConnectorSaves
 from tests.factories import TINY_COSTS, tiny_model
 
 CHUNK, BS = 16, 8
@@ -107,3 +109,23 @@ def test_the_back_loads_into_the_blocks_up_to_the_first_miss(model):
     assert not got[:, :, :, :CHUNK].any() and not got[:, :, :, 4 * CHUNK :].any()  # vLLM's, and vLLM recomputes
     with pytest.raises(RuntimeError, match="vLLM's model"):
         restore_split(job, store, _blocks(model, n, 0)[0], None, start=0, front=CHUNK, prefill_tokens=2048)
+
+
+def test_chunks_recomputed_into_the_blocks_are_stored_from_there(model):
+    """After a miss the restore recomputes a chunk into the blocks; the connector stores it again from them,
+    and a later restore loads exactly what the blocks held."""
+    n = 3 * CHUNK
+    job, first = _job(model, n), MemoryStore()
+    reference = save_prefix(model, job, first).data  # [L, 2, Hkv, N, D]
+    kv, _ = _blocks(model, n, start=0, layout="cpu-vec")
+    restore_split(job, first, kv, None, start=0, front=0, prefill_tokens=2048)  # the blocks hold the prefix
+    again, events = MemoryStore(), []
+    saves = ConnectorSaves(again, lambda kind, **fields: events.append(kind), fingerprint=model.fingerprint(),
+                           dtype=torch.float32, kv_dtype="float32", chunk_size=CHUNK, tenant="t")
+    saves.store_again("r", [(job.keys[1], kv.gather(CHUNK, 2 * CHUNK))], job, salt="")
+    saves.close()
+    assert not events  # no save_error
+    loaded = model.new_kv(job.layers, n)
+    loader = KVLoader(store=again, keys=job.keys, layers=job.layers, kv=loaded, dtype=job.kv_dtype, quant=job.quant)
+    assert (loader.load_chunk(0), loader.load_chunk(1)) == ("absent", "")
+    assert torch.equal(loaded.data[:, :, :, CHUNK : 2 * CHUNK], reference[:, :, :, CHUNK : 2 * CHUNK])
