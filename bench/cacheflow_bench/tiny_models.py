@@ -5,7 +5,8 @@ and a tiny random LoRA adapter (adapter_config.json + adapter_model.safetensors)
 Every model: hidden 128, 2 layers, 4 query / 2 KV heads of 32 dims (vLLM's CPU attention runs its `vec`
 kernel on multiples of 32), vocab 1024, float32; DeepSeek-V2's MLA latent is 256 + 64 rope dims (vLLM's MLA
 takes 320, 512 or 576). Random weights at the usual 0.02 give near-uniform logits
-(greedy ties); larger ones (`STD`) give peaked, prompt-dependent outputs, so a wrong KV shows in the tokens.
+(greedy ties); larger ones (`STD`, `FAMILY_STD`) give peaked outputs that depend on the whole prompt, so a
+wrong KV shows in the tokens.
 
     python -m cacheflow_bench.tiny_models FAMILY DIR
 """
@@ -45,6 +46,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                     "n_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
                                     "n_group": 1, "topk_group": 1}),
     "qwen3_yarn": ("qwen3", {"rope_parameters": YARN}),
+    # one sliding-window layer, then one global one, each with its own rope base
+    "gemma3": ("gemma3_text", {"sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"],
+                               "query_pre_attn_scalar": 32, "tie_word_embeddings": True}),
+    "glm4": ("glm4", {}),  # half the head's dims rotated, biased q/k/v, norms after attention and MLP too
     # FP8 weights with block scales (see `to_fp8`); 64-dim heads: o_proj's input split over 2 TP ranks must
     # still hold whole 128-column blocks
     "llama_fp8": ("llama", {"head_dim": 64}),
@@ -56,6 +61,11 @@ RUN_DTYPE = {"llama_fp8": "bfloat16", "deepseek_v2": "bfloat16"}
 # standard deviations of the random weights by name; norms keep their initial values
 STD = {"embed_tokens": 1.0, "lm_head": 0.2}
 OTHER_STD = 0.08
+# Families whose embeddings reach the residual stream scaled up (Gemma: by sqrt(hidden), and tied to the
+# output; Granite: by `embedding_multiplier`, its layers' outputs scaled down): at STD's 1.0 the last token's
+# embedding decides every greedy token, so no KV (right or wrong) would change them. Smaller ones make the
+# tokens depend on the prefix (tests/bench/test_tiny_models.py).
+FAMILY_STD = {family: {"embed_tokens": 0.01} for family in ("gemma2", "gemma3", "granite")}
 FP8_MAX = 448.0  # float8_e4m3fn
 # FP8 weights' scale blocks, [output rows, input columns]: vLLM's CPU kernel (W8A16) takes 128 input
 # columns only; every output side here is a multiple of 32
@@ -81,10 +91,11 @@ def build(family: str, seed: int = 0) -> Any:
     logging.disable_progress_bar()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32)
+    stds = {**STD, **FAMILY_STD.get(family, {})}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" not in name:
-                param.normal_(0.0, next((s for k, s in STD.items() if k in name), OTHER_STD))
+                param.normal_(0.0, next((s for k, s in stds.items() if k in name), OTHER_STD))
     return model
 
 
