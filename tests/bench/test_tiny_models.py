@@ -22,7 +22,7 @@ def greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
 
 
 def swapped(prompt: list[int], chunk: int, rng: random.Random) -> list[int]:
-    """`prompt` with chunk `chunk` of its prefix replaced by other tokens (as if another prompt's KV were restored there)."""
+    """`prompt` with chunk `chunk` of its prefix replaced by other tokens (another prompt's KV restored there)."""
     start = chunk * CHUNK
     return [*prompt[:start], *(rng.randrange(tiny_models.VOCAB) for _ in range(CHUNK)), *prompt[start + CHUNK:]]
 
