@@ -34,7 +34,7 @@ class KVBuffer:
         return cls(layer_start=layers.start, layer_end=layers.stop, num_kv_heads=config.num_kv_heads,
                    head_dim=config.head_dim, capacity=capacity, dtype=dtype, device=device)
 
-    def landing(self, max_bytes: int) -> StagedLanding | None:
+    def landing(self) -> StagedLanding | None:
         """Where the loader lands chunks when it cannot read them straight into `data` (None: the loader's
         default, by the device). A buffer whose KV lives elsewhere says where."""
         return None

@@ -1,20 +1,21 @@
 """The I/O side of a restore: read chunk objects (or one layer's section of each) and land them in the KV buffer.
 
 It moves bytes only: no torch ops, so it does not fight the forward pass for torch's thread pool on the
-same cores. An unquantized chunk bound for a CPU buffer lands where it belongs as it is read: the store
-scatters each section's payload straight into the buffer's rows (`readv_into`; over TCP the kernel
-copies it there), its header into a small staging area, and the section is checked in place. Others
-(int8 chunks, dequantized on landing; a KV buffer in GPU memory, filled through `DeviceLanding`: pinned
-host buffer, copy on its own stream; a buffer with a landing of its own, `KVBuffer.landing`) are read into a
-staging buffer, checked, then copied.
+same cores. An unquantized chunk lands where it belongs as it is read: the store scatters each section's
+payload straight into its rows (`readv_into`; over TCP the kernel copies it there), its header into a small
+staging area, and the section is checked in place. The rows are a CPU buffer's own, or, for a buffer the
+loader cannot write directly (in GPU memory: `DeviceLanding`, pinned host area, copy on its own stream; one
+that says where its loads land: `KVBuffer.landing`), those of a host area shaped like the unit, pushed to the
+buffer once checked. int8 chunks are read into staging, checked, then dequantized into the rows.
 
 A load returns "" on success or the reason it missed. A miss leaves its unit's rows holding whatever
 arrived, which nothing reads: the unit is not loaded, so it is recomputed (which overwrites them), and
 attention reads only units that are loaded or computed.
 
 Several threads may load different units of one request at once (a stage worker's channels), each
-with a staging buffer of its own (`staging`, at least `staging_bytes` long); without one, the loader's
-own buffer is used (allocated on first use), which only one thread may do at a time.
+with a staging buffer of its own (`staging`, at least `staging_bytes` long: headers only, unless int8) and,
+through a landing, a host area of its own; without a staging buffer, the loader's own is used (allocated on
+first use), which only one thread may do at a time.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ from cacheflow_common.store.base import ChunkStore
 def staging_buffer(nbytes: int) -> memoryview:
     """A staging buffer of `nbytes`, not zero-filled (a load writes every byte it then reads)."""
     return np.empty(nbytes, np.uint8).data  # [nbytes]
+
+
+def as_bytes(kv: torch.Tensor) -> np.ndarray:
+    """uint8 [..., D * itemsize] sharing memory with a CPU tensor `kv` [..., D]."""
+    return kv.view(torch.uint8).numpy()
 
 
 class KVLoader:
@@ -78,21 +84,19 @@ class KVLoader:
         ]
         # CPU: land straight into kv.data, [n_buf_layers, 2, Hkv, capacity, D * itemsize] bytes sharing its memory.
         # GPU: land in a pinned host buffer, then copy to the device. A buffer may say where its KV lands instead.
-        landed = self._landed_bytes()
-        self._staged = kv.landing(landed) or (DeviceLanding(kv, landed) if kv.data.is_cuda else None)
-        self.direct = self._staged is None and quant == "none"  # read straight into kv.data's rows
+        self._staged = kv.landing() or (DeviceLanding(kv) if kv.data.is_cuda else None)
+        self.direct = quant == "none"  # sections read straight into their rows (of kv.data, or of a landing area)
         self.staging_bytes = self._staging_needed()
         self._staging: memoryview | None = None  # the loader's own, for callers that bring none
-        self._lock = threading.Lock()  # bytes_read, and the device landing's one pinned buffer
+        self._lock = threading.Lock()  # bytes_read
         self.bytes_read = 0
 
     def _staging_needed(self) -> int:
-        """Bytes of staging one load needs: the section headers when it lands directly, else whole units."""
-        most_sections = max(len(self.layers), len(self.keys))
+        """Bytes of staging one load needs: a unit's section headers when it is read in place, else the raw bytes
+        of the largest chunk (int8: dequantized from there, one chunk at a time)."""
         if self.direct:
-            return SECTION_HEADER_SIZE * most_sections
-        largest = max((lay.sections_size for lay in self.layouts), default=0)
-        return max(largest, sum(lay.section_size for lay in self.layouts))
+            return SECTION_HEADER_SIZE * len(self.layers)
+        return max((lay.sections_size for lay in self.layouts), default=0)
 
     def _staging_of(self, staging: memoryview | None) -> memoryview:
         if staging is not None:
@@ -117,32 +121,64 @@ class KVLoader:
 
     def load_chunk(self, index: int, staging: memoryview | None = None) -> str:
         """Token mode: every layer of chunk `index` in one read. Returns "" or the miss reason."""
-        layout = self.layouts[index]
+        staging, key = self._staging_of(staging), self.keys[index]
+        if self._staged is None:
+            return self._chunk_into(index, self._host_kv(), key.token_start, staging)
+        with self._staged.tokens_area(key.token_end - key.token_start) as staged:
+            reason = self._chunk_into(index, as_bytes(staged), 0, staging)
+            if not reason:
+                self._staged.push_tokens(staged, key.token_start)
+        return reason
+
+    def _chunk_into(self, index: int, dst: np.ndarray, token_start: int, staging: memoryview) -> str:
+        """Every layer of chunk `index` into the rows of `dst` (layers from `kv.layer_start`) from `token_start`."""
         if self.direct:
-            return self._load_direct(index, list(self.layers), self._staging_of(staging), 0)
-        buf = self._staging_of(staging)[: layout.sections_size]
+            return self._read_in_place(index, list(self.layers), dst, self.kv.layer_start, token_start, staging, 0)
+        layout = self.layouts[index]
+        buf = staging[: layout.sections_size]
         if not self.store.read_into(self.names(index), buf, 0):
             return "absent"
         self._count(len(buf))
-        key = self.keys[index]
-        if self._staged is None:
-            return self._landed(buf, layout, key, self._host_kv(), key.token_start)
-        with self._lock:
-            reason = self._landed(buf, layout, key, self._staged.tokens_target(layout.n_tokens), 0)
-            if not reason:
-                self._staged.push_tokens(key.token_start, key.token_end)
-        return reason
-
-    def _landed(self, buf: memoryview, layout: ChunkLayout, key: ChunkKey, dst: np.ndarray, token_start: int) -> str:
-        check = land_kv_sections(buf, layout=layout, key=key, layers=self.layers, dst=dst,
+        check = land_kv_sections(buf, layout=layout, key=self.keys[index], layers=self.layers, dst=dst,
                                  dst_layer_start=self.kv.layer_start, token_start=token_start)
         return "" if check.ok else check.reason
 
-    def _load_direct(self, index: int, layers: list[int], headers: memoryview, offset: int) -> str:
+    def load_layer(self, layer: int, staging: memoryview | None = None) -> str:
+        """Layer mode: layer `layer` of every chunk, one ranged read per chunk. Returns "" or the miss reason."""
+        staging = self._staging_of(staging)
+        if self._staged is None:
+            return self._layer_into(layer, self._host_kv(), self.kv.layer_start, staging)
+        with self._staged.layer_area(self.keys[-1].token_end) as staged:
+            reason = self._layer_into(layer, as_bytes(staged), layer, staging)
+            if not reason:
+                self._staged.push_layer(staged, layer)
+        return reason
+
+    def _layer_into(self, layer: int, dst: np.ndarray, dst_layer_start: int, staging: memoryview) -> str:
+        """Layer `layer` of every chunk into the rows of `dst` (whose layers start at `dst_layer_start`)."""
+        for i, (layout, key) in enumerate(zip(self.layouts, self.keys, strict=True)):
+            offset = layout.section_offset(layer)
+            if self.direct:
+                reason = self._read_in_place(i, [layer], dst, dst_layer_start, key.token_start, staging, offset)
+                if reason:
+                    return reason
+                continue
+            buf = staging[: layout.section_size]
+            if not self.store.read_into(self.names(i), buf, offset):
+                return "absent"
+            self._count(len(buf))
+            check = land_kv_sections(buf, layout=layout, key=key, layers=range(layer, layer + 1), dst=dst,
+                                     dst_layer_start=dst_layer_start, token_start=key.token_start)
+            if not check.ok:
+                return check.reason
+        return ""
+
+    def _read_in_place(self, index: int, layers: list[int], dst: np.ndarray, dst_layer_start: int, token_start: int,
+                       headers: memoryview, offset: int) -> str:
         """Read the sections of `layers` (consecutive) of chunk `index`, from byte `offset` of its object,
-        straight into the KV buffer's rows, then check them in place; headers go to `headers`."""
-        layout, key, dst = self.layouts[index], self.keys[index], self._host_kv()
-        sections = [kv_landing_views(layout, layer, dst, self.kv.layer_start, key.token_start,
+        straight into the rows of `dst` from `token_start`, then check them in place; headers go to `headers`."""
+        layout, key = self.layouts[index], self.keys[index]
+        sections = [kv_landing_views(layout, layer, dst, dst_layer_start, token_start,
                                      headers[i * SECTION_HEADER_SIZE :]) for i, layer in enumerate(layers)]
         if not self.store.readv_into(self.names(index), [v for views in sections for v in views], offset):
             return "absent"
@@ -153,57 +189,13 @@ class KVLoader:
                 return check.reason
         return ""
 
-    def load_layer(self, layer: int, staging: memoryview | None = None) -> str:
-        """Layer mode: layer `layer` of every chunk, one ranged read per chunk. Returns "" or the miss reason."""
-        staging = self._staging_of(staging)
-        if self.direct:
-            for i, layout in enumerate(self.layouts):
-                reason = self._load_direct(i, [layer], staging, layout.section_offset(layer))
-                if reason:
-                    return reason
-            return ""
-        offset = 0
-        spans: list[tuple[int, memoryview]] = []
-        for i, layout in enumerate(self.layouts):
-            buf = staging[offset : offset + layout.section_size]
-            if not self.store.read_into(self.names(i), buf, layout.section_offset(layer)):
-                return "absent"
-            self._count(len(buf))
-            spans.append((i, buf))
-            offset += layout.section_size
-        if self._staged is not None:
-            with self._lock:
-                return self._land_layer(layer, spans)
-        return self._land_layer(layer, spans)
-
     def _count(self, n_bytes: int) -> None:
         with self._lock:
             self.bytes_read += n_bytes
 
-    def _land_layer(self, layer: int, spans: list[tuple[int, memoryview]]) -> str:
-        n_tokens = self.keys[-1].token_end
-        dst, dst_layer_start = (self._host_kv(), self.kv.layer_start) if self._staged is None else (
-            self._staged.layer_target(n_tokens), layer)
-        for i, buf in spans:
-            check = land_kv_sections(buf, layout=self.layouts[i], key=self.keys[i], layers=range(layer, layer + 1),
-                                     dst=dst, dst_layer_start=dst_layer_start, token_start=self.keys[i].token_start)
-            if not check.ok:
-                return check.reason
-        if self._staged is not None:
-            self._staged.push_layer(layer, n_tokens)
-        return ""
-
-    def _landed_bytes(self) -> int:
-        """The largest unit once dequantized: one chunk of every layer, or one layer of every chunk."""
-        _, _, heads, _, head_dim = self.kv.data.shape
-        per_token_layer = 2 * heads * head_dim * self.kv.data.element_size()
-        longest_chunk = max((k.token_end - k.token_start for k in self.keys), default=0)
-        n_tokens = self.keys[-1].token_end if self.keys else 0
-        return per_token_layer * max(len(self.layers) * longest_chunk, n_tokens)
-
     def _host_kv(self) -> np.ndarray:
         """uint8 [n_buf_layers, 2, Hkv, capacity, D * itemsize] sharing memory with a CPU `kv.data`."""
-        return self.kv.data.view(torch.uint8).numpy()
+        return as_bytes(self.kv.data)
 
     def chunk_bytes(self, index: int) -> int:
         return self.layouts[index].sections_size

@@ -5,11 +5,14 @@ tensor-parallel vLLM ranks."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
+
 import pytest
 import torch
 
 from cacheflow_common.kv.keys import object_name
-from cacheflow_common.restore.loader import KVLoader
+from cacheflow_common.restore.loader import KVLoader, staging_buffer
 from cacheflow_common.restore.save import make_job, save_prefix
 from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.store.memory import MemoryStore
@@ -129,3 +132,49 @@ def test_chunks_recomputed_into_the_blocks_are_stored_from_there(model):
     loader = KVLoader(store=again, keys=job.keys, layers=job.layers, kv=loaded, dtype=job.kv_dtype, quant=job.quant)
     assert (loader.load_chunk(0), loader.load_chunk(1)) == ("absent", "")
     assert torch.equal(loaded.data[:, :, :, CHUNK : 2 * CHUNK], reference[:, :, :, CHUNK : 2 * CHUNK])
+
+
+class MeetingStore(MemoryStore):
+    """The first reads wait until `parties` of them are in flight at once (or time out: then the test fails)."""
+
+    def __init__(self, parties: int) -> None:
+        super().__init__()
+        self._barrier = threading.Barrier(parties, timeout=10)
+        self._met = threading.Event()
+
+    def readv_into(self, name: str, views: Sequence[memoryview], offset: int = 0) -> bool:
+        if not self._met.is_set():
+            self._barrier.wait()
+            self._met.set()
+        return super().readv_into(name, views, offset)
+
+
+@pytest.mark.parametrize(("quant", "unit"), [("none", "chunk"), ("int8", "chunk"), ("none", "layer")])
+def test_readers_land_units_of_one_request_in_its_blocks_at_once(model, quant, unit):
+    """Each reader (a channel) lands its unit in a host area of its own before it goes into the blocks, so two
+    readers of one request never wait for each other (the store lets no read through until both read), and
+    what reaches the blocks is what a CPU buffer of the restore's own would hold (int8: dequantized alike)."""
+    n = 4 * CHUNK
+    job, store = make_job(model, [i % model.config.vocab_size for i in range(n)], tenant="t", chunk_size=CHUNK,
+                          quant=quant), MeetingStore(parties=2)
+    save_prefix(model, job, store)
+    own = model.new_kv(job.layers, n)  # the reference: a CPU buffer, loaded in place
+    plain = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=own, dtype=job.kv_dtype, quant=quant)
+    kv, caches = _blocks(model, n, start=0)
+    loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=quant)
+    load = loader.load_chunk if unit == "chunk" else loader.load_layer
+    units = range(len(job.keys)) if unit == "chunk" else job.layers
+    reasons: list[str] = []
+
+    def reader(mine: range) -> None:
+        staging = staging_buffer(loader.staging_bytes)
+        reasons.extend(load(u, staging) for u in mine)
+
+    threads = [threading.Thread(target=reader, args=(units[i::2],)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert reasons == [""] * len(units)
+    assert all(not (plain.load_chunk(i) if unit == "chunk" else plain.load_layer(i)) for i in units)
+    assert torch.equal(_in_blocks(caches, "split", n), own.data)

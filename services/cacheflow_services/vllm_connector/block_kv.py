@@ -42,8 +42,8 @@ class BlockKV(KVBuffer):
         self._lock = threading.Lock()  # one write at a time, and none after `seal`
         self._sealed = False
 
-    def landing(self, max_bytes: int) -> BlockLanding:
-        return BlockLanding(self, max_bytes)
+    def landing(self) -> BlockLanding:
+        return BlockLanding(self)
 
     def seal(self) -> None:
         with self._lock:
@@ -80,13 +80,13 @@ class BlockKV(KVBuffer):
 
 
 class BlockLanding(StagedLanding):
-    """Loaded chunks (or layers) into a `BlockKV`'s blocks: each is landed and checked in a host staging area
-    (pinned for a GPU cache), then written into the blocks."""
+    """Loaded chunks (or layers) into a `BlockKV`'s blocks: each is read and checked in a host area (pinned for
+    a GPU cache), then written into the blocks."""
 
     kv: BlockKV
 
-    def push_tokens(self, start: int, end: int) -> None:
-        self.kv.write_loaded(range(self.kv.layer_start, self.kv.layer_end), start, self.tokens(end - start))
+    def push_tokens(self, staged: torch.Tensor, start: int) -> None:
+        self.kv.write_loaded(range(self.kv.layer_start, self.kv.layer_end), start, staged)
 
-    def push_layer(self, layer: int, n_tokens: int) -> None:
-        self.kv.write_loaded(range(layer, layer + 1), 0, self.layer_tokens(n_tokens))
+    def push_layer(self, staged: torch.Tensor, layer: int) -> None:
+        self.kv.write_loaded(range(layer, layer + 1), 0, staged)
