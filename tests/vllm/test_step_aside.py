@@ -144,7 +144,7 @@ def test_tensor_parallel_ranks_restore_their_own_heads(cluster: dict[str, Any],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """TP 2: each rank stores and restores the chunks of its own KV heads; the second pass restores every prompt
     on both ranks with the same planned split (the front recomputed with vLLM's model in lockstep, the back
-    loaded), with vLLM's own outputs."""
+    loaded in the background), with vLLM's own outputs."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     model_dir = cluster["root"] / "tiny-qwen3-tp"
     save_tiny_qwen3(model_dir, seed=5)
@@ -159,6 +159,7 @@ def test_tensor_parallel_ranks_restore_their_own_heads(cluster: dict[str, Any],
     assert sorted((e["tp_rank"], e["tokens"], e["computed"], e["loaded"]) for e in restores) == [
         (0, 192, 1, 2), (0, 320, 2, 3), (1, 192, 1, 2), (1, 320, 2, 3)]
     assert all(not e["misses"] and e["written"] == e["tokens"] for e in restores)
+    assert all(e["asynchronous"] for e in restores)  # the back loaded while vLLM stepped on (planned_loads.py)
 
 
 def test_lora_requests_restore_only_their_adapters_chunks(cluster: dict[str, Any]) -> None:
@@ -185,5 +186,6 @@ def test_lora_requests_restore_only_their_adapters_chunks(cluster: dict[str, Any
     for e in _events(stats, "restore"):
         restores.setdefault(e["req"].split("-")[0], []).append(e)  # "{pass}-{n}-{vLLM suffix}"
     assert set(restores) == {"lora2", "base2"}  # nothing restored across the adapter boundary
-    assert all(e["computed"] == 0 and e["loaded"] == e["tokens"] // CHUNK for e in restores["lora2"])
+    assert all(e["computed"] == 0 and e["loaded"] == e["tokens"] // CHUNK and e["asynchronous"]
+               for e in restores["lora2"])
     assert [e["tokens"] for e in restores["base2"]] == [192, 320]

@@ -105,16 +105,16 @@ class CacheFlowConnector(KVConnectorBase_V1):
         if pipeline and self.cfg.runtime == "vllm":
             log.info("pipeline ranks restore from boundary activations with CacheFlow's runtime (runtime: cacheflow)")
             self.cfg = replace(self.cfg, runtime="cacheflow")
-        # Restores run in vLLM's step, with their meeting point planned before they start, under tensor parallelism
-        # (a rank's forward needs every other rank's in lockstep: planned_split.py); by loads alone, vLLM
-        # recomputing from the first miss, with LoRA on (vLLM's LoRA layers apply the adapters its last step set
-        # up to any forward; measured: a base prompt restored right after a LoRA batch gave other tokens).
+        # Restores have their meeting point planned before they start under tensor parallelism (a rank's forward
+        # needs every other rank's in lockstep: planned_split.py), and run by loads alone, vLLM recomputing from
+        # the first miss, with LoRA on (vLLM's LoRA layers apply the adapters its last step set up to any
+        # forward; measured: a base prompt restored right after a LoRA batch gave other tokens).
         self._tensor_parallel = vllm_config.parallel_config.tensor_parallel_size > 1
         self._loads_only = self.cfg.runtime == "vllm" and vllm_config.lora_config is not None
         if self._loads_only:
             log.info("CacheFlow restores by loading chunks only (LoRA is on: no recompute beside vLLM's adapters)")
         elif self._tensor_parallel:
-            log.info("CacheFlow restores in vLLM's step, with a meeting point planned up front (tensor parallelism)")
+            log.info("CacheFlow restores with a meeting point planned up front (tensor parallelism)")
         self.inactive = self._resolve_model(model_config.revision) \
             or unsupported(vllm_config, self.cfg.model, self.cfg.runtime) or unsupported_cache(kv_cache_config)
         try:
@@ -155,18 +155,14 @@ class CacheFlowConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The tokens CacheFlow can restore past vLLM's own hit, and whether it restores them in the background
-        (`async_loads`: the request waits in WAITING_FOR_REMOTE_KVS while the batch goes on; a request restored
-        by loads alone, or on tensor-parallel ranks, in vLLM's step)."""
+        (`async_loads`: the request waits in WAITING_FOR_REMOTE_KVS while the batch goes on; on tensor-parallel
+        ranks its front is recomputed in the step that starts it, `planned_loads.py`)."""
         keying = self._keying(request) if self._plan is not None else None
         if self._plan is None or keying is None:
             return 0, False
         matched = self._plan.matched(request.request_id, list(request.prompt_token_ids or ()), num_computed_tokens,
                                      keying)
-        return matched, matched > 0 and self._in_background(keying)
-
-    def _in_background(self, keying: Keying) -> bool:
-        """Whether a request's restore runs in the background while it waits (else in vLLM's step)."""
-        return self.cfg.async_loads and not keying.load_only and not self._tensor_parallel
+        return matched, matched > 0 and self.cfg.async_loads
 
     def _keying(self, request: Request) -> Keying | None:
         """How the request's chunks are keyed, or None where the connector leaves it to vLLM (said once per
@@ -189,7 +185,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._plan is None or request.request_id in self._declined:
             return
-        if self._in_background(self._plan.keying(request.request_id)):
+        if self.cfg.async_loads:
             self._plan.allocated_in_background(request.request_id, list(request.prompt_token_ids or ()),
                                                blocks.get_block_ids()[0], num_external_tokens)
         else:

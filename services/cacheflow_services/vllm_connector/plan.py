@@ -22,7 +22,7 @@ class LoadSpec:
     block_ids: tuple[int, ...]  # the request's vLLM blocks, from position 0
     start: int  # vLLM's own prefix-cache hit ends here: only positions [start, N) are written
     salt: str = ""  # what else its chunk keys are salted with (a LoRA adapter, a cache_salt: support.py)
-    load_only: bool = False  # restored in vLLM's step by loads alone (a LoRA request: nothing recomputes it)
+    load_only: bool = False  # restored by loads alone (LoRA is on: nothing recomputes beside vLLM)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ Without a profile there is no cost to plan with, and where nothing may recompute
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -59,26 +60,93 @@ def planned_front(job: RestoreJob, *, start: int, costs: CostModel | None, polic
 def restore_split(job: RestoreJob, store: ChunkStore, kv: BlockKV, model: VllmRuntime | None, *, start: int,
                   front: int, prefill_tokens: int) -> Split:
     """Recompute positions [start, front) with vLLM's `model` while a thread loads the job's chunks from
-    `front` on, in order, until one misses (each written into the blocks as it lands)."""
+    `front` on, in order, until one misses (each written into the blocks as it lands); returns once both end."""
+    running = start_split(job, store, kv, model, start=start, front=front, prefill_tokens=prefill_tokens)
+    running.join()
+    return running.result()
+
+
+def start_split(job: RestoreJob, store: ChunkStore, kv: BlockKV, model: VllmRuntime | None, *, start: int,
+                front: int, prefill_tokens: int, on_loaded: Callable[[], None] = lambda: None) -> RunningSplit:
+    """Start the back's loads on a thread of their own, recompute the front (positions [start, front)) with
+    vLLM's `model` meanwhile, and return with the loads still running (`on_loaded`: called on the load thread
+    once they end). A front that fails stops the loads (and seals the blocks) before it raises."""
     loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
     back = [unit for unit, key in enumerate(job.keys) if key.token_end > max(start, front)]
-    loaded: list[str] = []  # the back's miss reasons, in order, up to the first miss
-    thread = threading.Thread(target=_load, args=(loader, back, loaded), name="cacheflow-tp-loads", daemon=True)
-    thread.start()
+    loads = BackLoads(loader, back, on_loaded)
     try:
         computed = _recompute(job, kv, model, start, front, prefill_tokens) if front > start else 0
-    finally:
-        thread.join()
-    hits = loaded[:-1] if loaded and loaded[-1] else loaded
-    end = job.keys[back[len(hits) - 1]].token_end if hits else max(start, front)
-    return Split(end, computed, len(hits), loader.bytes_read, loaded[-1] if loaded else "")
+    except BaseException:
+        loads.stop()
+        kv.seal()
+        raise
+    return RunningSplit(job, kv, loads, computed, max(start, front))
 
 
-def _load(loader: KVLoader, units: list[int], reasons: list[str]) -> None:
-    for unit in units:
-        reasons.append(loader.load_chunk(unit))
-        if reasons[-1]:
-            return
+class BackLoads:
+    """A planned restore's back: its chunks loaded in order on a thread of its own, until one misses or `stop`."""
+
+    def __init__(self, loader: KVLoader, units: list[int], on_loaded: Callable[[], None]) -> None:
+        self.loader = loader
+        self.units = units
+        self.reasons: list[str] = []  # each chunk's miss reason ("": loaded), in order, up to the first miss
+        self._stopped = threading.Event()
+        self._ended = threading.Event()
+        self._on_loaded = on_loaded
+        self._thread = threading.Thread(target=self._run, name="cacheflow-planned-loads", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for unit in self.units:
+                if self._stopped.is_set():
+                    return
+                self.reasons.append(self.loader.load_chunk(unit))
+                if self.reasons[-1]:
+                    return
+        finally:
+            self._ended.set()
+            self._on_loaded()
+
+    def stop(self) -> None:
+        """Load no further chunk (one being read goes on: seal the blocks to keep it out of them)."""
+        self._stopped.set()
+
+    @property
+    def ended(self) -> bool:
+        """No chunk loads any more (the thread may still be on its way out)."""
+        return self._ended.is_set()
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+class RunningSplit:
+    """A planned restore whose front is in the blocks and whose back may still be loading."""
+
+    def __init__(self, job: RestoreJob, kv: BlockKV, loads: BackLoads, computed: int, front: int) -> None:
+        self.job = job
+        self.kv = kv
+        self.loads = loads
+        self.computed = computed
+        self.front = front  # the back's loads start here
+
+    def join(self) -> None:
+        self.loads.join()
+
+    def result(self, *, stop: bool = False) -> Split:
+        """What is in the blocks, which no load writes into once this returns (`stop`: load no further chunk;
+        a write in progress finishes first): the front, then the chunks loaded in order up to the first miss,
+        or up to the last one landed by now (those landing meanwhile count as missed: vLLM recomputes them)."""
+        if stop:
+            self.loads.stop()
+        reasons = list(self.loads.reasons)  # before the seal: each was written before it was listed
+        self.kv.seal()
+        hits = reasons[:-1] if reasons and reasons[-1] else reasons
+        units = self.loads.units
+        end = self.job.keys[units[len(hits) - 1]].token_end if hits else self.front
+        miss = reasons[-1] if reasons and reasons[-1] else ("stopped" if len(hits) < len(units) else "")
+        return Split(end, self.computed, len(hits), self.loads.loader.bytes_read, miss)
 
 
 def _recompute(job: RestoreJob, kv: BlockKV, model: VllmRuntime | None, start: int, front: int,

@@ -29,7 +29,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,8 @@ from cacheflow_services.vllm_connector.model_identity import (
 from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather_layers, layer_index, scatter
 from cacheflow_services.vllm_connector.paged_attention import PagedKV
 from cacheflow_services.vllm_connector.plan import LoadSpec, PromptRows, SaveSpec
-from cacheflow_services.vllm_connector.planned_split import planned_front, restore_split
+from cacheflow_services.vllm_connector.planned_loads import PlannedLoads
+from cacheflow_services.vllm_connector.planned_split import RunningSplit, Split, planned_front, start_split
 from cacheflow_services.vllm_connector.ranks import BoundaryCapture, StepSlots, rank_layers
 from cacheflow_services.vllm_connector.restorer import PREFILL_TOKENS, engine_settings
 from cacheflow_services.vllm_connector.runtime import RuntimeChoice, VllmModel
@@ -138,6 +139,7 @@ class WorkerEngine:
         self.attention_isa = attention_isa if cfg.attention == "vllm" else ""
         self._engine: Engine | None = None  # started at the first restore
         self._async = AsyncLoads(self, timeout_s=cfg.restore_timeout_s) if cfg.async_loads else None
+        self._planned = PlannedLoads(self, timeout_s=cfg.restore_timeout_s) if cfg.async_loads else None
         self._runtime.choose(self.layers, final=False)
 
     # ------------------------------------------------------------------------------------ runtime
@@ -196,7 +198,7 @@ class WorkerEngine:
         on tensor-parallel ranks and by loads alone where nothing may recompute them (`_restore_planned`).
         Returns the block ids vLLM must recompute (those of every restore that failed outright, and of misses
         with `on_miss="vllm"`)."""
-        planned = [s for s in specs if s.load_only or self.tp_rank is not None]
+        planned = [s for s in specs if self._plans_ahead(s)]
         failed = self._restore_planned(planned) if planned else set()
         specs = [s for s in specs if s not in planned]
         if not specs:
@@ -224,44 +226,64 @@ class WorkerEngine:
                 failed |= self.land(spec, jobs[spec.req_id], outcome, batch=len(jobs) if together else 1)
         return failed
 
+    def _plans_ahead(self, spec: LoadSpec) -> bool:
+        """Whether a restore's meeting point is planned before it starts (planned_split.py): on tensor-parallel
+        ranks, and for restores by loads alone."""
+        return spec.load_only or self.tp_rank is not None
+
     def _restore_planned(self, specs: Sequence[LoadSpec]) -> set[int]:
-        """Restores whose meeting point is planned before they start (planned_split.py), one after another in
-        the scheduler's order (every tensor-parallel rank runs the same forwards): the front recomputed with
-        vLLM's model while the back loads, up to the first miss; vLLM recomputes the rest."""
+        """Planned restores in vLLM's step, one after another in the scheduler's order (every tensor-parallel
+        rank runs the same forwards): the front recomputed with vLLM's model while the back loads, up to the
+        first miss; vLLM recomputes the rest."""
         failed: set[int] = set()
-        model = self.model if isinstance(self.model, VllmRuntime) else None
-        costs = self.profile.cost_model(self.link) if self.profile is not None else None
         for spec in specs:
             started = time.perf_counter()
             try:
-                job = self.job(spec)
-                front = spec.start if spec.load_only or model is None else planned_front(
-                    job, start=spec.start, costs=costs, policy=make_policy(self.policy),
-                    kv_bytes=model.kv_bytes_per_token_per_layer)
-                done = restore_split(job, self.store, self._block_kv(spec, job), model, start=spec.start, front=front,
-                                     prefill_tokens=PREFILL_TOKENS)
+                running = self.start_split(spec)
             except Exception as exc:
                 failed |= self.failed_load(spec, exc)
                 continue
-            self.stats.event("restore", req=spec.req_id, tokens=len(spec.token_ids), written=done.end - spec.start,
-                             policy="load-only" if front == spec.start else self.policy, mode="token",
-                             computed=done.computed, loaded=done.loaded, misses={done.miss: 1} if done.miss else {},
-                             bytes_loaded=done.bytes_read, batch=1, elapsed_s=time.perf_counter() - started,
-                             runtime=self.runtime, asynchronous=False, attention="vllm", tp_rank=self.tp_rank)
-            if done.miss:
-                failed |= blocks_from(spec, done.end, self.block_size)
+            running.join()
+            failed |= self.split_done(spec, running.result(), elapsed_s=time.perf_counter() - started,
+                                      asynchronous=False)
         return failed
 
+    def start_split(self, spec: LoadSpec, *, on_loaded: Callable[[], None] = lambda: None) -> RunningSplit:
+        """A planned restore started: its back loading on a thread, its front recomputed (returns after it)."""
+        model = self.model if isinstance(self.model, VllmRuntime) else None
+        costs = self.profile.cost_model(self.link) if self.profile is not None else None
+        job = self.job(spec)
+        front = spec.start if spec.load_only or model is None else planned_front(
+            job, start=spec.start, costs=costs, policy=make_policy(self.policy),
+            kv_bytes=model.kv_bytes_per_token_per_layer)
+        return start_split(job, self.store, self._block_kv(spec, job), model, start=spec.start, front=front,
+                           prefill_tokens=PREFILL_TOKENS, on_loaded=on_loaded)
+
+    def split_done(self, spec: LoadSpec, done: Split, *, elapsed_s: float, asynchronous: bool) -> set[int]:
+        """Log a planned restore that ended; the blocks vLLM must recompute (from its first miss on)."""
+        self.stats.event("restore", req=spec.req_id, tokens=len(spec.token_ids), written=done.end - spec.start,
+                         policy=self.policy if done.computed else "load-only", mode="token",
+                         computed=done.computed, loaded=done.loaded, misses={done.miss: 1} if done.miss else {},
+                         bytes_loaded=done.bytes_read, batch=1, elapsed_s=elapsed_s, runtime=self.runtime,
+                         asynchronous=asynchronous, attention="vllm", tp_rank=self.tp_rank)
+        return blocks_from(spec, done.end, self.block_size) if done.miss else set()
+
     def start_loads(self, specs: Sequence[LoadSpec]) -> None:
-        """Restore prefixes in the background (`async_loads`); `finished_loads` reports them."""
-        assert self._async is not None, "start_loads needs async_loads"
-        self._async.start(specs)
+        """Restore prefixes in the background (`async_loads`, `planned_loads`); `finished_loads` reports them."""
+        assert self._async is not None and self._planned is not None, "start_loads needs async_loads"
+        planned = [spec for spec in specs if self._plans_ahead(spec)]
+        if planned:
+            self._planned.start(planned)
+        if len(planned) < len(specs):
+            self._async.start([spec for spec in specs if not self._plans_ahead(spec)])
 
     def finished_loads(self, finished_requests: Sequence[str] | set[str], *, idle: bool) -> tuple[set[str], set[int]]:
         """Background restores that ended since the last call, and the block ids vLLM must recompute."""
-        if self._async is None:
+        if self._async is None or self._planned is None:
             return set(), set()
-        return self._async.collect(finished_requests, idle=idle)
+        done, failed = self._async.collect(finished_requests, idle=idle)  # drives the engine's restores, if any
+        planned_done, planned_failed = self._planned.collect(finished_requests, idle=idle and not self._async.in_flight)
+        return done | planned_done, failed | planned_failed
 
     def job(self, spec: LoadSpec) -> RestoreJob:
         return make_job(self.model, spec.token_ids, tenant=self.cfg.tenant, chunk_size=self.cfg.chunk_size,
@@ -362,6 +384,8 @@ class WorkerEngine:
         self.capture.detach()
         if self._async is not None:
             self._async.close()
+        if self._planned is not None:
+            self._planned.close()
         if self._engine is not None:
             self._engine.close()
         self.saves.close()

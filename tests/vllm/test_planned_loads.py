@@ -1,0 +1,138 @@
+"""Planned restores in the background (`planned_loads.py`): the step that starts one returns while its back
+still loads, and each is reported exactly once: when its loads end, when vLLM finished the request meanwhile
+(nothing lands in its blocks after), or past its timeout (vLLM recomputes from the last chunk landed). Real
+chunks in a store, real blocks; the worker's part (`start_split`, `split_done`) is a few lines here."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+
+from cacheflow_common.kv.keys import object_name
+from cacheflow_common.restore.save import make_job, save_prefix
+from cacheflow_common.store.memory import MemoryStore
+from cacheflow_services.vllm_connector.block_kv import BlockKV
+from cacheflow_services.vllm_connector.paged import gather
+from cacheflow_services.vllm_connector.plan import LoadSpec
+from cacheflow_services.vllm_connector.planned_loads import PlannedLoads
+from cacheflow_services.vllm_connector.planned_split import RunningSplit, Split, start_split
+from cacheflow_services.vllm_connector.worker import blocks_from
+from tests.factories import tiny_model
+
+CHUNK, BS, N = 16, 8, 4 * 16
+BLOCKS = tuple(range(1, N // BS + 1))
+
+
+class GatedStore(MemoryStore):
+    """Reads wait until the gate opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def readv_into(self, name: str, views: Sequence[memoryview], offset: int = 0) -> bool:
+        assert self.gate.wait(10), "the gate never opened"
+        return super().readv_into(name, views, offset)
+
+
+class Restorer:
+    """The worker engine's part: a load-only split into the request's blocks; failed blocks from the end."""
+
+    def __init__(self, model, store: MemoryStore) -> None:
+        self.model, self.store = model, store
+        c = model.config
+        self.caches = {i: torch.zeros(N // BS + 2, c.num_kv_heads, BS, 2 * c.head_dim) for i in range(c.num_layers)}
+        self.ended: list[Split] = []
+
+    def job(self):
+        return make_job(self.model, [i % self.model.config.vocab_size for i in range(N)], tenant="t", chunk_size=CHUNK)
+
+    def start_split(self, spec: LoadSpec, *, on_loaded: Callable[[], None]) -> RunningSplit:
+        c = self.model.config
+        kv = BlockKV(layers=range(c.num_layers), num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, capacity=N,
+                     dtype=torch.float32, caches=self.caches, layout="split", block_ids=BLOCKS, block_size=BS,
+                     first_writable=spec.start)
+        return start_split(self.job(), self.store, kv, None, start=spec.start, front=spec.start, prefill_tokens=2048,
+                           on_loaded=on_loaded)
+
+    def split_done(self, spec: LoadSpec, done: Split, *, elapsed_s: float, asynchronous: bool) -> set[int]:
+        self.ended.append(done)
+        return blocks_from(spec, done.end, BS) if done.miss else set()
+
+    def failed_load(self, spec: LoadSpec, exc: BaseException) -> set[int]:
+        return blocks_from(spec, spec.start, BS)
+
+    def in_blocks(self) -> torch.Tensor:
+        """[L, 2, Hkv, N, D]: what the request's blocks hold."""
+        return torch.stack([gather(self.caches[i], "split", BLOCKS, BS, 0, N) for i in sorted(self.caches)])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def _rig(model, *, timeout_s: float = 60.0) -> tuple[Restorer, GatedStore, PlannedLoads, LoadSpec, torch.Tensor]:
+    store = GatedStore()
+    restorer = Restorer(model, store)
+    job = restorer.job()
+    reference = save_prefix(model, job, store).data  # [L, 2, Hkv, N, D]
+    spec = LoadSpec("r", job.token_ids, BLOCKS, 0, load_only=True)
+    return restorer, store, PlannedLoads(restorer, timeout_s=timeout_s), spec, reference
+
+
+def test_the_step_returns_while_the_back_loads_and_the_restore_is_reported_once_it_ends(model):
+    restorer, store, loads, spec, reference = _rig(model)
+    loads.start([spec])  # returns with every read still waiting at the gate
+    assert loads.collect([], idle=True) == (set(), set()) and loads.in_flight == 1
+    store.gate.set()
+    reported: set[str] = set()
+    for _ in range(100):
+        done, failed = loads.collect([], idle=True)
+        assert not failed
+        reported |= done
+        if reported:
+            break
+    assert reported == {"r"} and loads.in_flight == 0
+    done = restorer.ended[0]
+    assert (done.end, done.computed, done.loaded, done.miss) == (N, 0, 4, "")
+    assert torch.equal(restorer.in_blocks(), reference)  # exact
+    assert loads.collect([], idle=False) == (set(), set())  # once
+
+
+def test_a_request_vllm_finishes_while_it_loads_is_reported_at_once_and_nothing_lands_after(model):
+    restorer, store, loads, spec, _ = _rig(model)
+    loads.start([spec])
+    assert loads.collect(["r"], idle=False) == ({"r"}, set())  # vLLM frees its blocks once it reads this
+    store.gate.set()  # the read in flight goes on, into sealed blocks
+    for thread in threading.enumerate():
+        if thread.name == "cacheflow-planned-loads":
+            thread.join(10)
+    assert not restorer.in_blocks().any() and not restorer.ended
+
+
+def test_a_restore_past_its_timeout_is_reported_with_the_blocks_from_its_last_landed_chunk(model):
+    restorer, store, loads, spec, _ = _rig(model, timeout_s=0.0)
+    loads.start([spec])
+    done, failed = loads.collect([], idle=False)
+    store.gate.set()
+    assert done == {"r"} and failed == set(BLOCKS)  # nothing landed: vLLM recomputes the whole prefix
+    assert restorer.ended[0].miss == "stopped"
+
+
+def test_a_chunk_that_misses_ends_the_restore_there(model):
+    restorer, store, loads, spec, reference = _rig(model)
+    store.delete(object_name(restorer.job().keys[2], "kv", 0, model.config.num_layers))
+    store.gate.set()
+    loads.start([spec])
+    reported, failed = set(), set()
+    while not reported:
+        done, more = loads.collect([], idle=True)
+        reported |= done
+        failed |= more
+    assert failed == blocks_from(spec, 2 * CHUNK, BS)
+    got = restorer.in_blocks()
+    assert torch.equal(got[:, :, :, : 2 * CHUNK], reference[:, :, :, : 2 * CHUNK])
