@@ -97,8 +97,8 @@ def test_the_step_returns_while_the_back_loads_and_the_restore_is_reported_once_
         if reported:
             break
     assert reported == {"r"} and loads.in_flight == 0
-    done = restorer.ended[0]
-    assert (done.end, done.computed, done.loaded, done.miss) == (N, 0, 4, "")
+    split = restorer.ended[0]
+    assert (split.end, split.computed, split.loaded, split.miss) == (N, 0, 4, "")
     assert torch.equal(restorer.in_blocks(), reference)  # exact
     assert loads.collect([], idle=False) == (set(), set())  # once
 
@@ -128,7 +128,8 @@ def test_a_chunk_that_misses_ends_the_restore_there(model):
     store.delete(object_name(restorer.job().keys[2], "kv", 0, model.config.num_layers))
     store.gate.set()
     loads.start([spec])
-    reported, failed = set(), set()
+    reported: set[str] = set()
+    failed: set[int] = set()
     while not reported:
         done, more = loads.collect([], idle=True)
         reported |= done
