@@ -132,16 +132,7 @@ class KVLoader:
 
     def _chunk_into(self, index: int, dst: np.ndarray, token_start: int, staging: memoryview) -> str:
         """Every layer of chunk `index` into the rows of `dst` (layers from `kv.layer_start`) from `token_start`."""
-        if self.direct:
-            return self._read_in_place(index, list(self.layers), dst, self.kv.layer_start, token_start, staging, 0)
-        layout = self.layouts[index]
-        buf = staging[: layout.sections_size]
-        if not self.store.read_into(self.names(index), buf, 0):
-            return "absent"
-        self._count(len(buf))
-        check = land_kv_sections(buf, layout=layout, key=self.keys[index], layers=self.layers, dst=dst,
-                                 dst_layer_start=self.kv.layer_start, token_start=token_start)
-        return "" if check.ok else check.reason
+        return self._read(index, self.layers, dst, self.kv.layer_start, token_start, staging, 0)
 
     def load_layer(self, layer: int, staging: memoryview | None = None) -> str:
         """Layer mode: layer `layer` of every chunk, one ranged read per chunk. Returns "" or the miss reason."""
@@ -157,26 +148,34 @@ class KVLoader:
     def _layer_into(self, layer: int, dst: np.ndarray, dst_layer_start: int, staging: memoryview) -> str:
         """Layer `layer` of every chunk into the rows of `dst` (whose layers start at `dst_layer_start`)."""
         for i, (layout, key) in enumerate(zip(self.layouts, self.keys, strict=True)):
-            offset = layout.section_offset(layer)
-            if self.direct:
-                reason = self._read_in_place(i, [layer], dst, dst_layer_start, key.token_start, staging, offset)
-                if reason:
-                    return reason
-                continue
-            buf = staging[: layout.section_size]
-            if not self.store.read_into(self.names(i), buf, offset):
-                return "absent"
-            self._count(len(buf))
-            check = land_kv_sections(buf, layout=layout, key=key, layers=range(layer, layer + 1), dst=dst,
-                                     dst_layer_start=dst_layer_start, token_start=key.token_start)
-            if not check.ok:
-                return check.reason
+            reason = self._read(i, range(layer, layer + 1), dst, dst_layer_start, key.token_start, staging,
+                                layout.section_offset(layer))
+            if reason:
+                return reason
         return ""
 
-    def _read_in_place(self, index: int, layers: list[int], dst: np.ndarray, dst_layer_start: int, token_start: int,
+    def _read(self, index: int, layers: range, dst: np.ndarray, dst_layer_start: int, token_start: int,
+              staging: memoryview, offset: int) -> str:
+        """Read the sections of `layers` of chunk `index`, from byte `offset` of its object, into the rows of
+        `dst` from `token_start`: in place (unquantized), or through `staging` (int8: dequantized on landing)."""
+        read = self._read_in_place if self.direct else self._read_dequantized
+        return read(index, layers, dst, dst_layer_start, token_start, staging, offset)
+
+    def _read_dequantized(self, index: int, layers: range, dst: np.ndarray, dst_layer_start: int, token_start: int,
+                          staging: memoryview, offset: int) -> str:
+        """The raw sections into `staging`, checked there, then dequantized into the rows of `dst`."""
+        layout = self.layouts[index]
+        buf = staging[: layout.section_size * len(layers)]
+        if not self.store.read_into(self.names(index), buf, offset):
+            return "absent"
+        self._count(len(buf))
+        check = land_kv_sections(buf, layout=layout, key=self.keys[index], layers=layers, dst=dst,
+                                 dst_layer_start=dst_layer_start, token_start=token_start)
+        return "" if check.ok else check.reason
+
+    def _read_in_place(self, index: int, layers: range, dst: np.ndarray, dst_layer_start: int, token_start: int,
                        headers: memoryview, offset: int) -> str:
-        """Read the sections of `layers` (consecutive) of chunk `index`, from byte `offset` of its object,
-        straight into the rows of `dst` from `token_start`, then check them in place; headers go to `headers`."""
+        """The sections' payloads straight into the rows of `dst`, checked in place; headers go to `headers`."""
         layout, key = self.layouts[index], self.keys[index]
         sections = [kv_landing_views(layout, layer, dst, dst_layer_start, token_start,
                                      headers[i * SECTION_HEADER_SIZE :]) for i, layer in enumerate(layers)]
