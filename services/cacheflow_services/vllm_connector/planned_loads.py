@@ -22,10 +22,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from cacheflow_services.vllm_connector.async_loads import IDLE_SLICE_S
 from cacheflow_services.vllm_connector.plan import LoadSpec
 from cacheflow_services.vllm_connector.planned_split import RunningSplit, Split
-
-IDLE_WAIT_S = 0.05  # longest a step that scheduled nothing waits for a restore to end
 
 
 class PlannedRestorer(Protocol):
@@ -63,11 +62,12 @@ class PlannedLoads:
             self._running[spec.req_id] = _Running(spec, split, started)
 
     def collect(self, finished_requests: Iterable[str], *, idle: bool) -> tuple[set[str], set[int]]:
-        """Report the restores that ended since the last call, and the blocks vLLM must recompute; `idle`: the
-        step scheduled nothing, so wait a little for one to end. `finished_requests`: requests vLLM finished."""
+        """Report the restores that ended since the last call, and the blocks vLLM must recompute. `idle`: the
+        step scheduled nothing, so wait for one to end (at most `IDLE_SLICE_S`, as the engine's restores do).
+        `finished_requests`: requests vLLM finished."""
         if idle and self._running and not self._any_ended():
             with self._ended:
-                self._ended.wait_for(self._any_ended, timeout=IDLE_WAIT_S)
+                self._ended.wait_for(self._any_ended, timeout=IDLE_SLICE_S)
         aborted, now = set(finished_requests), time.perf_counter()
         for request_id, running in list(self._running.items()):
             late = now - running.started_s > self.timeout_s
