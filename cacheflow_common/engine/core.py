@@ -53,7 +53,8 @@ class EngineCore:
         with self._cond:
             self._restores[restore.request_id] = restore
             restore.looks_at_admit = tuple(self._channel_looks)
-            self._scheduler.arrive(restore.plan, restore.spec.policy)
+            work = self._scheduler.arrive(restore.plan, restore.spec.policy)
+            restore.states = work.stages[STAGE].pointers.states
             self._settle()  # an empty prefix is done on arrival
             self._cond.notify_all()
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -19,8 +18,9 @@ import torch
 
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span, Transformer
-from cacheflow_common.restore.job import ChunkComputed, RestoreJob, UnitRecord
+from cacheflow_common.restore.job import ChunkComputed, RestoreJob, UnitLog, UnitRecord
 from cacheflow_common.restore.loader import KVLoader
+from cacheflow_common.restore.pointers import Unit
 from cacheflow_common.restore.stage_input import StageInput
 from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.sched.plan import RequestPlan
@@ -52,15 +52,17 @@ class StageRestore:
         self.inputs = inputs
         self.unit_tokens = unit_tokens  # token mode: each unit's token range; layer mode: (0, N) per layer
         self.on_computed = on_computed
-        self.records = [UnitRecord() for _ in unit_tokens]
         self.done: Future[RestoreSummary] = Future()
+        # Each unit's two-pointer state, kept by the batch scheduler (a live view it hands out on arrival);
+        # this object logs only when units ran and why loads missed.
+        self.states: Sequence[Unit] = ()
+        self._log = UnitLog(len(unit_tokens))  # its clock starts with the restore
         self.looks_at_admit: tuple[int, ...] = ()  # each channel's looks when it arrived (EngineCore)
         self.seen_by_channels = False  # every channel has looked since: compute may start
         self.error: BaseException | None = None  # why the engine stopped it (its waiter gets this)
-        self.started = time.perf_counter()
         self._closers = closers
         self._hidden: torch.Tensor | None = None  # layer mode: [N, hidden] entering the next layer to compute
-        self._lock = threading.Lock()  # records, touched by the loop and the channels
+        self._lock = threading.Lock()  # the log, written by the loop and the channels
 
     @property
     def request_id(self) -> str:
@@ -74,13 +76,14 @@ class StageRestore:
     def ready(self, unit: int) -> bool:
         """Whether compute may take `unit` now without waiting for its input.
 
-        Fed by the previous stage, a chunk it did not deliver is left to the loader; only once its
-        load missed does compute try it (and fail the restore clearly: it has no input for it).
+        Fed by the previous stage, a chunk it did not deliver is left to the loader; only once its load
+        missed (or it was never stored) does compute try it, and fail the restore clearly if the previous
+        stage has finished without it.
         """
         start, end = self.unit_tokens[unit]
         if self.spec.mode == "layer" and self._hidden is not None:
             return True
-        if isinstance(self.inputs, UpstreamInput) and not self.records[unit].miss_reason:
+        if isinstance(self.inputs, UpstreamInput) and self.states[unit] is not Unit.MISSED:
             return self.inputs.delivered(unit)
         return self.inputs.ready(start, end)
 
@@ -98,7 +101,7 @@ class StageRestore:
 
     def computed(self, unit: int, out: torch.Tensor | None, started: float, ended: float) -> None:
         """The loop computed `unit`; `out` [T, hidden] is what leaves the stage for it (token mode)."""
-        self._record(unit, "computed", started, ended)
+        self._ran(unit, started, ended)
         if self.on_computed is not None and out is not None:
             self.on_computed(unit, out)
 
@@ -112,18 +115,24 @@ class StageRestore:
     def loaded(self, unit: int, started: float, ended: float, miss: str) -> None:
         if miss:
             with self._lock:
-                self.records[unit].miss_reason = miss
+                self._log.missed(unit, miss)
         else:
-            self._record(unit, "loaded", started, ended)
+            self._ran(unit, started, ended)
 
     # -- the end ----------------------------------------------------------------------------------
+    def records(self) -> list[UnitRecord]:
+        """Each unit: which side restored it, when, and why its load missed."""
+        with self._lock:
+            return self._log.records(self.states)
+
     def summary(self, stage: int) -> RestoreSummary:
-        sources = [r.source for r in self.records]
-        misses = Counter(r.miss_reason for r in self.records if r.miss_reason)
+        sources = [r.source for r in self.records()]
+        with self._lock:
+            misses = self._log.misses()
         return RestoreSummary.model_validate({
             "request_id": self.request_id, "stage": stage, "input": self.spec.input_mode,
             "policy": self.spec.policy.name, "fallback": self.spec.fallback, "mode": self.spec.mode,
-            "elapsed_s": time.perf_counter() - self.started,
+            "elapsed_s": time.perf_counter() - self._log.t0,
             "computed": sources.count("computed"), "loaded": sources.count("loaded"), "misses": dict(misses),
             "bytes_loaded": self.loader.bytes_read, "boundary_bytes_read": int(getattr(self.inputs, "bytes_read", 0)),
             "bytes_unused": max(0, self.loader.bytes_read - self._bytes_used(sources)),
@@ -137,7 +146,8 @@ class StageRestore:
         return sources.count("loaded") * sum(layout.section_size for layout in layouts)
 
     def missed_units(self) -> list[int]:
-        return [u for u, r in enumerate(self.records) if r.miss_reason]
+        with self._lock:
+            return self._log.missed_units()
 
     def close(self) -> None:
         """Stop background reads of its inputs; the hidden state of layer mode is dropped."""
@@ -145,7 +155,7 @@ class StageRestore:
         for close in self._closers:
             close()
 
-    def _record(self, unit: int, source: str, started: float, ended: float) -> None:
+    def _ran(self, unit: int, started: float, ended: float) -> None:
         with self._lock:
-            record = self.records[unit]
-            record.source, record.start_s, record.end_s = source, started - self.started, ended - self.started
+            self._log.started(unit, started)
+            self._log.ended(unit, ended)

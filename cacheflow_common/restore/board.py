@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from cacheflow_common.restore.job import UnitRecord
+from cacheflow_common.restore.job import UnitLog, UnitRecord
 from cacheflow_common.restore.pointers import WAIT, TwoPointers, Unit
 
 __all__ = ["TwoPointerBoard", "Unit", "UnitRecord"]
@@ -41,14 +41,17 @@ class TwoPointerBoard:
         self.split = split
         self.compute_skips_loaded = compute_skips_loaded
         self.pointers = TwoPointers(n, compute_skips_loaded=compute_skips_loaded)
-        self.records = [UnitRecord() for _ in range(n)]
-        self.t0 = time.perf_counter()
+        self.log = UnitLog(n)  # times and miss reasons; which side restored a unit is its state in `pointers`
         self._cond = threading.Condition()
         self._load_active = True
 
     @property
     def states(self) -> Sequence[Unit]:
         return self.pointers.states
+
+    def records(self) -> list[UnitRecord]:
+        with self._cond:
+            return self.log.records(self.pointers.states)
 
     # -- the compute side ---------------------------------------------------------------------
     def claim_compute(self) -> int | None:
@@ -69,7 +72,7 @@ class TwoPointerBoard:
     def compute_done(self, unit: int) -> None:
         with self._cond:
             self.pointers.computed(unit)
-            self._finished(unit, "computed")
+            self.log.ended(unit, time.perf_counter())
             self._cond.notify_all()
 
     # -- the I/O side --------------------------------------------------------------------------
@@ -89,21 +92,21 @@ class TwoPointerBoard:
     def load_done(self, unit: int) -> None:
         with self._cond:
             self.pointers.loaded(unit)
-            self._finished(unit, "loaded")
+            self.log.ended(unit, time.perf_counter())
             self._cond.notify_all()
 
     def load_missed(self, unit: int, reason: str) -> None:
         """The load of `unit` failed: hand it back to the compute side."""
         with self._cond:
             self.pointers.missed(unit)
-            self.records[unit].miss_reason = reason
+            self.log.missed(unit, reason)
             self._cond.notify_all()
 
     def abort_loader(self, reason: str) -> None:
         """The loader died: whatever it held goes back to compute; it claims nothing more."""
         with self._cond:
             for unit in self.pointers.abort_loads():
-                self.records[unit].miss_reason = reason
+                self.log.missed(unit, reason)
             self._retire_loader()
 
     # -- shared ----------------------------------------------------------------------------
@@ -112,12 +115,7 @@ class TwoPointerBoard:
         self._cond.notify_all()
 
     def _started(self, unit: int) -> None:
-        self.records[unit].start_s = time.perf_counter() - self.t0
-
-    def _finished(self, unit: int, source: str) -> None:
-        rec = self.records[unit]
-        rec.source = source
-        rec.end_s = time.perf_counter() - self.t0
+        self.log.started(unit, time.perf_counter())
 
     def complete(self) -> bool:
         with self._cond:

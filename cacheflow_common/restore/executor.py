@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -61,10 +60,9 @@ def run_fixed_split(job: RestoreJob, *, model: Transformer, loader: KVLoader, mo
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - start
-    misses = Counter(u.miss_reason for u in board.records if u.miss_reason)
-    return RestoreResult(policy=label, mode=mode, kv=kv, units=board.records, elapsed_s=elapsed,
+    return RestoreResult(policy=label, mode=mode, kv=kv, units=board.records(), elapsed_s=elapsed,
                          loader_error=loader_error[0] if loader_error else "",
-                         bytes_loaded=loader.bytes_read, misses=misses)
+                         bytes_loaded=loader.bytes_read, misses=board.log.misses())
 
 
 def _compute_chunks(board: TwoPointerBoard, model: Transformer, job: RestoreJob, kv: KVBuffer,

@@ -1,4 +1,5 @@
-"""What a restore is asked to do (`RestoreJob`) and what it did (`RestoreResult`, a `UnitRecord` per unit).
+"""What a restore is asked to do (`RestoreJob`) and what it did (`RestoreResult`, a `UnitRecord` per unit, from a
+`UnitLog` and the units' two-pointer states).
 
 Plain data shared by the engine (`cacheflow_common.engine`), the savers, the boundary inputs and the
 benchmarks' fixed-split baseline runner (`restore.executor`).
@@ -6,8 +7,9 @@ benchmarks' fixed-split baseline runner (`restore.executor`).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -15,8 +17,9 @@ import torch
 from cacheflow_common.errors import BadRequestError
 from cacheflow_common.kv.keys import ChunkKey
 from cacheflow_common.model.kv_buffer import KVBuffer
+from cacheflow_common.restore.pointers import Unit
 
-__all__ = ["ChunkComputed", "RestoreJob", "RestoreResult", "UnitRecord"]
+__all__ = ["ChunkComputed", "RestoreJob", "RestoreResult", "UnitLog", "UnitRecord"]
 
 # Told of each chunk the compute side finished (token mode): its index and the hidden state leaving
 # the stage for it, [T, hidden] (the next stage's input in a pipelined restore).
@@ -52,6 +55,42 @@ class UnitRecord:
     start_s: float = 0.0
     end_s: float = 0.0
     miss_reason: str = ""
+
+
+class UnitLog:
+    """What happened to each unit of one restore besides its state: when its claim started and ended (seconds
+    since the log began) and why its load missed. Which side restored a unit is its two-pointer state, kept
+    once, by whoever runs the pointers (the batch scheduler, or the baselines' board); `records` joins the two."""
+
+    def __init__(self, n: int) -> None:
+        self.t0 = time.perf_counter()
+        self._starts = [0.0] * n
+        self._ends = [0.0] * n
+        self._misses: dict[int, str] = {}  # unit -> why its load missed (it is computed instead)
+
+    def started(self, unit: int, at: float) -> None:
+        self._starts[unit] = at - self.t0
+
+    def ended(self, unit: int, at: float) -> None:
+        self._ends[unit] = at - self.t0
+
+    def missed(self, unit: int, reason: str) -> None:
+        self._misses[unit] = reason
+
+    def missed_units(self) -> list[int]:
+        return sorted(self._misses)
+
+    def misses(self) -> Counter[str]:
+        """How many loads missed, by reason."""
+        return Counter(self._misses.values())
+
+    def records(self, states: Sequence[Unit]) -> list[UnitRecord]:
+        """Every unit's record; `states` are the units' two-pointer states (LOADED or COMPUTED once restored)."""
+        return [UnitRecord(source=_SOURCES.get(state, ""), start_s=self._starts[u], end_s=self._ends[u],
+                           miss_reason=self._misses.get(u, "")) for u, state in enumerate(states)]
+
+
+_SOURCES = {Unit.LOADED: "loaded", Unit.COMPUTED: "computed"}
 
 
 @dataclass

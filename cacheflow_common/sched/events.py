@@ -31,7 +31,9 @@ class SchedulerEvents(RequestRecords):
         self._lost_stages: set[int] = set()
         self._arrivals = 0
 
-    def arrive(self, plan: RequestPlan, policy: Policy | None = None) -> None:
+    def arrive(self, plan: RequestPlan, policy: Policy | None = None) -> RequestWork:
+        """A request to restore, under `policy` (the scheduler's own if None); returns the scheduler's record of
+        it: its units' states are the one place they are kept (read them, never move them)."""
         if len(plan.stages) != self.n_stages:
             raise BadRequestError(f"request {plan.request_id} is planned for {len(plan.stages)} stages, "
                                   f"not {self.n_stages}")
@@ -49,6 +51,7 @@ class SchedulerEvents(RequestRecords):
             self._fail(request, f"stage {lost[0]} lost")
         else:
             self._finish_if_complete(request)
+        return request
 
     def computed(self, stage: int, request_id: str, unit: int) -> bool:
         request = self._request(request_id)

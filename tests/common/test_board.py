@@ -51,7 +51,7 @@ def _check_partition(board: TwoPointerBoard, computed: list[int], loaded: list[i
     else:
         # Layer mode computes a contiguous run from the bottom (passing loaded layers only to reach a miss).
         assert computed == list(range(len(computed)))
-    for u, rec in enumerate(board.records):
+    for u, rec in enumerate(board.records()):
         assert rec.source == ("computed" if u in computed else "loaded")
 
 
@@ -83,7 +83,7 @@ def test_layer_mode_passes_through_loaded_layers_to_reach_a_miss():
     board = TwoPointerBoard(5, split=0, compute_skips_loaded=False)
     computed, loaded = _drive(board, {3}, 0)
     assert computed == [0, 1, 2, 3] and sorted(loaded) == [0, 1, 2, 4]
-    assert [r.source for r in board.records] == ["computed"] * 4 + ["loaded"]
+    assert [r.source for r in board.records()] == ["computed"] * 4 + ["loaded"]
 
 
 @given(st.lists(st.floats(0, 10), min_size=0, max_size=10), st.data())

@@ -24,9 +24,12 @@ from cacheflow_common.engine.step_plan import ForwardItem, StepBudget, StepPlan
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span, Transformer
+from cacheflow_common.restore.boundary import BoundaryMissingError
 from cacheflow_common.restore.job import RestoreJob
+from cacheflow_common.restore.pointers import Unit
 from cacheflow_common.restore.save import compute_prefix_kv, make_job, save_prefix
 from cacheflow_common.restore.stage_input import StageInput
+from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.sched.policies import make_policy
 from cacheflow_common.sched.scheduler import BatchScheduler
 from cacheflow_common.store.base import ChunkStore
@@ -87,6 +90,13 @@ def _job(model: Transformer, n_tokens: int, seed: int = 0) -> RestoreJob:
 
 def _assert_kv_equal(got: KVBuffer, want: KVBuffer, n_tokens: int) -> None:
     torch.testing.assert_close(got.data[..., :n_tokens, :], want.data[..., :n_tokens, :], atol=ATOL, rtol=ATOL)
+
+
+def _step_until(stage: Stage, condition: Callable[[], bool], seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the engine stopped making progress"
+        stage.loop.step(wait=True)
 
 
 # -- the compute loop ----------------------------------------------------------------------------------
@@ -152,6 +162,26 @@ def test_a_unit_whose_input_fails_fails_its_request_alone(model):
     _assert_kv_equal(good.kv, compute_prefix_kv(model, good_job), 2 * CHUNK)
 
 
+def test_a_fed_chunk_whose_load_missed_waits_for_the_previous_stage_and_fails_once_it_finished_without_it(model):
+    """Fed by the previous stage, a chunk whose load missed is computed from its delivery; once that stage
+    has finished without sending it, the restore fails with the reason instead of waiting for it."""
+    stage = Stage(model, "cacheflow")
+    job = _job(model, 2 * CHUNK, seed=3)
+    upstream = UpstreamInput(job, timeout_s=60.0)
+    channel = stage.channel()
+    try:
+        restore = stage.admit("fed", job, MemoryStore(), inputs=upstream)  # nothing stored: both loads miss
+        upstream.deliver(0, model.embed(torch.tensor(job.token_ids[:CHUNK])))  # [CHUNK, hidden]
+        _step_until(stage, lambda: list(restore.states) == [Unit.COMPUTED, Unit.MISSED])
+        assert not restore.done.done()
+        upstream.finish()
+        _step_until(stage, restore.done.done)
+    finally:
+        stage.stop(channel)
+    assert isinstance(restore.done.exception(), BoundaryMissingError)
+    assert "did not compute it" in str(restore.done.exception())
+
+
 # -- the channel loaders -------------------------------------------------------------------------------
 def test_a_channel_loads_every_unit_the_scheduler_gives_it(model):
     stage = Stage(model, "load-only")
@@ -215,5 +245,5 @@ def test_a_read_that_fails_is_a_miss_and_compute_restores_the_unit(model):
         stage.stop(channel)
     assert (summary.loaded, summary.computed) == (2, 1)
     assert summary.misses == {"loader-error: ConnectionResetError": 1}
-    assert restore.records[1].source == "computed"
+    assert restore.records()[1].source == "computed" and restore.records()[1].miss_reason
     _assert_kv_equal(restore.kv, saved, 3 * CHUNK)
