@@ -94,7 +94,9 @@ class Lockstep:
         if r < 0.08 and self.to_arrive:
             plan = self.to_arrive.popleft()
             policy = POLICIES[rng.choice(sorted(POLICIES))] if self.mixed else None
-            self.both("arrive", plan, policy)
+            self.old.arrive(plan, policy)
+            work = self.new.arrive(plan, policy)  # its record: the states the oracle's unit_states would list
+            assert work.request_id == plan.request_id and len(work.stages) == self.n_stages
             return True
         if r < 0.35:
             return self.start_batch(rng.randrange(self.n_stages))
