@@ -9,12 +9,15 @@ run.json: {"model": dir, "prompts": [[token ids], ...], "max_tokens": 8, "out": 
            "cache_salts": [a prompt's cache_salt or null, ...] (default: none),
            "tensor_parallel_size": 1, "enable_lora": false, "ignore_eos": false,
            "passes": [{"label": "cold", "lora": adapter dir or null}, ...] (default: one pass, no adapter),
-           "memory": false}
+           "late": [prompt indices] (default: none), "late_after_tokens": 4, "memory": false}
 
 Writes to `out`: per prompt the greedy tokens, their logprobs and the request's wall time (with
-max_tokens=1 that is its TTFT; measured from its batch's submission) and when its first token came, and the
-engine's start-up time; with `memory`, each process's resident memory at the end (`process_memory`: this one and
-every rank's worker). Batches run one after another; the prompts of a batch arrive together. With
+max_tokens=1 that is its TTFT; measured from its batch's submission), when its first token came and when each
+token came (`token_times_s`), and the engine's start-up time; with `memory`, each process's resident memory at
+the end (`process_memory`: this one and every rank's worker). Batches run one after another; the prompts of a
+batch arrive together, except `late` ones: each is submitted once every other prompt of its batch has
+`late_after_tokens` tokens (or finished), as a request arriving while the others decode, and its times count
+from its own submission (`submitted_s` after the batch's). With
 `passes`, all batches run once per pass, the connector's saves flushed and vLLM's prefix cache reset between
 passes (so a later pass goes to the connector); `results` then holds every pass's prompts, pass after pass,
 each with its `request_id` (`{label}-{n}`: the connector's stats name requests by it).
@@ -29,9 +32,10 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 CONNECTOR_MODULE = "cacheflow_services.vllm_connector.connector"
+LATE_AFTER_TOKENS = 4
 
 
 def transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +73,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             _between_passes(llm, extra is not None)
         path = one.get("lora")
         lora = LoRARequest(Path(path).name, adapters.setdefault(path, 1 + len(adapters)), path) if path else None
-        results += _one_pass(llm.llm_engine, prompts, params, spec.get("batches"), one["label"], lora)
+        late = Late(set(spec.get("late", ())), spec.get("late_after_tokens", LATE_AFTER_TOKENS))
+        results += _one_pass(llm.llm_engine, prompts, params, spec.get("batches"), one["label"], lora, late)
     if extra is not None:
         llm.collective_rpc(_flush_saves)
     out: dict[str, Any] = {"startup_s": startup_s, "results": results}
@@ -79,13 +84,19 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class Late(NamedTuple):
+    prompts: set[int]  # prompt indices submitted once the rest of their batch decodes
+    after_tokens: int  # ... and every other request of the batch has this many tokens (or finished)
+
+
 def _one_pass(engine: Any, prompts: list[Any], params: Any, batches: list[list[int]] | None, label: str,
-              lora: Any) -> list[dict[str, Any]]:
+              lora: Any, late: Late) -> list[dict[str, Any]]:
     """Every prompt once, batch after batch; the results in prompt order."""
     results: list[dict[str, Any]] = [{} for _ in prompts]
     for batch in batches or [[i] for i in range(len(prompts))]:
-        for i, result in zip(batch, _together(engine, [prompts[i] for i in batch], params, label, lora),
-                             strict=True):
+        arrives_late = [i in late.prompts for i in batch]
+        for i, result in zip(batch, _together(engine, [prompts[i] for i in batch], params, label, lora,
+                                              arrives_late, late.after_tokens), strict=True):
             results[i] = result
     return results
 
@@ -97,28 +108,42 @@ def _between_passes(llm: Any, connector: bool) -> None:
     llm.reset_prefix_cache()
 
 
-def _together(engine: Any, prompts: list[Any], params: Any, label: str = "drive",
-              lora: Any = None) -> list[dict[str, Any]]:
-    """Submit `prompts` at once and step vLLM's engine until every one is done: per prompt its greedy tokens,
-    their logprobs, when its first token came (`first_token_s`) and when it finished (`wall_s`), in seconds
-    since the submission."""
+def _together(engine: Any, prompts: list[Any], params: Any, label: str = "drive", lora: Any = None,
+              late: list[bool] | None = None, after_tokens: int = 0) -> list[dict[str, Any]]:
+    """Submit `prompts` at once (those marked `late` once the others have `after_tokens` tokens) and step vLLM's
+    engine until every one is done: per prompt its greedy tokens, their logprobs, when each token came
+    (`token_times_s`), the first (`first_token_s`) and when it finished (`wall_s`), in seconds since the
+    batch's submission (a late prompt: since its own, which came `submitted_s` after the batch's)."""
     start = time.perf_counter()
+    late = late or [False] * len(prompts)
     ids = [f"{label}-{next(_REQUEST_IDS)}" for _ in prompts]
-    for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, prompt, params, lora_request=lora)
-    first: dict[str, float] = {}
+    origin: dict[str, float] = {}  # request -> when its times count from, since `start`
+    times: dict[str, list[float]] = {request_id: [] for request_id in ids}  # each token's arrival, since `start`
     done: dict[str, dict[str, Any]] = {}
+
+    def submit(i: int) -> None:
+        origin[ids[i]] = time.perf_counter() - start if late[i] else 0.0
+        engine.add_request(ids[i], prompts[i], params, lora_request=lora)
+
+    for i in range(len(prompts)):
+        if not late[i]:
+            submit(i)
     while len(done) < len(ids):
+        if len(origin) < len(ids) and all(len(times[r]) >= after_tokens or r in done for r in origin):
+            for i in range(len(prompts)):
+                if late[i]:
+                    submit(i)
         for out in engine.step():
             now = time.perf_counter() - start
-            if out.outputs and out.outputs[0].token_ids:
-                first.setdefault(out.request_id, now)
+            seen = times[out.request_id]
+            seen += [now] * (len(out.outputs[0].token_ids) - len(seen) if out.outputs else 0)
             if out.finished:
-                completion = out.outputs[0]
+                completion, t0 = out.outputs[0], origin[out.request_id]
                 logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs or [], completion.token_ids,
                                                            strict=True)]
-                done[out.request_id] = {"tokens": list(completion.token_ids), "logprobs": logprobs, "wall_s": now,
-                                        "first_token_s": first.get(out.request_id, now),
+                done[out.request_id] = {"tokens": list(completion.token_ids), "logprobs": logprobs,
+                                        "wall_s": now - t0, "first_token_s": (seen[0] if seen else now) - t0,
+                                        "token_times_s": [t - t0 for t in seen], "submitted_s": t0,
                                         "request_id": out.request_id}
     return [done[request_id] for request_id in ids]
 
