@@ -22,7 +22,8 @@ END = "<!-- benchmark-table:end -->"
 COMMANDS = {"restore_single": "cacheflow bench restore", "storage": "cacheflow bench storage",
             "latency": "cacheflow bench latency", "stages": "cacheflow bench stages", "batch": "cacheflow bench batch",
             "sched_scale": "cacheflow bench sched-scale", "chaos": "cacheflow bench chaos",
-            "vllm": "cacheflow bench vllm", "vllm_memory": "python -m cacheflow_bench.vllm_memory"}
+            "vllm": "cacheflow bench vllm", "vllm_memory": "python -m cacheflow_bench.vllm_memory",
+            "vllm_stall": "cacheflow bench vllm-stall"}
 Results = dict[str, dict[str, Any]]
 
 
@@ -271,6 +272,23 @@ def vllm_memory_row(r: Row) -> tuple[str, str]:
     return headline, "≤ 1 % of the weights"
 
 
+def vllm_stall_row(r: Row) -> tuple[str, str]:
+    target = "the decoders stall less than with the restore in vLLM's step"
+    columns = r.body.get("columns", {})
+    if not columns:
+        return r.missing, target
+    parts = []
+    for tp, c in columns.items():
+        stall = {name: num(c[name]["stall_s"]) for name in ("background", "in-step", "vllm")}
+        ttft = {name: num(c[name]["late_ttft_s"]) for name in ("background", "in-step", "vllm")}
+        parts.append(f"TP {tp}: longest gap **{stall['background']} s** in the background, {stall['in-step']} s in "
+                     f"vLLM's step, {stall['vllm']} s without the connector; the restored request's TTFT "
+                     f"{ttft['background']} / {ttft['in-step']} / {ttft['vllm']} s")
+    headline = (f"{r.body['decoders']} requests decoding when a {r.body['prefix_tokens']}-token cached prefix "
+                f"arrives (Tio/Tcomp = 1): " + "; ".join(parts))
+    return headline, target
+
+
 ROWS: tuple[tuple[str, str, Callable[[Row], tuple[str, str]]], ...] = (
     ("restore_single", "single-request restore", restore_row),
     ("storage", "storage data plane", storage_row),
@@ -281,6 +299,7 @@ ROWS: tuple[tuple[str, str, Callable[[Row], tuple[str, str]]], ...] = (
     ("chaos", "kills and abuse", chaos_row),
     ("vllm", "vLLM with the connector", vllm_row),
     ("vllm_memory", "vLLM memory with the connector", vllm_memory_row),
+    ("vllm_stall", "a restore beside decoding requests, vLLM", vllm_stall_row),
 )
 
 

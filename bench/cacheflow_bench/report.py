@@ -1,9 +1,9 @@
 """`cacheflow bench report`: the paper's figures on our system, from the benchmarks' results.
 
 With `--run` it first runs the suite (`restore`, `storage`, `latency`, `stages`, `batch`, `sched-scale`,
-`sweep`, `chaos`, and `vllm` and `vllm_memory` where vLLM's virtual environment exists; `--quick` for their
-smoke settings, into bench/results/tmp), then it (re)writes `REPORT.md` and its figures in the results
-folder from whatever results are there, and, for the committed results, the benchmark table of the
+`sweep`, `chaos`, and `vllm`, `vllm_memory` and `vllm-stall` where vLLM's virtual environment exists;
+`--quick` for their smoke settings, into bench/results/tmp), then it (re)writes `REPORT.md` and its figures
+in the results folder from whatever results are there, and, for the committed results, the benchmark table of the
 repository's README.md (between its `<!-- benchmark-table:begin -->` and `<!-- benchmark-table:end -->`
 markers). One report, one commit: it refuses results of different commits, or of uncommitted code
 (`-dirty`), unless given `--allow-mixed`, which marks every section with its commit (as a smoke report
@@ -37,7 +37,7 @@ from cacheflow_bench.common import RESULTS_DIR, SCRATCH_DIR, machine_facts, mark
 from cacheflow_bench.readme_table import commit_of, commit_problems
 
 SUITE = ("restore_single", "storage", "latency", "stages", "batch", "sched_scale", "sweep", "chaos", "vllm",
-         "vllm_memory")  # the results, by name: each writes <name>.json
+         "vllm_memory", "vllm_stall")  # the results, by name: each writes <name>.json
 MODULES = {"stages": "parallel_stages"}  # a benchmark's module in cacheflow_bench, where not named as its results
 Section = Callable[[dict[str, dict[str, Any]], Path, bool], list[str]]
 
@@ -191,7 +191,8 @@ def other_sections(results: dict[str, dict[str, Any]], out: Path, mixed: bool) -
                         ("sched_scale", "The batch scheduler at production batch sizes"),
                         ("sweep", "Trace sweep: the batch scheduler over windows and load levels"),
                         ("chaos", "Kills and abuse (chaos)"), ("vllm", "vLLM connector"),
-                        ("vllm_memory", "vLLM memory with the connector")):
+                        ("vllm_memory", "vLLM memory with the connector"),
+                        ("vllm_stall", "A restore beside decoding requests (vLLM)")):
         body = results.get(name)
         if body is None:
             continue
