@@ -1,7 +1,7 @@
 """Planned restores in the background (`planned_loads.py`): the step that starts one returns while its back
 still loads, and each is reported exactly once: when its loads end, when vLLM finished the request meanwhile
 (nothing lands in its blocks after), or past its timeout (vLLM recomputes from the last chunk landed). Real
-chunks in a store, real blocks; the worker's part (`start_split`, `split_done`) is a few lines here."""
+chunks in a store, real blocks; the worker's part (`start_splits`, `split_done`) is a few lines here."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.paged import gather
 from cacheflow_services.vllm_connector.plan import LoadSpec
 from cacheflow_services.vllm_connector.planned_loads import PlannedLoads
-from cacheflow_services.vllm_connector.planned_split import RunningSplit, Split, start_split
+from cacheflow_services.vllm_connector.planned_split import RunningSplit, Split, SplitPlan, start_splits
 from cacheflow_services.vllm_connector.worker import blocks_from
 from tests.factories import tiny_model
 
@@ -46,17 +46,21 @@ class Restorer:
         c = model.config
         self.caches = {i: torch.zeros(N // BS + 2, c.num_kv_heads, BS, 2 * c.head_dim) for i in range(c.num_layers)}
         self.ended: list[Split] = []
+        self.cannot_start: set[str] = set()  # requests whose restore fails to start
 
     def job(self):
         return make_job(self.model, [i % self.model.config.vocab_size for i in range(N)], tenant="t", chunk_size=CHUNK)
 
-    def start_split(self, spec: LoadSpec, *, on_loaded: Callable[[], None]) -> RunningSplit:
+    def start_splits(self, specs: Sequence[LoadSpec], *, on_loaded: Callable[[], None]
+                     ) -> list[RunningSplit | BaseException]:
         c = self.model.config
-        kv = BlockKV(layers=range(c.num_layers), num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, capacity=N,
-                     dtype=torch.float32, caches=self.caches, layout="split", block_ids=BLOCKS, block_size=BS,
-                     first_writable=spec.start)
-        return start_split(self.job(), self.store, kv, None, start=spec.start, front=spec.start, prefill_tokens=2048,
-                           on_loaded=on_loaded)
+        kvs = [BlockKV(layers=range(c.num_layers), num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, capacity=N,
+                       dtype=torch.float32, caches=self.caches, layout="split", block_ids=BLOCKS, block_size=BS,
+                       first_writable=spec.start) for spec in specs]
+        plans = [SplitPlan(self.job(), kv, spec.start, spec.start) for spec, kv in zip(specs, kvs, strict=True)
+                 if spec.req_id not in self.cannot_start]
+        running = iter(start_splits(plans, self.store, None, prefill_tokens=2048, on_loaded=on_loaded))
+        return [RuntimeError("no plan") if spec.req_id in self.cannot_start else next(running) for spec in specs]
 
     def split_done(self, spec: LoadSpec, done: Split, *, elapsed_s: float, asynchronous: bool) -> set[int]:
         self.ended.append(done)
@@ -101,6 +105,21 @@ def test_the_step_returns_while_the_back_loads_and_the_restore_is_reported_once_
     assert (split.end, split.computed, split.loaded, split.miss) == (N, 0, 4, "")
     assert torch.equal(restorer.in_blocks(), reference)  # exact
     assert loads.collect([], idle=False) == (set(), set())  # once
+
+
+def test_a_restore_that_cannot_start_is_reported_at_once_and_the_others_of_its_step_go_on(model):
+    restorer, store, loads, spec, reference = _rig(model)
+    restorer.cannot_start = {"broken"}
+    loads.start([LoadSpec("broken", spec.token_ids, BLOCKS, 0, load_only=True), spec])
+    assert loads.collect([], idle=False) == ({"broken"}, set(BLOCKS)) and loads.in_flight == 1  # vLLM recomputes it
+    store.gate.set()
+    reported: set[str] = set()
+    for _ in range(100):
+        done, _failed = loads.collect([], idle=True)
+        reported |= done
+        if reported:
+            break
+    assert reported == {"r"} and torch.equal(restorer.in_blocks(), reference)
 
 
 def test_a_request_vllm_finishes_while_it_loads_is_reported_at_once_and_nothing_lands_after(model):

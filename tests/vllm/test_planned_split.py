@@ -18,7 +18,7 @@ from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.paged import LAYOUTS, gather
-from cacheflow_services.vllm_connector.planned_split import planned_front, restore_split
+from cacheflow_services.vllm_connector.planned_split import front_forwards, planned_front, restore_split
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
 from tests.factories import TINY_COSTS, tiny_model
 
@@ -69,6 +69,27 @@ def _in_blocks(caches: dict[int, torch.Tensor], layout: str, n_tokens: int) -> t
     """[L, 2, Hkv, N, D]: what the request's blocks hold."""
     block_ids = tuple(range(1, n_tokens // BS + 1))
     return torch.stack([gather(caches[i], layout, block_ids, BS, 0, n_tokens) for i in sorted(caches)])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_fronts_started_together_share_forwards_each_front_once_in_order(seed):
+    """Restores started in one step: every front's positions recomputed once, in order, each forward within the
+    budget and holding at most one slice of a front; as few forwards as the tokens need."""
+    rng = torch.Generator().manual_seed(seed)
+    budget = int(torch.randint(64, 600, (1,), generator=rng))
+    starts = torch.randint(0, 300, (int(torch.randint(1, 6, (1,), generator=rng)),), generator=rng).tolist()
+    fronts = [(a, a + int(torch.randint(0, 900, (1,), generator=rng))) for a in starts]
+    forwards = front_forwards(fronts, budget)
+    total = sum(end - start for start, end in fronts)
+    assert len(forwards) == -(-total // budget)
+    at = [start for start, _ in fronts]
+    for forward in forwards:
+        assert 0 < sum(b - a for _, a, b in forward) <= budget
+        assert len({i for i, _, _ in forward}) == len(forward)
+        for i, a, b in forward:
+            assert a == at[i] < b <= fronts[i][1]
+            at[i] = b
+    assert at == [end for _, end in fronts]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -144,14 +144,16 @@ def test_tensor_parallel_ranks_restore_their_own_heads(cluster: dict[str, Any],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """TP 2: each rank stores and restores the chunks of its own KV heads; the second pass restores every prompt
     on both ranks with the same planned split (the front recomputed with vLLM's model in lockstep, the back
-    loaded in the background), with vLLM's own outputs."""
+    loaded in the background), with vLLM's own outputs. The prompts arrive together: their fronts share
+    forwards."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     model_dir = cluster["root"] / "tiny-qwen3-tp"
     save_tiny_qwen3(model_dir, seed=5)
     stats = cluster["root"] / "tp.jsonl"
     connector = {**_connector(cluster, stats), "profile": _tp_profile(cluster["root"] / "tp-profile.json")}
     spec = {"model": str(model_dir), "prompts": cluster["prompts"], "max_tokens": 6, "block_size": BLOCK,
-            "connector": connector, "tensor_parallel_size": 2, "passes": [{"label": "cold"}, {"label": "warm"}]}
+            "connector": connector, "tensor_parallel_size": 2, "passes": [{"label": "cold"}, {"label": "warm"}],
+            "batches": [list(range(len(cluster["prompts"])))]}
     results = drive(spec, cluster["root"], "tp2")["results"]
     cold, warm = results[: len(cluster["prompts"])], results[len(cluster["prompts"]):]
     assert [r["tokens"] for r in warm] == [r["tokens"] for r in cold]
@@ -160,6 +162,7 @@ def test_tensor_parallel_ranks_restore_their_own_heads(cluster: dict[str, Any],
         (0, 192, 1, 2), (0, 320, 2, 3), (1, 192, 1, 2), (1, 320, 2, 3)]
     assert all(not e["misses"] and e["written"] == e["tokens"] for e in restores)
     assert all(e["asynchronous"] for e in restores)  # the back loaded while vLLM stepped on (planned_loads.py)
+    assert all(e["batch"] == len(cluster["prompts"]) for e in restores)  # started in one step, fronts together
 
 
 def test_lora_requests_restore_only_their_adapters_chunks(cluster: dict[str, Any]) -> None:

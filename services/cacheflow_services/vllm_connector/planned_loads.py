@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,7 +30,8 @@ from cacheflow_services.vllm_connector.planned_split import RunningSplit, Split
 class PlannedRestorer(Protocol):
     """What the worker engine lends the planned background restores."""
 
-    def start_split(self, spec: LoadSpec, *, on_loaded: Callable[[], None]) -> RunningSplit: ...
+    def start_splits(self, specs: Sequence[LoadSpec], *, on_loaded: Callable[[], None]
+                     ) -> list[RunningSplit | BaseException]: ...
     def split_done(self, spec: LoadSpec, done: Split, *, elapsed_s: float, asynchronous: bool) -> set[int]: ...
     def failed_load(self, spec: LoadSpec, exc: BaseException) -> set[int]: ...
 
@@ -50,16 +51,14 @@ class PlannedLoads:
         self._finished: dict[str, set[int]] = {}  # request -> the blocks vLLM must recompute
         self._ended = threading.Condition()  # notified by a load thread as its loads end
 
-    def start(self, specs: Iterable[LoadSpec]) -> None:
-        """On vLLM's thread, in the step's order: each front recomputed now, each back loading from here on."""
-        for spec in specs:
-            started = time.perf_counter()
-            try:
-                split = self.restorer.start_split(spec, on_loaded=self._notify)
-            except Exception as exc:  # it never started (or its front failed, its loads stopped): vLLM recomputes
-                self._finished[spec.req_id] = self.restorer.failed_load(spec, exc)
-                continue
-            self._running[spec.req_id] = _Running(spec, split, started)
+    def start(self, specs: Sequence[LoadSpec]) -> None:
+        """On vLLM's thread, in the step's order: the fronts recomputed now, each back loading from here on."""
+        started = time.perf_counter()
+        for spec, split in zip(specs, self.restorer.start_splits(specs, on_loaded=self._notify), strict=True):
+            if isinstance(split, BaseException):  # it never started (or the fronts failed, its loads stopped)
+                self._finished[spec.req_id] = self.restorer.failed_load(spec, split)  # vLLM recomputes it
+            else:
+                self._running[spec.req_id] = _Running(spec, split, started)
 
     def collect(self, finished_requests: Iterable[str], *, idle: bool) -> tuple[set[str], set[int]]:
         """Report the restores that ended since the last call, and the blocks vLLM must recompute. `idle`: the

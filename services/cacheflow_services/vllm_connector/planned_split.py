@@ -7,8 +7,11 @@ others. So a tensor-parallel rank plans its meeting point up front from what eve
 prefix's chunks, the profile's costs, the policy): the split that ends first by the bound's formula
 (`best_split`). It recomputes the chunks before it with vLLM's model, in forwards of at most
 `prefill_tokens`, while a thread loads the chunks from it on (its own slice of the KV heads, keyed by its
-rank). A chunk that misses ends the restore there: vLLM recomputes from its first block on, on every rank
-together (vLLM takes the union of the ranks' failed blocks), so the forwards never depend on a load.
+rank). Restores that start in one step recompute their fronts together: each forward takes the next slice of
+every front, in the step's order, up to `prefill_tokens` in all (`front_forwards`), so a step with several
+restores runs as few forwards as their tokens need, and the same forwards on every rank. A chunk that misses
+ends the restore there: vLLM recomputes from its first block on, on every rank together (vLLM takes the
+union of the ranks' failed blocks), so the forwards never depend on a load.
 
 Without a profile there is no cost to plan with, and where nothing may recompute beside vLLM (LoRA:
 `connector.py` says why) the front is empty: every chunk is loaded, front to back, up to the first miss.
@@ -17,7 +20,7 @@ Without a profile there is no cost to plan with, and where nothing may recompute
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -33,12 +36,22 @@ from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 
+class SplitPlan(NamedTuple):
+    """One planned restore: positions [start, front) recomputed into `kv`, the job's chunks from `front` on loaded."""
+
+    job: RestoreJob
+    kv: BlockKV
+    start: int
+    front: int
+
+
 class Split(NamedTuple):
     end: int  # tokens [0, end) are in the blocks
     computed: int  # chunks recomputed
     loaded: int  # chunks loaded
     bytes_read: int
     miss: str  # why the chunk at `end` missed, or "" (all restored)
+    batch: int = 1  # restores started together (their fronts shared forwards)
 
 
 def planned_front(job: RestoreJob, *, start: int, costs: CostModel | None, policy: Policy, kv_bytes: int) -> int:
@@ -68,19 +81,31 @@ def restore_split(job: RestoreJob, store: ChunkStore, kv: BlockKV, model: VllmRu
 
 def start_split(job: RestoreJob, store: ChunkStore, kv: BlockKV, model: VllmRuntime | None, *, start: int,
                 front: int, prefill_tokens: int, on_loaded: Callable[[], None] = lambda: None) -> RunningSplit:
-    """Start the back's loads on a thread of their own, recompute the front (positions [start, front)) with
-    vLLM's `model` meanwhile, and return with the loads still running (`on_loaded`: called on the load thread
-    once they end). A front that fails stops the loads (and seals the blocks) before it raises."""
-    loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
-    back = [unit for unit, key in enumerate(job.keys) if key.token_end > max(start, front)]
-    loads = BackLoads(loader, back, on_loaded)
+    """One planned restore started (`start_splits`)."""
+    [running] = start_splits([SplitPlan(job, kv, start, front)], store, model, prefill_tokens=prefill_tokens,
+                             on_loaded=on_loaded)
+    return running
+
+
+def start_splits(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRuntime | None, *, prefill_tokens: int,
+                 on_loaded: Callable[[], None] = lambda: None) -> list[RunningSplit]:
+    """Start every plan's back loading on a thread of its own, recompute their fronts (positions [start, front))
+    together with vLLM's `model` meanwhile, and return with the loads still running (`on_loaded`: called on a
+    load thread once its loads end). Fronts that fail stop every plan's loads (and seal its blocks) first."""
+    loads = [BackLoads(KVLoader(store=store, keys=plan.job.keys, layers=plan.job.layers, kv=plan.kv,
+                                dtype=plan.job.kv_dtype, quant=plan.job.quant),
+                       [unit for unit, key in enumerate(plan.job.keys) if key.token_end > max(plan.start, plan.front)],
+                       on_loaded) for plan in plans]
     try:
-        computed = _recompute(job, kv, model, start, front, prefill_tokens) if front > start else 0
+        _recompute(plans, model, prefill_tokens)
     except BaseException:
-        loads.stop()
-        kv.seal()
+        for plan, back in zip(plans, loads, strict=True):
+            back.stop()
+            plan.kv.seal()
         raise
-    return RunningSplit(job, kv, loads, computed, max(start, front))
+    return [RunningSplit(plan.job, plan.kv, back, _chunks_between(plan.job, plan.start, plan.front),
+                         max(plan.start, plan.front), batch=len(plans))
+            for plan, back in zip(plans, loads, strict=True)]
 
 
 class BackLoads:
@@ -124,12 +149,14 @@ class BackLoads:
 class RunningSplit:
     """A planned restore whose front is in the blocks and whose back may still be loading."""
 
-    def __init__(self, job: RestoreJob, kv: BlockKV, loads: BackLoads, computed: int, front: int) -> None:
+    def __init__(self, job: RestoreJob, kv: BlockKV, loads: BackLoads, computed: int, front: int, *,
+                 batch: int = 1) -> None:
         self.job = job
         self.kv = kv
         self.loads = loads
         self.computed = computed
         self.front = front  # the back's loads start here
+        self.batch = batch  # restores started with it
 
     def join(self) -> None:
         self.loads.join()
@@ -146,17 +173,40 @@ class RunningSplit:
         units = self.loads.units
         end = self.job.keys[units[len(hits) - 1]].token_end if hits else self.front
         miss = reasons[-1] if reasons and reasons[-1] else ("stopped" if len(hits) < len(units) else "")
-        return Split(end, self.computed, len(hits), self.loads.loader.bytes_read, miss)
+        return Split(end, self.computed, len(hits), self.loads.loader.bytes_read, miss, self.batch)
 
 
-def _recompute(job: RestoreJob, kv: BlockKV, model: VllmRuntime | None, start: int, front: int,
-               prefill_tokens: int) -> int:
-    """vLLM's model over positions [start, front), in forwards of at most `prefill_tokens` (each attends over
-    the ones before it in the blocks); returns the chunks recomputed."""
-    if model is None:
+def front_forwards(fronts: Sequence[tuple[int, int]], prefill_tokens: int) -> list[list[tuple[int, int, int]]]:
+    """The forwards that recompute every front [start, front) of `fronts`, in order: each a list of (plan, a, b),
+    the next slice [a, b) of each unfinished front in turn until `prefill_tokens` are taken (a slice attends over
+    the ones before it in the blocks, so a front appears at most once per forward)."""
+    at = [start for start, _ in fronts]
+    forwards = []
+    while any(a < end for a, (_, end) in zip(at, fronts, strict=True)):
+        room, forward = prefill_tokens, []
+        for i, (_, end) in enumerate(fronts):
+            if at[i] < end and room > 0:
+                b = min(end, at[i] + room)
+                forward.append((i, at[i], b))
+                room -= b - at[i]
+                at[i] = b
+        forwards.append(forward)
+    return forwards
+
+
+def _recompute(plans: Sequence[SplitPlan], model: VllmRuntime | None, prefill_tokens: int) -> None:
+    """vLLM's model over every plan's positions [start, front), in the forwards `front_forwards` gives."""
+    fronts = [(plan.start, plan.front) for plan in plans]
+    if model is None and any(start < front for start, front in fronts):
         raise RuntimeError("a planned front needs vLLM's model")
-    ids = torch.tensor(job.token_ids, dtype=torch.long)  # [N]
-    for a in range(start, front, prefill_tokens):
-        b = min(a + prefill_tokens, front)
-        model.forward_layers(model.embed(ids[a:b]), job.layers, [Span(kv, a, b - a)])  # KV of [a, b) in the blocks
+    ids = [torch.tensor(plan.job.token_ids, dtype=torch.long) for plan in plans]  # [N_i] each
+    for forward in front_forwards(fronts, prefill_tokens):
+        assert model is not None
+        hidden = torch.cat([model.embed(ids[i][a:b]) for i, a, b in forward])  # [sum of b - a, hidden]
+        spans = [Span(plans[i].kv, a, b - a) for i, a, b in forward]  # each slice's KV into its request's blocks
+        model.forward_layers(hidden, plans[forward[0][0]].job.layers, spans)
+
+
+def _chunks_between(job: RestoreJob, start: int, front: int) -> int:
+    """The chunks a front [start, front) recomputes."""
     return sum(1 for key in job.keys if start < key.token_end <= front)

@@ -62,7 +62,13 @@ from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather
 from cacheflow_services.vllm_connector.paged_attention import PagedKV
 from cacheflow_services.vllm_connector.plan import LoadSpec, PromptRows, SaveSpec
 from cacheflow_services.vllm_connector.planned_loads import PlannedLoads
-from cacheflow_services.vllm_connector.planned_split import RunningSplit, Split, planned_front, start_split
+from cacheflow_services.vllm_connector.planned_split import (
+    RunningSplit,
+    Split,
+    SplitPlan,
+    planned_front,
+    start_splits,
+)
 from cacheflow_services.vllm_connector.ranks import BoundaryCapture, StepSlots, rank_layers
 from cacheflow_services.vllm_connector.restorer import PREFILL_TOKENS, engine_settings
 from cacheflow_services.vllm_connector.runtime import RuntimeChoice, VllmModel
@@ -232,39 +238,50 @@ class WorkerEngine:
         return spec.load_only or self.tp_rank is not None
 
     def _restore_planned(self, specs: Sequence[LoadSpec]) -> set[int]:
-        """Planned restores in vLLM's step, one after another in the scheduler's order (every tensor-parallel
-        rank runs the same forwards): the front recomputed with vLLM's model while the back loads, up to the
-        first miss; vLLM recomputes the rest."""
+        """Planned restores in vLLM's step, started together (every tensor-parallel rank runs the same forwards):
+        each front recomputed with vLLM's model while its back loads, up to the first miss; vLLM recomputes the
+        rest."""
+        started = time.perf_counter()
         failed: set[int] = set()
-        for spec in specs:
-            started = time.perf_counter()
-            try:
-                running = self.start_split(spec)
-            except Exception as exc:
-                failed |= self.failed_load(spec, exc)
+        for spec, running in zip(specs, self.start_splits(specs), strict=True):
+            if isinstance(running, BaseException):
+                failed |= self.failed_load(spec, running)
                 continue
             running.join()
             failed |= self.split_done(spec, running.result(), elapsed_s=time.perf_counter() - started,
                                       asynchronous=False)
         return failed
 
-    def start_split(self, spec: LoadSpec, *, on_loaded: Callable[[], None] = lambda: None) -> RunningSplit:
-        """A planned restore started: its back loading on a thread, its front recomputed (returns after it)."""
+    def start_splits(self, specs: Sequence[LoadSpec], *, on_loaded: Callable[[], None] = lambda: None
+                     ) -> list[RunningSplit | BaseException]:
+        """Planned restores started together: each back loading on a thread, every front recomputed in shared
+        forwards (returns after them). A restore that cannot start is its error instead (a front that fails
+        fails every restore of the step: they shared its forwards)."""
         model = self.model if isinstance(self.model, VllmRuntime) else None
         costs = self.profile.cost_model(self.link) if self.profile is not None else None
-        job = self.job(spec)
-        front = spec.start if spec.load_only or model is None else planned_front(
-            job, start=spec.start, costs=costs, policy=make_policy(self.policy),
-            kv_bytes=model.kv_bytes_per_token_per_layer)
-        return start_split(job, self.store, self._block_kv(spec, job), model, start=spec.start, front=front,
-                           prefill_tokens=PREFILL_TOKENS, on_loaded=on_loaded)
+        plans: list[SplitPlan | BaseException] = []
+        for spec in specs:
+            try:
+                job = self.job(spec)
+                front = spec.start if spec.load_only or model is None else planned_front(
+                    job, start=spec.start, costs=costs, policy=make_policy(self.policy),
+                    kv_bytes=model.kv_bytes_per_token_per_layer)
+                plans.append(SplitPlan(job, self._block_kv(spec, job), spec.start, front))
+            except Exception as exc:
+                plans.append(exc)
+        try:
+            running = iter(start_splits([p for p in plans if isinstance(p, SplitPlan)], self.store, model,
+                                        prefill_tokens=PREFILL_TOKENS, on_loaded=on_loaded))
+        except Exception as exc:
+            return [exc] * len(plans)
+        return [p if isinstance(p, BaseException) else next(running) for p in plans]
 
     def split_done(self, spec: LoadSpec, done: Split, *, elapsed_s: float, asynchronous: bool) -> set[int]:
         """Log a planned restore that ended; the blocks vLLM must recompute (from its first miss on)."""
         self.stats.event("restore", req=spec.req_id, tokens=len(spec.token_ids), written=done.end - spec.start,
                          policy=self.policy if done.computed else "load-only", mode="token",
                          computed=done.computed, loaded=done.loaded, misses={done.miss: 1} if done.miss else {},
-                         bytes_loaded=done.bytes_read, batch=1, elapsed_s=elapsed_s, runtime=self.runtime,
+                         bytes_loaded=done.bytes_read, batch=done.batch, elapsed_s=elapsed_s, runtime=self.runtime,
                          asynchronous=asynchronous, attention="vllm", tp_rank=self.tp_rank)
         return blocks_from(spec, done.end, self.block_size) if done.miss else set()
 
