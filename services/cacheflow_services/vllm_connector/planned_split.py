@@ -74,17 +74,9 @@ def restore_split(job: RestoreJob, store: ChunkStore, kv: BlockKV, model: VllmRu
                   front: int, prefill_tokens: int) -> Split:
     """Recompute positions [start, front) with vLLM's `model` while a thread loads the job's chunks from
     `front` on, in order, until one misses (each written into the blocks as it lands); returns once both end."""
-    running = start_split(job, store, kv, model, start=start, front=front, prefill_tokens=prefill_tokens)
+    [running] = start_splits([SplitPlan(job, kv, start, front)], store, model, prefill_tokens=prefill_tokens)
     running.join()
     return running.result()
-
-
-def start_split(job: RestoreJob, store: ChunkStore, kv: BlockKV, model: VllmRuntime | None, *, start: int,
-                front: int, prefill_tokens: int, on_loaded: Callable[[], None] = lambda: None) -> RunningSplit:
-    """One planned restore started (`start_splits`)."""
-    [running] = start_splits([SplitPlan(job, kv, start, front)], store, model, prefill_tokens=prefill_tokens,
-                             on_loaded=on_loaded)
-    return running
 
 
 def start_splits(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRuntime | None, *, prefill_tokens: int,
@@ -196,13 +188,14 @@ def front_forwards(fronts: Sequence[tuple[int, int]], prefill_tokens: int) -> li
 
 def _recompute(plans: Sequence[SplitPlan], model: VllmRuntime | None, prefill_tokens: int) -> None:
     """vLLM's model over every plan's positions [start, front), in the forwards `front_forwards` gives."""
-    fronts = [(plan.start, plan.front) for plan in plans]
-    if model is None and any(start < front for start, front in fronts):
+    forwards = front_forwards([(plan.start, plan.front) for plan in plans], prefill_tokens)
+    if not forwards:
+        return
+    if model is None:
         raise RuntimeError("a planned front needs vLLM's model")
-    ids = [torch.tensor(plan.job.token_ids, dtype=torch.long) for plan in plans]  # [N_i] each
-    for forward in front_forwards(fronts, prefill_tokens):
-        assert model is not None
-        hidden = torch.cat([model.embed(ids[i][a:b]) for i, a, b in forward])  # [sum of b - a, hidden]
+    for forward in forwards:
+        hidden = torch.cat([model.embed(torch.tensor(plans[i].job.token_ids[a:b], dtype=torch.long))
+                            for i, a, b in forward])  # [sum of b - a, hidden]
         spans = [Span(plans[i].kv, a, b - a) for i, a, b in forward]  # each slice's KV into its request's blocks
         model.forward_layers(hidden, plans[forward[0][0]].job.layers, spans)
 

@@ -272,8 +272,8 @@ class WorkerEngine:
         try:
             running = iter(start_splits([p for p in plans if isinstance(p, SplitPlan)], self.store, model,
                                         prefill_tokens=PREFILL_TOKENS, on_loaded=on_loaded))
-        except Exception as exc:
-            return [exc] * len(plans)
+        except Exception as exc:  # the shared fronts failed: every restore that started fails with them
+            return [p if isinstance(p, BaseException) else exc for p in plans]
         return [p if isinstance(p, BaseException) else next(running) for p in plans]
 
     def split_done(self, spec: LoadSpec, done: Split, *, elapsed_s: float, asynchronous: bool) -> set[int]:
