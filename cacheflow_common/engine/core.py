@@ -3,8 +3,9 @@ none of them touches it but through these methods.
 
 * The batch scheduler (the same object the simulator drives) for this stage: stage 0 of a one-stage
   scheduler, since every worker schedules its own stage; its channels are the pods.
-* The requests restoring here, by id; forward work waiting for the loop (suffix-prefill chunks and
-  decode tokens), in arrival order.
+* The stage's requests (`requests.RequestTable`: one record each, keyed once; a restore is found through
+  its request's record) and forward work waiting for the loop (suffix-prefill chunks and decode tokens), in
+  arrival order. The table shares this lock.
 * Settling hands every restore the scheduler finished or failed its answer.
 * Channels look first: a new restore that loads computes nothing until every channel has asked the
   scheduler for work since it arrived (or is busy loading). Without this, the compute loop, already
@@ -23,6 +24,9 @@ from collections.abc import Callable
 
 import torch
 
+from cacheflow_common.auth import Grant
+from cacheflow_common.engine.pool import KVPool
+from cacheflow_common.engine.requests import RequestTable
 from cacheflow_common.engine.stage_restore import StageRestore
 from cacheflow_common.engine.step_plan import STAGE, ForwardItem, StepBudget, StepPlan, decide_step
 from cacheflow_common.errors import CacheFlowError
@@ -38,22 +42,34 @@ class RestoreCancelledError(CacheFlowError):
 
 
 class EngineCore:
-    def __init__(self, scheduler: BatchScheduler, *, stage: int, n_channels: int) -> None:
+    """`pool`: where the stage's own requests get their KV (None: callers hand each restore its KV);
+    `on_stream_closed`: a released request's delivery grant is used up."""
+
+    def __init__(self, scheduler: BatchScheduler, *, stage: int, n_channels: int, pool: KVPool | None = None,
+                 on_stream_closed: Callable[[Grant], None] = lambda grant: None) -> None:
         self._stage = stage  # the pipeline stage, for answers and errors
         self._channel_looks = [0] * n_channels  # how often each channel has asked the scheduler for work
         self._channel_loading = [False] * n_channels  # each channel: a load in flight
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # reentrant: the table's calls take it again inside the core's
         self._scheduler = scheduler
-        self._restores: dict[str, StageRestore] = {}
+        self._requests = RequestTable(self._cond, stage=stage, pool=pool, on_stream_closed=on_stream_closed,
+                                      stop_restore=self._stop_released)
         self._forwards: deque[ForwardItem] = deque()
         self._stopped = False
 
     # -- request threads ----------------------------------------------------------------------------
+    def request_table(self) -> RequestTable:
+        return self._requests
+
     def admit_restore(self, restore: StageRestore) -> None:
         with self._cond:
-            self._restores[restore.request_id] = restore
+            self._requests.start_restore(restore)
             restore.looks_at_admit = tuple(self._channel_looks)
-            work = self._scheduler.arrive(restore.plan, restore.spec.policy)
+            try:
+                work = self._scheduler.arrive(restore.plan, restore.spec.policy)
+            except BaseException:
+                self._requests.end_restore(restore.request_id)
+                raise
             restore.states = work.stages[STAGE].pointers.states
             self._settle()  # an empty prefix is done on arrival
             self._cond.notify_all()
@@ -61,15 +77,17 @@ class EngineCore:
     def cancel_restore(self, request_id: str, error: BaseException) -> bool:
         """Stop a restore still running (its waiter gets `error`); False if none runs for the request."""
         with self._cond:
-            if request_id not in self._restores:
+            if self._requests.restore_of(request_id) is None:
                 return False
             self._fail(request_id, error)
             self._cond.notify_all()
             return True
 
     def restore_of(self, request_id: str) -> StageRestore | None:
-        with self._cond:
-            return self._restores.get(request_id)
+        return self._requests.restore_of(request_id)
+
+    def _stop_released(self, request_id: str) -> None:
+        self.cancel_restore(request_id, RestoreCancelledError(f"request {request_id!r} was released"))
 
     def queue_forward(self, item: ForwardItem) -> None:
         with self._cond:
@@ -95,7 +113,7 @@ class EngineCore:
         if `wait`, unless `until()` holds: checked under the lock, where restores are answered)."""
         with self._cond:
             plan = decide_step(self._forwards, self._scheduler, budget, now=time.perf_counter(),
-                               ready=self._computable, mode_of=lambda request_id: self._restores[request_id].spec.mode)
+                               ready=self._computable, mode_of=lambda request_id: self._restore(request_id).spec.mode)
             if plan.empty:
                 if wait and not until():
                     self._idle_wait()
@@ -109,7 +127,7 @@ class EngineCore:
         with self._cond:
             self._scheduler.step_done(STAGE, ended - started)
             for task, out in computed:
-                restore = self._restores.get(task.request_id)
+                restore = self._requests.restore_of(task.request_id)
                 if restore is None or task.request_id in failed:
                     continue
                 restore.computed(task.unit, out, started, ended)
@@ -141,7 +159,7 @@ class EngineCore:
                 task = self._scheduler.next_load(channel, time.perf_counter())
                 self._looked(channel, loading=task is not None)
                 if task is not None:
-                    return task, self._restores[task.request_id]
+                    return task, self._restore(task.request_id)
                 self._idle_wait()
         return None
 
@@ -160,19 +178,25 @@ class EngineCore:
         """Wait for the next event: with restores in flight at most `IDLE_WAIT_S`, as the scheduler's
         decisions depend on the time; with none, until something happens (an arrival, a forward, a stop:
         each notifies), so an idle engine takes no CPU."""
-        self._cond.wait(timeout=IDLE_WAIT_S if self._restores else None)
+        self._cond.wait(timeout=IDLE_WAIT_S if self._requests.restores() else None)
 
     def _looked(self, channel: int, *, loading: bool) -> None:
         """A channel asked the scheduler for work."""
         self._channel_looks[channel] += 1
         self._channel_loading[channel] = loading
-        if any(not r.seen_by_channels for r in self._restores.values()):
+        if any(not r.seen_by_channels for r in self._requests.restores()):
             self._cond.notify_all()  # the compute loop may be waiting for this look
 
     def _computable(self, request_id: str, unit: int) -> bool:
         """Compute may take `unit` now: its input is here and the channels have looked at its request."""
-        restore = self._restores[request_id]
+        restore = self._restore(request_id)
         return self._seen_by_channels(restore) and restore.ready(unit)
+
+    def _restore(self, request_id: str) -> StageRestore:
+        """The restore of a request the scheduler is restoring (it has one)."""
+        restore = self._requests.restore_of(request_id)
+        assert restore is not None, f"the scheduler restores {request_id!r}, which has no restore"
+        return restore
 
     def _seen_by_channels(self, restore: StageRestore) -> bool:
         """Whether every channel has looked since `restore` arrived, or is busy loading; a restore that
@@ -196,7 +220,7 @@ class EngineCore:
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         """Stop a restore with `error`."""
-        restore = self._restores.get(request_id)
+        restore = self._requests.restore_of(request_id)
         if self._scheduler.cancel(request_id, str(error)) and restore is not None:
             restore.error = error
         self._settle()
@@ -205,13 +229,13 @@ class EngineCore:
         """Answer every restore that finished or failed."""
         for request_id in self._scheduler.finished():
             self._scheduler.forget(request_id)
-            restore = self._restores.pop(request_id, None)
+            restore = self._requests.end_restore(request_id)
             if restore is not None:
                 restore.close()
                 restore.done.set_result(restore.summary(self._stage))
         for request_id, reason in self._scheduler.failed().items():
             self._scheduler.forget(request_id)
-            restore = self._restores.pop(request_id, None)
+            restore = self._requests.end_restore(request_id)
             if restore is not None:
                 restore.close()
                 restore.done.set_exception(restore.error or CacheFlowError(reason))

@@ -17,9 +17,12 @@ from types import TracebackType
 
 import torch
 
+from cacheflow_common.auth import Grant
 from cacheflow_common.engine.builder import RestoreBuilder
 from cacheflow_common.engine.channels import ChannelLoader
 from cacheflow_common.engine.core import EngineCore
+from cacheflow_common.engine.pool import KVPool
+from cacheflow_common.engine.requests import RequestTable
 from cacheflow_common.engine.settings import EngineSettings
 from cacheflow_common.engine.stage_restore import StageRestore
 from cacheflow_common.engine.step_loop import Sampler, StepLoop
@@ -46,14 +49,20 @@ class Engine:
     `run_until`: the vLLM connector, the library; the caller would only wait, and torch keeps its thread
     pool, warm, with the thread that runs it). `scheduler`: the batch scheduler to decide with (default: a
     one-stage scheduler of the settings' policy), for a caller that instruments it.
+
+    Every request the engine holds is one record in its `requests` table, keyed once: a stage worker's
+    requests for their whole life there (admitted with KV from `pool`), and a restore's for as long as
+    it runs.
     """
 
     def __init__(self, settings: EngineSettings, model: Transformer, *, loop_thread: bool, sampler: Sampler,
-                 on_step: StepHook, on_load: LoadHook, scheduler: BatchScheduler | None) -> None:
+                 on_step: StepHook, on_load: LoadHook, scheduler: BatchScheduler | None, pool: KVPool | None = None,
+                 on_stream_closed: Callable[[Grant], None] = lambda grant: None) -> None:
         self._settings = settings
         self._model = model
         scheduler = scheduler or BatchScheduler(make_policy(settings.policy), n_stages=1)
-        self._core = EngineCore(scheduler, stage=settings.stage, n_channels=len(settings.channels))
+        self._core = EngineCore(scheduler, stage=settings.stage, n_channels=len(settings.channels), pool=pool,
+                                on_stream_closed=on_stream_closed)
         self._builder = RestoreBuilder(settings, model, on_input=self._core.wake_loop)
         budget = StepBudget(step_tokens=settings.step_tokens, beside_forward_tokens=settings.beside_forward_tokens)
         self._step_loop = StepLoop(self._core, model, settings.layers, budget=budget, sampler=sampler,
@@ -67,11 +76,14 @@ class Engine:
     @classmethod
     def for_stage(cls, settings: EngineSettings, model: Transformer, *, sampler: Sampler | None = None,
                   on_step: StepHook | None = None, on_load: LoadHook | None = None,
-                  scheduler: BatchScheduler | None = None) -> Engine:
+                  scheduler: BatchScheduler | None = None, pool: KVPool | None = None,
+                  on_stream_closed: Callable[[Grant], None] | None = None) -> Engine:
         """A stage worker's engine: its compute loop on a thread of its own; `sampler` picks the last stage's
-        next tokens; `on_step`, `on_load` hear of every step and load (metrics)."""
+        next tokens; `on_step`, `on_load` hear of every step and load (metrics); `pool`: where its requests'
+        KV comes from (`requests.admit`); `on_stream_closed`: a released request's delivery grant is used up."""
         return cls(settings, model, loop_thread=True, sampler=sampler or _no_sampling,
-                   on_step=on_step or _ignore, on_load=on_load or _ignore, scheduler=scheduler)
+                   on_step=on_step or _ignore, on_load=on_load or _ignore, scheduler=scheduler, pool=pool,
+                   on_stream_closed=on_stream_closed or _ignore)
 
     @classmethod
     def for_connector(cls, settings: EngineSettings, model: Transformer, *, on_step: StepHook | None = None,
@@ -88,6 +100,11 @@ class Engine:
     @property
     def model(self) -> Transformer:
         return self._model
+
+    @property
+    def requests(self) -> RequestTable:
+        """The stage's requests, one record each (admit, deliver, release: `RequestTable`)."""
+        return self._core.request_table()
 
     # -- restores -----------------------------------------------------------------------------
     def submit(self, request_id: str, job: RestoreJob, store: ChunkStore, kv: KVBuffer, *, policy: str = "",

@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from cacheflow_common.auth import GRANT_HEADER, Grant, input_digest
-from cacheflow_common.engine import RestoreCancelledError
+from cacheflow_common.engine import PoolFullError, RestoreCancelledError
 from cacheflow_common.errors import BadRequestError, GrantError
 from cacheflow_common.restore.boundary import BoundaryMissingError
 from cacheflow_common.stage_api import (
@@ -46,7 +46,6 @@ from cacheflow_common.transport import frames
 from cacheflow_services.http_limits import BodyTooLargeError
 from cacheflow_services.worker.engine import ConflictError, StageEngine, UnknownRequestError
 from cacheflow_services.worker.next_stage import NextStageError
-from cacheflow_services.worker.pool import PoolFullError
 from cacheflow_services.worker.routes import RouteGate, check_routes
 from cacheflow_services.worker.trust import GrantedStores, WorkerTrust
 

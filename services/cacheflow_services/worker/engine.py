@@ -2,8 +2,8 @@
 
 A request's life here, in this class's order: admitted (KV from the pool) by a `restore` or by its
 first `forward` → restored → forward* → `release`. Everything the stage holds for it is one
-`StageRequest` record in one map (`requests.RequestTable`), its pool grant among its fields; admission
-and release are one call each there. The restore itself,
+`StageRequest` record in the engine's one map (`Engine.requests`), its pool grant and (while it restores)
+the engine's restore among its fields; admission and release are one call each there. The restore itself,
 and every forward pass, run in the stage's `Engine` (`cacheflow_common.engine`): one compute loop
 with one batched forward per step across all requests, and one loader per storage pod.
 
@@ -31,7 +31,16 @@ from typing import Any
 import torch
 
 from cacheflow_common.auth import Grant
-from cacheflow_common.engine import UPSTREAM_FED, Engine, ForwardItem, RestoreCancelledError, StepPlan
+from cacheflow_common.engine import (
+    UPSTREAM_FED,
+    ConflictError,
+    Engine,
+    ForwardItem,
+    KVPool,
+    RequestTable,
+    StageRequest,
+    StepPlan,
+)
 from cacheflow_common.errors import BadRequestError, GrantError
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.job import RestoreJob
@@ -43,8 +52,6 @@ from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.worker.config import WorkerConfig, engine_settings
 from cacheflow_services.worker.metrics import WorkerMetrics
 from cacheflow_services.worker.next_stage import DeliverySender, NextStage
-from cacheflow_services.worker.pool import KVPool
-from cacheflow_services.worker.requests import ConflictError, RequestTable, StageRequest
 from cacheflow_services.worker.saving import ChunkSaver
 from cacheflow_services.worker.trust import SpentGrants
 
@@ -67,12 +74,12 @@ class StageEngine:
         self.metrics = WorkerMetrics(n_channels=len(config.pods))
         self.pool = KVPool(model, config.layers, capacity_tokens=config.pool_tokens, block_tokens=config.block_tokens,
                            tenant_share=config.tenant_pool_share)
-        self.requests = RequestTable(self.pool, stage=config.stage, stop_restore=self._stop_restore,
-                                     on_stream_closed=(spent if spent is not None else SpentGrants()).close)
         self.saver = ChunkSaver(model, stage=config.stage, layers=config.layers, chunk_size=config.chunk_size,
                                 metrics=self.metrics)
         self.engine = Engine.for_stage(engine_settings(config, profile), model, sampler=sample,
-                                       on_step=self._step_ran, on_load=self.metrics.channel_busy)
+                                       on_step=self._step_ran, on_load=self.metrics.channel_busy, pool=self.pool,
+                                       on_stream_closed=(spent if spent is not None else SpentGrants()).close)
+        self.requests: RequestTable = self.engine.requests
         self._closed = threading.Event()
         threading.Thread(target=self._reap_idle, name=f"stage-{config.stage}-reaper", daemon=True).start()
 
@@ -218,9 +225,6 @@ class StageEngine:
         if released and not quiet:
             log.info("request %s released on stage %d", request_id, self.config.stage)
         return released
-
-    def _stop_restore(self, request_id: str) -> None:
-        self.engine.cancel(request_id, RestoreCancelledError(f"request {request_id!r} was released"))
 
     def _reap_idle(self) -> None:
         """Free every request idle longer than `hold_ttl_s`: no hold outlives the coordinator's use of it."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from cacheflow_common.engine import StageRestore
+from cacheflow_common.engine import StageRequest, StageRestore
 from cacheflow_common.kv.keys import ChunkKey
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
@@ -22,7 +22,6 @@ from cacheflow_common.restore.save import make_job, save_chunks
 from cacheflow_common.restore.saver_thread import SaverThread
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.worker.metrics import WorkerMetrics
-from cacheflow_services.worker.requests import StageRequest
 
 
 class ChunkSaver:

@@ -1,11 +1,15 @@
-"""Everything a stage holds for one request, in one record (`StageRequest`: its pool grant among its
-fields), and the one map of them (`RequestTable`).
+"""Everything a stage holds for one request, in one record (`StageRequest`: its pool grant and, while it
+restores, the engine's restore among its fields), and the one map of them (`RequestTable`), keyed once and
+under the engine's lock: the engine finds a restore through its request's record.
 
-A request's life on a stage reads in `StageEngine`: admitted (its KV granted from the pool) by a restore or
-by its first forward → restored → forward* → released. Admission is one call (`RequestTable.admit`: the
-conflict check, the pool's grant, the record), and so is release (`RequestTable.release`: a restore still
-running stops, the record leaves the map, its grant goes back to the pool). A
-pipelined restore's deliveries may come before its restore call does: they wait in the record's mailbox
+A stage worker's request (`StageEngine` tells its life): admitted (its KV granted from the pool) by a
+restore or by its first forward → restored → forward* → released. Admission is one call
+(`RequestTable.admit`: the conflict check, the pool's grant, the record), and so is release
+(`RequestTable.release`: a restore still running stops, the record leaves the map, its grant goes back to
+the pool). A restore the engine is handed without an admitted request (the vLLM connector's, the library's:
+their KV is the caller's) gets a record of its own that leaves with it (`start_restore`, `end_restore`).
+
+A pipelined restore's deliveries may come before its restore call does: they wait in the record's mailbox
 until the restore attaches its upstream input.
 
 Nothing is held for strangers: a delivery opens a mailbox only under a grant (`Grant`, op "deliver") for
@@ -24,10 +28,11 @@ from dataclasses import dataclass, field
 import torch
 
 from cacheflow_common.auth import CLOCK_SKEW_S, Grant
-from cacheflow_common.errors import BadRequestError, GrantError
+from cacheflow_common.engine.pool import KVPool, PoolGrant
+from cacheflow_common.engine.stage_restore import StageRestore
+from cacheflow_common.errors import BadRequestError, CacheFlowError, GrantError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.restore.upstream import UpstreamInput
-from cacheflow_services.worker.pool import KVPool, PoolGrant
 
 MAILBOX_CHUNKS = 65536  # deliveries held for restores not yet started (bounds memory if one never comes)
 
@@ -40,13 +45,17 @@ class ConflictError(BadRequestError):
 
 @dataclass
 class StageRequest:
-    """One request on this stage. Until it holds a pool grant it is only a mailbox of early deliveries."""
+    """One request on this stage. Until it holds KV (a pool grant, or its restore's caller's buffer) it is
+    only a mailbox of early deliveries."""
 
     request_id: str
     tenant: str = ""
     grant: PoolGrant | None = None  # its KV from the pool, once admitted
+    kv: KVBuffer | None = None  # where its KV is: its grant's buffer, or a restore's caller's
+    restore: StageRestore | None = None  # the engine's restore of its prefix, while that runs
+    transient: bool = False  # admitted by its restore alone (its KV the caller's): leaves when that ends
     token_ids: list[int] = field(default_factory=list)  # every token whose KV is in `kv`, in order
-    restoring: bool = False  # its restore is running: forwards wait for it to finish
+    restoring: bool = False  # its restore call runs (admission to tokens recorded): forwards wait for it
     save: bool = True  # store whole chunks as they fill up
     saved_tokens: int = 0  # tokens [0, saved_tokens) are in storage (whole chunks, or the restored prefix)
     unsaved_input: torch.Tensor | None = None  # [len(token_ids) - saved_tokens, hidden]: this stage's input
@@ -58,21 +67,19 @@ class StageRequest:
     delivered_rows: int = 0
     delivered_bytes: int = 0
 
-    @property
-    def kv(self) -> KVBuffer | None:
-        return None if self.grant is None else self.grant.kv
-
 
 class RequestTable:
-    """The stage's requests by id, under one lock; events for a request go through its record.
+    """The stage's requests by id, under the engine's lock (`lock`: reentrant, so the engine's own steps may
+    call in here while they hold it); events for a request go through its record.
 
-    `pool`: where admitted requests' KV comes from; `stop_restore`: stops the restore of a request released
-    while it restores; `on_stream_closed`: a released request's delivery grant is used up."""
+    `pool`: where admitted requests' KV comes from (None: this engine admits no requests of its own);
+    `stop_restore`: stops the restore of a request released while it restores; `on_stream_closed`: a
+    released request's delivery grant is used up."""
 
-    def __init__(self, pool: KVPool, *, stage: int, stop_restore: Callable[[str], None],
-                 on_stream_closed: Callable[[Grant], None] = lambda grant: None) -> None:
+    def __init__(self, lock: threading.Condition, *, stage: int, pool: KVPool | None,
+                 stop_restore: Callable[[str], None], on_stream_closed: Callable[[Grant], None]) -> None:
         self.stage = stage
-        self._lock = threading.Lock()
+        self._lock = lock
         self._requests: dict[str, StageRequest] = {}
         self._pool = pool
         self._stop_restore = stop_restore
@@ -86,9 +93,12 @@ class RequestTable:
         """Admit a new request: its KV for `n_tokens` granted from the pool (PoolFullError if none), the
         deliveries that came before it taken over. A second admission of the same id is a conflict, found
         before the pool is asked (and again under the lock, for two racing admissions)."""
+        if self._pool is None:
+            raise CacheFlowError("this engine has no KV pool: its callers hand each restore its KV")
         with self._lock:
             self._refuse_second(request.request_id)
         request.grant = grant = self._pool.grant(n_tokens, tenant=request.tenant)
+        request.kv = grant.kv
         try:
             return self._add(request)
         except (ConflictError, GrantError):
@@ -162,7 +172,7 @@ class RequestTable:
         self._stop_restore(request_id)
         with self._lock:
             request = self._requests.pop(request_id, None)
-        if request is not None and request.grant is not None:
+        if request is not None and request.grant is not None and self._pool is not None:
             self._pool.give_back(request.grant)
         if request is not None and request.stream is not None:
             self._on_stream_closed(request.stream)
@@ -175,3 +185,38 @@ class RequestTable:
             return [r for r, request in self._requests.items() if now - request.touched > ttl_s
                     or (request.kv is None and request.stream is not None
                         and request.stream.expires_at + CLOCK_SKEW_S < wall)]
+
+    # -- the engine's restores (called under its lock) ------------------------------------------------
+    def start_restore(self, restore: StageRestore) -> None:
+        """`restore` runs for its request: on the admitted record, or on a record of its own."""
+        with self._lock:
+            request = self._requests.get(restore.request_id)
+            if request is None or request.kv is None:
+                if request is not None:  # deliveries that came for it: they are its input's, not the record's
+                    raise ConflictError(f"request {restore.request_id!r} took deliveries but was never admitted")
+                request = self._requests[restore.request_id] = StageRequest(restore.request_id, kv=restore.kv,
+                                                                            transient=True)
+            if request.restore is not None:
+                raise ConflictError(f"request {restore.request_id!r} is already restoring on stage {self.stage}")
+            request.restore = restore
+
+    def end_restore(self, request_id: str) -> StageRestore | None:
+        """The restore ended (finished or failed): off its record, and a record of its own leaves with it."""
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None:
+                return None
+            restore, request.restore = request.restore, None
+            if request.transient:
+                del self._requests[request_id]
+            return restore
+
+    def restore_of(self, request_id: str) -> StageRestore | None:
+        with self._lock:
+            request = self._requests.get(request_id)
+            return None if request is None else request.restore
+
+    def restores(self) -> list[StageRestore]:
+        """Every restore running, in the order their requests came."""
+        with self._lock:
+            return [r.restore for r in self._requests.values() if r.restore is not None]
