@@ -87,6 +87,10 @@ class Grant:
     expires_at: float  # unix time
     pod_credential: str  # the tenant's short-lived storage credential ("" where no pod is touched)
 
+    def expired(self, now: float | None = None) -> bool:
+        """Past its expiry at `now` (unix time; default: the clock's), beyond the clocks' skew."""
+        return self.expires_at + CLOCK_SKEW_S < (time.time() if now is None else now)
+
     def allows(self, op: str, stage: int) -> None:
         """GrantError unless this grant is for `op` on `stage`."""
         if self.op != op or stage not in self.stages:
@@ -151,7 +155,7 @@ class GrantVerifier:
             grant = Grant(**{**fields, "stages": tuple(int(s) for s in fields["stages"])})
         except (InvalidSignature, ValueError, TypeError, KeyError) as exc:
             raise GrantError("the grant is not signed by this cluster's coordinator") from exc
-        if grant.expires_at + CLOCK_SKEW_S < (time.time() if now is None else now):
+        if grant.expired(now):
             raise GrantError(f"the grant for request {grant.request_id!r} has expired")
         return grant
 

@@ -21,16 +21,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from cacheflow_common.auth import Grant
 from cacheflow_common.engine.pool import KVPool
 from cacheflow_common.engine.requests import RequestTable
 from cacheflow_common.engine.stage_restore import StageRestore
 from cacheflow_common.engine.step_plan import STAGE, ForwardItem, StepBudget, StepPlan, decide_step
 from cacheflow_common.errors import CacheFlowError
 from cacheflow_common.sched.scheduler import BatchScheduler, ComputeTask, LoadTask
+
+if TYPE_CHECKING:  # the engine need not load the grants' signature code (`engine/requests.py`)
+    from cacheflow_common.auth import Grant
 
 IDLE_WAIT_S = 0.05  # with restores in flight, a loop or channel with nothing to do re-checks this often
 

@@ -14,10 +14,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import torch
 
-from cacheflow_common.auth import Grant
 from cacheflow_common.engine.builder import RestoreBuilder
 from cacheflow_common.engine.channels import ChannelLoader
 from cacheflow_common.engine.core import EngineCore
@@ -35,6 +35,9 @@ from cacheflow_common.sched.policies import make_policy
 from cacheflow_common.sched.scheduler import BatchScheduler
 from cacheflow_common.stage_api import RestoreSummary
 from cacheflow_common.store.base import ChunkStore
+
+if TYPE_CHECKING:  # the engine need not load the grants' signature code (`engine/requests.py`)
+    from cacheflow_common.auth import Grant
 
 JOIN_S = 10.0  # longest wait for the loop and the channels at close
 StepHook = Callable[[StepPlan, float], None]  # every step that ran, and its seconds

@@ -24,15 +24,19 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from cacheflow_common.auth import CLOCK_SKEW_S, Grant
 from cacheflow_common.engine.pool import KVPool, PoolGrant
 from cacheflow_common.engine.stage_restore import StageRestore
 from cacheflow_common.errors import BadRequestError, CacheFlowError, GrantError
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.restore.upstream import UpstreamInput
+
+if TYPE_CHECKING:  # grants are checked by the worker's HTTP layer; the engine (and so vLLM's process, which
+    # runs it for the connector) need not load the signature code
+    from cacheflow_common.auth import Grant
 
 MAILBOX_CHUNKS = 65536  # deliveries held for restores not yet started (bounds memory if one never comes)
 
@@ -180,11 +184,10 @@ class RequestTable:
 
     def idle(self, ttl_s: float) -> list[str]:
         """Requests unused for longer than `ttl_s`, and mailboxes whose delivery grant has expired."""
-        now, wall = time.monotonic(), time.time()
+        now = time.monotonic()
         with self._lock:
             return [r for r, request in self._requests.items() if now - request.touched > ttl_s
-                    or (request.kv is None and request.stream is not None
-                        and request.stream.expires_at + CLOCK_SKEW_S < wall)]
+                    or (request.kv is None and request.stream is not None and request.stream.expired())]
 
     # -- the engine's restores (called under its lock) ------------------------------------------------
     def start_restore(self, restore: StageRestore) -> None:

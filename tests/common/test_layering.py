@@ -6,6 +6,8 @@ functions included."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +55,12 @@ def test_the_scan_sees_imports_inside_functions(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("def f():\n    from cacheflow_common import engine\n    import cacheflow_common.sim.engine\n")
     assert {"cacheflow_common.engine", "cacheflow_common.sim.engine"} <= imported_modules(source)
+
+
+def test_the_engine_does_not_load_the_grants_signature_code():
+    """vLLM's process runs the engine for the connector, which checks no grants: importing the engine must not
+    load `cryptography` (Ed25519, X.509), 8 MiB of resident memory in every vLLM rank."""
+    probe = "import sys, cacheflow_common.engine; print(sorted(m for m in sys.modules if m.startswith('cryptography')))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                            cwd=CORE.parent).stdout.strip()
+    assert loaded == "[]"
