@@ -165,30 +165,48 @@ def test_tensor_parallel_ranks_restore_their_own_heads(cluster: dict[str, Any],
     assert all(e["batch"] == len(cluster["prompts"]) for e in restores)  # started in one step, fronts together
 
 
-def test_lora_requests_restore_only_their_adapters_chunks(cluster: dict[str, Any]) -> None:
-    """One vLLM process with LoRA on, four passes (saves flushed, prefix cache reset between them): the base
-    prompts stored; the same prompts with an adapter find none of those chunks (its KV is not the base
-    model's) and are stored under the adapter; then each restores from its own chunks, by loads alone for
-    the adapter, with the outputs it gave computed."""
+def test_lora_restores_recompute_under_each_requests_adapter(cluster: dict[str, Any]) -> None:
+    """LoRA on (2 slots), restores recomputed whole (compute-only); passes with the saves flushed and the
+    prefix cache reset between them. Two vLLM processes over the same pod:
+    1. Restores in vLLM's step. The base prompts, stored; the same prompts under adapter A, which find none
+       of those chunks (its KV is not the base model's) and are stored under it; then "mix": the first
+       prompt under A and the second, without an adapter, arriving while the first decodes. Each restores
+       its own chunks, recomputed under its own adapter (or none): the second in a step that also decodes
+       the first under A, whose mapping vLLM had set before the restore ran.
+    2. Restores in the background (the request waits, its adapter not yet active). Adapters B then C take
+       both slots; then A's prompts: recomputing the first under A would evict an adapter vLLM holds, so it
+       loads only; the second arrives once the first decodes under A, and is recomputed under it; then the
+       base prompts, recomputed.
+    Every restore gives the tokens vLLM computed."""
     from cacheflow_bench.tiny_models import save, save_lora
 
     model_dir = save("qwen3", cluster["root"] / "lora-base")
-    adapter = save_lora("qwen3", model_dir, cluster["root"] / "lora-adapter")
+    a, b, c = (str(save_lora("qwen3", model_dir, cluster["root"] / f"lora-{name}", seed=seed))
+               for name, seed in (("a", 1), ("b", 2), ("c", 3)))
     stats = cluster["root"] / "lora.jsonl"
-    passes = [{"label": "base"}, {"label": "lora", "lora": str(adapter)}, {"label": "lora2", "lora": str(adapter)},
-              {"label": "base2"}]
-    spec = {"model": str(model_dir), "prompts": cluster["prompts"], "max_tokens": 6, "block_size": BLOCK,
-            "connector": _connector(cluster, stats), "enable_lora": True, "passes": passes}
-    results = drive(spec, cluster["root"], "lora")["results"]
+    connector = {**_connector(cluster, stats), "policy": "compute-only"}
+    spec = {"model": str(model_dir), "prompts": cluster["prompts"], "max_tokens": 8, "block_size": BLOCK,
+            "enable_lora": True, "batches": [[0, 1]], "late": [1],
+            "max_loras": 2}  # a free last slot in "mix": vLLM's CPU ops give a row without an adapter the last slot's
+    in_step = [{"label": "base"}, {"label": "lora", "lora": a}, {"label": "mix", "loras": [a, None]}]
+    background = [{"label": "b", "lora": b}, {"label": "c", "lora": c}, {"label": "again", "lora": a},
+                  {"label": "base2"}]
+    results = drive({**spec, "connector": {**connector, "async_loads": False}, "passes": in_step},
+                    cluster["root"], "lora-in-step")["results"]
+    results += drive({**spec, "connector": connector, "passes": background}, cluster["root"], "lora")["results"]
     tokens: dict[str, list[list[int]]] = {}
     for r in results:
         tokens.setdefault(r["request_id"].split("-")[0], []).append(r["tokens"])  # "{pass}-{n}"
-    assert tokens["lora"] != tokens["base"]  # the adapter changes the outputs: sharing KV would show
-    assert tokens["lora2"] == tokens["lora"] and tokens["base2"] == tokens["base"]
-    restores: dict[str, list[dict[str, Any]]] = {}
-    for e in _events(stats, "restore"):
-        restores.setdefault(e["req"].split("-")[0], []).append(e)  # "{pass}-{n}-{vLLM suffix}"
-    assert set(restores) == {"lora2", "base2"}  # nothing restored across the adapter boundary
-    assert all(e["computed"] == 0 and e["loaded"] == e["tokens"] // CHUNK and e["asynchronous"]
-               for e in restores["lora2"])
-    assert [e["tokens"] for e in restores["base2"]] == [192, 320]
+    assert tokens["lora"][0] != tokens["base"][0]  # the adapter changes the outputs: sharing KV would show
+    assert tokens["mix"] == [tokens["lora"][0], tokens["base"][1]]
+    assert tokens["again"] == tokens["lora"] and tokens["base2"] == tokens["base"]
+    restores: dict[str, list[tuple[int, int, int, int]]] = {}
+    for e in _events(stats, "restore"):  # "{pass}-{n}-{vLLM suffix}"
+        restores.setdefault(e["req"].split("-")[0], []).append((e["tokens"], e["written"], e["computed"], e["loaded"]))
+    assert set(restores) == {"mix", "again", "base2"}  # nothing restored across an adapter's boundary
+    # recomputed whole, each in one unit (compute-only's unit is the engine's prefill size), nothing loaded
+    assert sorted(restores["mix"]) == sorted(restores["base2"]) == [(192, 192, 1, 0), (320, 320, 1, 0)]
+    # A's first prompt loads only (B and C hold the slots); its second arrives once the first decodes under A
+    assert sorted(restores["again"]) == [(192, 192, 0, 3), (320, 320, 1, 0)]
+    assert [e["reason"] for e in _events(stats, "load_only")] == ["all 2 of vLLM's LoRA slots hold other adapters"]
+    assert not _events(stats, "load_error")

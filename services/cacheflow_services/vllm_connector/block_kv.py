@@ -21,13 +21,15 @@ import torch
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.restore.device_landing import StagedLanding
 from cacheflow_services.vllm_connector.paged import gather_layers, scatter, scatter_bytes
+from cacheflow_services.vllm_connector.plan import Adapter
 
 
 class BlockKV(KVBuffer):
     def __init__(self, *, layers: range, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  caches: Mapping[int, torch.Tensor], layout: str, block_ids: Sequence[int], block_size: int,
-                 first_writable: int) -> None:
-        """`caches`: vLLM's cache of each of `layers`; `block_ids`: the request's blocks from position 0."""
+                 first_writable: int, adapter: Adapter | None = None) -> None:
+        """`caches`: vLLM's cache of each of `layers`; `block_ids`: the request's blocks from position 0;
+        `adapter`: the request's LoRA adapter, which vLLM's model recomputes its KV under (None: the base model)."""
         self.caches = {layer: caches[layer] for layer in layers}
         device = next(iter(self.caches.values())).device
         # no KV of its own: `data` only tells the loader the KV's shape, dtype and device
@@ -38,6 +40,7 @@ class BlockKV(KVBuffer):
         self.block_ids = tuple(block_ids)
         self.block_size = block_size
         self.first_writable = first_writable
+        self.adapter = adapter
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._lock = threading.Lock()  # one write at a time, and none after `seal`
         self._sealed = False

@@ -106,14 +106,8 @@ class CacheFlowConnector(KVConnectorBase_V1):
             log.info("pipeline ranks restore from boundary activations with CacheFlow's runtime (runtime: cacheflow)")
             self.cfg = replace(self.cfg, runtime="cacheflow")
         # Restores have their meeting point planned before they start under tensor parallelism (a rank's forward
-        # needs every other rank's in lockstep: planned_split.py), and run by loads alone, vLLM recomputing from
-        # the first miss, with LoRA on (vLLM's LoRA layers apply the adapters its last step set up to any
-        # forward; measured: a base prompt restored right after a LoRA batch gave other tokens).
-        self._tensor_parallel = vllm_config.parallel_config.tensor_parallel_size > 1
-        self._loads_only = self.cfg.runtime == "vllm" and vllm_config.lora_config is not None
-        if self._loads_only:
-            log.info("CacheFlow restores by loading chunks only (LoRA is on: no recompute beside vLLM's adapters)")
-        elif self._tensor_parallel:
+        # needs every other rank's in lockstep: planned_split.py).
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
             log.info("CacheFlow restores with a meeting point planned up front (tensor parallelism)")
         self.inactive = self._resolve_model(model_config.revision) \
             or unsupported(vllm_config, self.cfg.model, self.cfg.runtime) or unsupported_cache(kv_cache_config)
@@ -134,7 +128,8 @@ class CacheFlowConnector(KVConnectorBase_V1):
                                         vllm_model=lambda: find_vllm_model(vllm_config),
                                         layers=_rank_layers(self.cfg, vllm_config), attention_isa=isa,
                                         vllm_config=vllm_config, tp_rank=_tp_rank(vllm_config),
-                                        step_slots=forward_context_slots)
+                                        step_slots=forward_context_slots,
+                                        lora_manager=lambda: find_lora_manager(vllm_config))
 
     def _resolve_model(self, revision: str | None) -> str:
         """Point `cfg.model` at the checkpoint's directory (a Hub id resolved in the local cache); the reason
@@ -175,8 +170,8 @@ class CacheFlowConnector(KVConnectorBase_V1):
             reason, keying = declined(request), request_keying(request)
         except ConfigError as exc:  # a LoRA adapter whose files cannot be read
             reason, keying = str(exc), Keying()
-        if not reason:
-            return replace(keying, load_only=True) if self._loads_only else keying
+        if not reason:  # CacheFlow's runtime has no LoRA adapters: a LoRA request's restores load only
+            return replace(keying, load_only=True) if keying.adapter and self.cfg.runtime != "vllm" else keying
         self._declined.add(request.request_id)
         self._once.warn("the CacheFlow connector leaves requests to vLLM: %s", reason)
         self._stats.event("declined", req=request.request_id, reason=reason)
@@ -355,6 +350,20 @@ def find_vllm_model(vllm_config: VllmConfig) -> Any:
         model = _model_of(owner)
         if model is not None and _holds(model, name, attn):
             return model
+    return None
+
+
+def find_lora_manager(vllm_config: VllmConfig) -> Any:
+    """The model runner's LoRA manager (None without LoRA, or where neither a runner nor a worker is on the
+    call stack): that of the runner holding vLLM's model, found as `find_vllm_model` finds the model."""
+    if vllm_config.lora_config is None:
+        return None
+    model = find_vllm_model(vllm_config)
+    for owner in _vllm_owners():
+        for runner in (owner, getattr(owner, "model_runner", None)):  # a model runner, or a worker's
+            manager = getattr(runner, "lora_manager", None)
+            if manager is not None and model is not None and _model_of(runner) is model:
+                return manager
     return None
 
 

@@ -7,8 +7,9 @@ run.json: {"model": dir, "prompts": [[token ids], ...], "max_tokens": 8, "out": 
            "block_size": 128, "max_num_batched_tokens": vLLM's default, "kv_cache_dtype": "auto",
            "batches": [[prompt indices submitted together], ...] (default: each prompt alone, in order),
            "cache_salts": [a prompt's cache_salt or null, ...] (default: none),
-           "tensor_parallel_size": 1, "enable_lora": false, "ignore_eos": false,
-           "passes": [{"label": "cold", "lora": adapter dir or null}, ...] (default: one pass, no adapter),
+           "tensor_parallel_size": 1, "enable_lora": false, "max_loras": 1, "ignore_eos": false,
+           "passes": [{"label": "cold", "lora": adapter dir or null, "loras": [per prompt: adapter dir or null]},
+                      ...] (default: one pass, no adapter; "loras" overrides "lora"),
            "late": [prompt indices] (default: none), "late_after_tokens": 4, "memory": false}
 
 Writes to `out`: per prompt the greedy tokens, their logprobs and the request's wall time (with
@@ -54,11 +55,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     extra = spec.get("connector")
     # the scheduler's token budget per step (vLLM's default on CPU: 4,096, so a longer prompt is prefilled in chunks)
     budget = {"max_num_batched_tokens": spec["max_num_batched_tokens"]} if "max_num_batched_tokens" in spec else {}
+    slots = {"max_loras": spec.get("max_loras", 1)} if spec.get("enable_lora") else {}
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), skip_tokenizer_init=True, seed=0,
               max_model_len=spec.get("max_model_len", 4096), enforce_eager=True,
               enable_prefix_caching=spec.get("prefix_caching", False), block_size=spec.get("block_size", 128),
               **budget, tensor_parallel_size=spec.get("tensor_parallel_size", 1),
-              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), enable_lora=spec.get("enable_lora", False),
+              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), enable_lora=spec.get("enable_lora", False), **slots,
               kv_transfer_config=transfer_config(extra) if extra is not None else None)
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1,
@@ -71,10 +73,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     for n, one in enumerate(spec.get("passes") or [{"label": "drive"}]):
         if n:
             _between_passes(llm, extra is not None)
-        path = one.get("lora")
-        lora = LoRARequest(Path(path).name, adapters.setdefault(path, 1 + len(adapters)), path) if path else None
+        paths = one.get("loras") or [one.get("lora")] * len(prompts)
+        loras = [LoRARequest(Path(path).name, adapters.setdefault(path, 1 + len(adapters)), path) if path else None
+                 for path in paths]
         late = Late(set(spec.get("late", ())), spec.get("late_after_tokens", LATE_AFTER_TOKENS))
-        results += _one_pass(llm.llm_engine, prompts, params, spec.get("batches"), one["label"], lora, late)
+        results += _one_pass(llm.llm_engine, prompts, params, spec.get("batches"), one["label"], loras, late)
     if extra is not None:
         llm.collective_rpc(_flush_saves)
     out: dict[str, Any] = {"startup_s": startup_s, "results": results}
@@ -90,13 +93,15 @@ class Late(NamedTuple):
 
 
 def _one_pass(engine: Any, prompts: list[Any], params: Any, batches: list[list[int]] | None, label: str,
-              lora: Any, late: Late) -> list[dict[str, Any]]:
-    """Every prompt once, batch after batch; the results in prompt order."""
+              loras: list[Any], late: Late) -> list[dict[str, Any]]:
+    """Every prompt once (each under its LoRA request, or none), batch after batch; the results in prompt
+    order."""
     results: list[dict[str, Any]] = [{} for _ in prompts]
     for batch in batches or [[i] for i in range(len(prompts))]:
         arrives_late = [i in late.prompts for i in batch]
-        for i, result in zip(batch, _together(engine, [prompts[i] for i in batch], params, label, lora,
-                                              arrives_late, late.after_tokens), strict=True):
+        for i, result in zip(batch, _together(engine, [prompts[i] for i in batch], params, label,
+                                              [loras[i] for i in batch], arrives_late, late.after_tokens),
+                             strict=True):
             results[i] = result
     return results
 
@@ -108,7 +113,7 @@ def _between_passes(llm: Any, connector: bool) -> None:
     llm.reset_prefix_cache()
 
 
-def _together(engine: Any, prompts: list[Any], params: Any, label: str = "drive", lora: Any = None,
+def _together(engine: Any, prompts: list[Any], params: Any, label: str = "drive", loras: list[Any] | None = None,
               late: list[bool] | None = None, after_tokens: int = 0) -> list[dict[str, Any]]:
     """Submit `prompts` at once (those marked `late` once the others have `after_tokens` tokens) and step vLLM's
     engine until every one is done: per prompt its greedy tokens, their logprobs, when each token came
@@ -123,7 +128,7 @@ def _together(engine: Any, prompts: list[Any], params: Any, label: str = "drive"
 
     def submit(i: int) -> None:
         origin[ids[i]] = time.perf_counter() - start if late[i] else 0.0
-        engine.add_request(ids[i], prompts[i], params, lora_request=lora)
+        engine.add_request(ids[i], prompts[i], params, lora_request=loras[i] if loras else None)
 
     for i in range(len(prompts)):
         if not late[i]:

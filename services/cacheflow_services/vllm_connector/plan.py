@@ -16,13 +16,23 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """A request's LoRA adapter as vLLM names it (its `LoRARequest`): what a worker activates to recompute."""
+
+    name: str
+    lora_id: int  # vLLM's int id (0 is the base model)
+    path: str
+
+
+@dataclass(frozen=True)
 class LoadSpec:
     req_id: str
     token_ids: tuple[int, ...]  # the cached prefix, tokens [0, N): whole chunks
     block_ids: tuple[int, ...]  # the request's vLLM blocks, from position 0
     start: int  # vLLM's own prefix-cache hit ends here: only positions [start, N) are written
     salt: str = ""  # what else its chunk keys are salted with (a LoRA adapter, a cache_salt: support.py)
-    load_only: bool = False  # restored by loads alone (LoRA is on: nothing recomputes beside vLLM)
+    load_only: bool = False  # restored by loads alone (nothing may recompute it: support.py, adapters.py)
+    adapter: Adapter | None = None  # its LoRA adapter (None: the base model), active while it recomputes
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,12 @@ class Keying:
 
     salt: str = ""
     load_only: bool = False
+    adapter: Adapter | None = None
+
+    def load_spec(self, req_id: str, token_ids: tuple[int, ...], block_ids: tuple[int, ...], start: int) -> LoadSpec:
+        """A load of the request's cached prefix `token_ids`, keyed and restored this way."""
+        return LoadSpec(req_id, token_ids, block_ids, start, salt=self.salt, load_only=self.load_only,
+                        adapter=self.adapter)
 
 
 @dataclass
@@ -122,8 +138,8 @@ class SchedulerPlan:
         self._loaded_in_background.add(req_id)
         tracked = _Tracked(tuple(prompt), list(block_ids), saved=cached, keying=self.keying(req_id))
         self._tracked[req_id] = tracked
-        self._background.append(LoadSpec(req_id, tracked.prompt[:cached], tuple(block_ids), cached - num_external,
-                                         salt=tracked.keying.salt, load_only=tracked.keying.load_only))
+        self._background.append(tracked.keying.load_spec(req_id, tracked.prompt[:cached], tuple(block_ids),
+                                                         cached - num_external))
 
     def take_background_loads(self) -> list[LoadSpec]:
         loads, self._background = self._background, []
@@ -180,8 +196,7 @@ class SchedulerPlan:
         start = self._loads.pop(req_id, None)
         if start is None:
             return None
-        return LoadSpec(req_id, tracked.prompt[:cached], tuple(tracked.block_ids), start, salt=tracked.keying.salt,
-                        load_only=tracked.keying.load_only)
+        return tracked.keying.load_spec(req_id, tracked.prompt[:cached], tuple(tracked.block_ids), start)
 
     def _save(self, req_id: str, tracked: _Tracked, computed_after: int) -> SaveSpec | None:
         end = min(computed_after, len(tracked.prompt)) // self.chunk_size * self.chunk_size

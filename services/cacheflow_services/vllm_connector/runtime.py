@@ -18,6 +18,7 @@ import torch
 
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_services.vllm_connector.adapters import AdapterScope
 from cacheflow_services.vllm_connector.model_identity import KVGeometry
 from cacheflow_services.vllm_connector.shared import Unsupported, shared_bytes, shared_runtime
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
@@ -25,13 +26,14 @@ from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 log = logging.getLogger(__name__)
 
 VllmModel = Callable[[], Any]  # vLLM's loaded model module, or None while it cannot be reached
+LoraManager = Callable[[], Any]  # the model runner's LoRA manager, or None (LoRA is off, or it cannot be reached)
 Event = Callable[..., None]  # the connector's stats log: event(kind, **fields)
 
 
 class RuntimeChoice:
     def __init__(self, model_dir: str, config: ModelConfig | KVGeometry, *, runtime: str, share_weights: bool,
                  dtype: torch.dtype, device: str, vllm_model: VllmModel, vllm_config: Any, fingerprint: str,
-                 event: Event) -> None:
+                 event: Event, lora_manager: LoraManager = lambda: None) -> None:
         """`config`: CacheFlow's model config, or (`runtime: "vllm"`) the KV geometry of the model vLLM serves."""
         self.model_dir = model_dir
         self.runtime = runtime
@@ -43,6 +45,7 @@ class RuntimeChoice:
         self.device = device
         self.vllm_model = vllm_model
         self.event = event
+        self.lora_manager = lora_manager
         self.model: Transformer | None = None  # once chosen
         self.kind = ""  # "vllm" (vLLM's model), "shared" (over vLLM's weights) or "separate" (a copy), once chosen
 
@@ -82,7 +85,9 @@ class RuntimeChoice:
                 raise RuntimeError("vLLM's loaded model could not be reached from the connector")
             return
         assert isinstance(self.config, KVGeometry), "vLLM's model runs over the geometry of vLLM's config"
-        runtime = VllmRuntime(self.config, module, self.vllm_config, layers=layers, fingerprint=self.fingerprint)
+        manager = self.lora_manager()
+        runtime = VllmRuntime(self.config, module, self.vllm_config, layers=layers, fingerprint=self.fingerprint,
+                              adapters=AdapterScope(manager) if manager is not None else None)
         self.model = cast(Transformer, runtime)  # it offers what the restore engine calls of a Transformer
         self.kind = "vllm"
         log.info("CacheFlow recomputes with vLLM's own model (%s) and attention backend", type(module).__name__)

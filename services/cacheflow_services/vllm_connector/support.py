@@ -19,9 +19,10 @@ it does not implement and quantized weights (it would read them without their sc
 
 A request's chunks are keyed by what its KV depends on beyond the model and the prompt tokens
 (`request_keying`): its LoRA adapter (by the adapter's files) and its `cache_salt` salt its keys, so it never
-shares chunks with another adapter, the base model or another salt. A LoRA request is restored by loads
-alone (the connector's recompute would run the base model); requests with prompt embeddings or multimodal
-inputs are declined (their KV is not a function of the prompt tokens).
+shares chunks with another adapter, the base model or another salt. With vLLM's model, a LoRA request's
+front is recomputed under its adapter (`adapters.py`); with CacheFlow's runtime, which has no adapters, it
+is restored by loads alone. Requests with prompt embeddings or multimodal inputs are declined (their KV is
+not a function of the prompt tokens).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_services.vllm_connector.model_identity import FP8, adapter_fingerprint
-from cacheflow_services.vllm_connector.plan import Keying
+from cacheflow_services.vllm_connector.plan import Adapter, Keying
 
 log = logging.getLogger(__name__)
 ATTENTION_SPECS = ("FullAttentionSpec",)  # caches of every position's K and V in blocks
@@ -117,14 +118,15 @@ def declined(request: Any) -> str:
 
 
 def request_keying(request: Any) -> Keying:
-    """How `request`'s chunks are keyed and restored: salted by its LoRA adapter's identity and its cache_salt;
-    a LoRA request restored by loads alone."""
-    parts, lora = [], request.lora_request
+    """How `request`'s chunks are keyed: salted by its LoRA adapter's identity and its cache_salt; its adapter
+    (vLLM's name, id and path) goes with its loads, to recompute under it."""
+    parts, lora, adapter = [], request.lora_request, None
     if lora is not None:
         parts.append(f"lora:{adapter_fingerprint(Path(lora.lora_path))}")
+        adapter = Adapter(lora.lora_name, lora.lora_int_id, lora.lora_path)
     if request.cache_salt:
         parts.append(f"cache_salt:{request.cache_salt}")
-    return Keying(salt="|".join(parts), load_only=lora is not None)
+    return Keying(salt="|".join(parts), adapter=adapter)
 
 
 class OnceLog:

@@ -7,8 +7,10 @@ at their positions, with the chunks before them already in the blocks as context
 chunked prefill does. The attention metadata comes from the backend's own metadata builder (one per
 backend and KV cache spec, as vLLM's model runner makes them), so a sliding window, a softcap or another
 backend is the backend's business. Several restores' units of one engine step run as one forward over a
-batch of requests. Loaded chunks are written into the blocks as they land (`BlockKV`), so a unit finds them
-there.
+batch of requests, of at most vLLM's token budget (`max_num_batched_tokens`, which sizes the buffers of
+vLLM's attention and LoRA metadata): a larger batch runs as several forwards, a request cut between two
+like a chunked prefill. Loaded chunks are written into the blocks as they land (`BlockKV`), so a unit finds
+them there. With LoRA on, each forward runs under its requests' adapters (`adapters.py`).
 
 Token-wise only: a layer-wise unit would run the model's decoder layers one at a time, whose signatures
 differ by family. Called on vLLM's thread only (the connector computes there: `async_loads.py` says why).
@@ -20,6 +22,7 @@ part of one the restore engine calls (`embed`, `forward_layers`, `new_kv`, `fing
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -28,14 +31,18 @@ from cacheflow_common.errors import ConfigError
 from cacheflow_common.kv.chunk import TORCH_DTYPES
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span
+from cacheflow_services.vllm_connector.adapters import AdapterScope
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.model_identity import KVGeometry, kv_dtype
+from cacheflow_services.vllm_connector.plan import Adapter
 
 
 class VllmRuntime:
     """The restore engine's model, backed by vLLM's loaded `module` over all the rank's `layers`."""
 
-    def __init__(self, config: KVGeometry, module: Any, vllm_config: Any, *, layers: range, fingerprint: str) -> None:
+    def __init__(self, config: KVGeometry, module: Any, vllm_config: Any, *, layers: range, fingerprint: str,
+                 adapters: AdapterScope | None = None) -> None:
+        """`adapters`: vLLM's LoRA adapters, where LoRA is on (every forward then sets its own mapping)."""
         self.config = config
         self.module = module
         self.vllm_config = vllm_config
@@ -44,6 +51,8 @@ class VllmRuntime:
         self.dtype: torch.dtype = vllm_config.model_config.dtype
         self.weights: dict[str, torch.Tensor] = {}  # vLLM's module holds them all
         self._fingerprint = fingerprint
+        self.adapters = adapters
+        self.max_rows: int = vllm_config.scheduler_config.max_num_batched_tokens  # rows per forward, at most
         self._builders: list[tuple[Any, list[str]]] | None = None  # (metadata builder, its layers), at first use
 
     def fingerprint(self) -> str:
@@ -64,16 +73,32 @@ class VllmRuntime:
             torch.cuda.synchronize(self.device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """[T] int64 -> [T, hidden], as vLLM's model embeds its input (a family's scaling included)."""
-        out: torch.Tensor = self.module.embed_input_ids(token_ids.to(self.device))
-        return out
+        """[T] int64 -> [T, hidden], as vLLM's model embeds its input (a family's scaling included; with
+        LoRA on, the base model's embeddings: `adapters.py`)."""
+        ids = token_ids.to(self.device)
+        parts = []
+        for start in range(0, len(ids), self.max_rows):
+            piece = ids[start : start + self.max_rows]  # [t]
+            with self._mapped([(None, len(piece))]):
+                parts.append(self.module.embed_input_ids(piece))  # [t, hidden]
+        return torch.cat(parts) if len(parts) != 1 else parts[0]
 
     @torch.inference_mode()
     def forward_layers(self, hidden: torch.Tensor, layers: range, spans: Sequence[Span]) -> torch.Tensor:
-        """vLLM's model over packed rows `hidden` [R, hidden] (embedded tokens), one span per request; the
-        KV of every layer lands in each span's blocks. Returns the model's output [R, hidden]."""
+        """vLLM's model over packed rows `hidden` [R, hidden] (embedded tokens), one span per request, packed
+        in the spans' order; the KV of every layer lands in each span's blocks. Returns the model's output
+        [R, hidden]."""
         if layers != self.layers:
             raise ConfigError(f"vLLM's model runs all the rank's layers {self.layers}, not {layers}: token-wise only")
+        outs = []
+        for group in forward_groups(spans, self.max_rows):
+            first, last = group[0], group[-1]
+            outs.append(self._forward(hidden[first.row : last.row + last.length], group))  # [r, hidden]
+        self.synchronize()
+        return torch.cat(outs) if len(outs) != 1 else outs[0]
+
+    def _forward(self, hidden: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+        """One forward of vLLM's model over rows `hidden` [r, hidden], packed in the order of `spans`."""
         from vllm.forward_context import set_forward_context
 
         blocks = [_block_kv(span) for span in spans]  # loaded chunks are in them as soon as they land
@@ -83,11 +108,16 @@ class VllmRuntime:
             built = builder.build(common_prefix_len=0, common_attn_metadata=common)
             metadata.update(dict.fromkeys(names, built))
             slots.update(dict.fromkeys(names, common.slot_mapping))
-        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans]).to(self.device)  # [R]
-        with set_forward_context(metadata, self.vllm_config, num_tokens=hidden.shape[0], slot_mapping=slots):
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans]).to(self.device)  # [r]
+        with self._mapped([(kv.adapter, s.length) for kv, s in zip(blocks, spans, strict=True)]), \
+                set_forward_context(metadata, self.vllm_config, num_tokens=hidden.shape[0], slot_mapping=slots):
             out: torch.Tensor = self.module(input_ids=None, positions=positions, inputs_embeds=hidden)
-        self.synchronize()
         return out
+
+    def _mapped(self, rows: Sequence[tuple[Adapter | None, int]]) -> AbstractContextManager[None]:
+        """The LoRA mapping of `rows` (per request: its adapter, its rows) while a forward runs; nothing
+        without LoRA."""
+        return self.adapters.mapped(rows) if self.adapters is not None else nullcontext()
 
     def _common_metadata(self, spans: Sequence[Span], blocks: Sequence[BlockKV]) -> Any:
         """What vLLM's model runner hands its metadata builders for these spans as one batch of prefills."""
@@ -123,6 +153,32 @@ class VllmRuntime:
             self._builders = [(backend.get_builder_cls()(spec, names, self.vllm_config, self.device), names)
                               for (backend, spec), names in groups.items()]
         return self._builders
+
+
+def forward_groups(spans: Sequence[Span], max_rows: int) -> list[list[Span]]:
+    """`spans`, packed in this order, in forwards of at most `max_rows` rows each, under one LoRA adapter (or
+    none) each; every piece's `row` is where its rows start in the packing. A span that does not fit is cut,
+    its front ending one forward and its back starting the next (whose attention then finds the front in the
+    blocks). One adapter per forward: in a batch that mixes rows with and without an adapter, vLLM's CPU LoRA
+    ops read a row without one (index -1) as the last slot, which applies the adapter there if that slot
+    holds one (measured with max_loras 1)."""
+    groups: list[list[Span]] = [[]]
+    room, row = max_rows, 0
+    for span in spans:
+        if groups[-1] and _block_kv(groups[-1][-1]).adapter != _block_kv(span).adapter:
+            groups.append([])
+            room = max_rows
+        done = 0
+        while done < span.length:
+            if room == 0:
+                groups.append([])
+                room = max_rows
+            take = min(span.length - done, room)
+            groups[-1].append(Span(span.kv, span.start + done, take, row))
+            done += take
+            room -= take
+            row += take
+    return [group for group in groups if group]
 
 
 def _block_kv(span: Span) -> BlockKV:

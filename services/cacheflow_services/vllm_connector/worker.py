@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,9 @@ from cacheflow_services.vllm_connector.planned_split import (
 )
 from cacheflow_services.vllm_connector.ranks import BoundaryCapture, StepSlots, rank_layers
 from cacheflow_services.vllm_connector.restorer import PREFILL_TOKENS, engine_settings
-from cacheflow_services.vllm_connector.runtime import RuntimeChoice, VllmModel
+from cacheflow_services.vllm_connector.runtime import LoraManager, RuntimeChoice, VllmModel
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
+from cacheflow_services.vllm_connector.support import OnceLog
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 log = logging.getLogger(__name__)
@@ -105,14 +107,15 @@ class WorkerEngine:
     def __init__(self, cfg: ConnectorConfig, *, dtype: torch.dtype, block_size: int, device: str,
                  layout: str, vllm_model: VllmModel | None = None, layers: range | None = None,
                  attention_isa: str = "", vllm_config: Any = None, tp_rank: int | None = None,
-                 step_slots: StepSlots | None = None) -> None:
+                 step_slots: StepSlots | None = None, lora_manager: LoraManager = lambda: None) -> None:
         """`vllm_model` finds vLLM's loaded model module (None while it cannot); it is asked now, and if it
         has no answer yet, again at `register` and at the first load, before falling back to a copy.
         `layers`: this pipeline rank's layers, where known before `register` (its copy then loads only them).
         `attention_isa`: vLLM's CPU attention kernel, where CacheFlow's runtime attends with it (`PagedKV`); "":
         CacheFlow's. `vllm_config`: vLLM's, which `runtime: "vllm"` runs vLLM's model with. `tp_rank`: this
         rank's, under tensor parallelism (its chunks hold its KV heads). `step_slots`: the slot mapping of the forward
-        running now (vLLM's forward context), which files a pipeline rank's boundary rows by request."""
+        running now (vLLM's forward context), which files a pipeline rank's boundary rows by request.
+        `lora_manager`: the model runner's, with LoRA on (vLLM's model recomputes under each request's adapter)."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown paged KV layout {layout!r}; known: {LAYOUTS}")
         self.cfg = cfg
@@ -132,7 +135,10 @@ class WorkerEngine:
         self.stats = StatsLog(cfg.stats_file)
         self._runtime = RuntimeChoice(cfg.model, self.config, runtime=cfg.runtime, share_weights=cfg.share_weights,
                                       dtype=dtype, device=device, vllm_model=self._vllm_model, vllm_config=vllm_config,
-                                      fingerprint=self.fingerprint, event=self.stats.event)
+                                      fingerprint=self.fingerprint, event=self.stats.event,
+                                      lora_manager=lora_manager)
+        self._lora_on = vllm_config is not None and vllm_config.lora_config is not None
+        self._once = OnceLog()
         self.saves = ConnectorSaves(self.store, self.stats.event, fingerprint=self.fingerprint, dtype=dtype,
                                     kv_dtype=self.kv_dtype,
                                     chunk_size=cfg.chunk_size, tenant=cfg.tenant)
@@ -204,6 +210,7 @@ class WorkerEngine:
         on tensor-parallel ranks and by loads alone where nothing may recompute them (`_restore_planned`).
         Returns the block ids vLLM must recompute (those of every restore that failed outright, and of misses
         with `on_miss="vllm"`)."""
+        specs = [self.under_adapters(spec) for spec in specs]
         planned = [s for s in specs if self._plans_ahead(s)]
         failed = self._restore_planned(planned) if planned else set()
         specs = [s for s in specs if s not in planned]
@@ -231,6 +238,19 @@ class WorkerEngine:
             elif outcome is not None:
                 failed |= self.land(spec, jobs[spec.req_id], outcome, batch=len(jobs) if together else 1)
         return failed
+
+    def under_adapters(self, spec: LoadSpec) -> LoadSpec:
+        """`spec` as it may run with LoRA on: by loads alone where vLLM's model cannot recompute it under its
+        adapter, or without one (`adapters.py`); each reason logged once."""
+        if spec.load_only or not self._lora_on or not isinstance(self.model, VllmRuntime):
+            return spec
+        scope = self.model.adapters
+        reason = scope.unusable(spec.adapter) if scope is not None else "vLLM's LoRA manager could not be reached"
+        if not reason:
+            return spec
+        self._once.warn("CacheFlow restores by loads alone where LoRA keeps it from recomputing: %s", reason)
+        self.stats.event("load_only", req=spec.req_id, reason=reason)
+        return replace(spec, load_only=True)
 
     def _plans_ahead(self, spec: LoadSpec) -> bool:
         """Whether a restore's meeting point is planned before it starts (planned_split.py): on tensor-parallel
@@ -288,6 +308,7 @@ class WorkerEngine:
     def start_loads(self, specs: Sequence[LoadSpec]) -> None:
         """Restore prefixes in the background (`async_loads`, `planned_loads`); `finished_loads` reports them."""
         assert self._async is not None and self._planned is not None, "start_loads needs async_loads"
+        specs = [self.under_adapters(spec) for spec in specs]
         planned = [spec for spec in specs if self._plans_ahead(spec)]
         if planned:
             self._planned.start(planned)
@@ -325,7 +346,7 @@ class WorkerEngine:
         return BlockKV(layers=job.layers, num_kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim,
                        capacity=max(1, len(job.token_ids)), dtype=TORCH_DTYPES[self.kv_dtype],
                        caches=dict(self.caches), layout=self.layout, block_ids=spec.block_ids,
-                       block_size=self.block_size, first_writable=spec.start)
+                       block_size=self.block_size, first_writable=spec.start, adapter=spec.adapter)
 
     def failed_load(self, spec: LoadSpec, exc: BaseException) -> set[int]:
         """A failed restore is a failed load: vLLM recomputes the prefix."""

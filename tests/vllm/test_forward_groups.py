@@ -1,0 +1,45 @@
+"""How vLLM's model runs a restore step's rows (`vllm_runtime.forward_groups`): forwards of at most vLLM's
+token budget, a request cut between two in position order, and one LoRA adapter (or none) per forward. The
+forwards themselves need vLLM: `test_step_aside.py` runs them."""
+
+from __future__ import annotations
+
+import torch
+
+from cacheflow_common.model.transformer import Span
+from cacheflow_services.vllm_connector.block_kv import BlockKV
+from cacheflow_services.vllm_connector.plan import Adapter
+from cacheflow_services.vllm_connector.vllm_runtime import forward_groups
+
+BS = 8
+A = Adapter("a", 1, "/adapters/a")
+
+
+def _kv(adapter: Adapter | None = None) -> BlockKV:
+    caches = {0: torch.zeros(4, 1, BS, 4)}  # [blocks, Hkv, block, 2D]
+    return BlockKV(layers=range(1), num_kv_heads=1, head_dim=2, capacity=32, dtype=torch.float32, caches=caches,
+                   layout="split", block_ids=range(4), block_size=BS, first_writable=0, adapter=adapter)
+
+
+def _shape(groups: list[list[Span]]) -> list[list[tuple[int, int, int]]]:
+    return [[(s.start, s.length, s.row) for s in group] for group in groups]
+
+
+def test_a_step_within_the_budget_is_one_forward_its_rows_packed_in_order() -> None:
+    spans = [Span(_kv(), 16, 24), Span(_kv(), 0, 8)]  # the callers' spans leave `row` at 0
+    assert _shape(forward_groups(spans, 32)) == [[(16, 24, 0), (0, 8, 24)]]
+
+
+def test_rows_past_the_budget_go_to_the_next_forward_a_request_cut_in_position_order() -> None:
+    first, second = _kv(), _kv()
+    groups = forward_groups([Span(first, 16, 24), Span(second, 0, 30)], 20)
+    assert _shape(groups) == [[(16, 20, 0)], [(36, 4, 20), (0, 16, 24)], [(16, 14, 40)]]
+    assert [[s.kv for s in g] for g in groups] == [[first], [first, second], [second]]
+    assert all(sum(s.length for s in g) <= 20 for g in groups)
+
+
+def test_each_forward_runs_under_one_adapter() -> None:
+    base, lora, base2 = _kv(), _kv(A), _kv()
+    groups = forward_groups([Span(base, 0, 8), Span(lora, 0, 8), Span(base2, 0, 8)], 64)
+    assert [[s.kv for s in g] for g in groups] == [[base], [lora], [base2]]
+    assert _shape(groups) == [[(0, 8, 0)], [(0, 8, 8)], [(0, 8, 16)]]
