@@ -53,7 +53,9 @@ def summarize(cells: Cells) -> dict[str, Any]:
             "tp2_recomputed": any(c["tp"] == 2 and c.get("computed", 0) > 0 for c in restored),
             "fp8_kv_restored": any(c["kv_dtype"] == "fp8" for c in restored),
             "fp8_weights_restored": any(c["family"] in FP8_FAMILIES for c in restored),
-            "lora_restored": any(c["lora"] for c in restored), "lora_isolated": lora_isolated(cells)}
+            "lora_restored": any(c["lora"] for c in restored),
+            "lora_recomputed": any(c["lora"] and c.get("computed", 0) > 0 for c in restored),
+            "lora_isolated": lora_isolated(cells)}
 
 
 def one_line(text: str | None, limit: int = 200) -> str:
@@ -110,7 +112,8 @@ def block(body: dict[str, Any]) -> str:
             f"families restored {s['families_restored']}; TP 2 restored: {yes_no(s['tp2_restored'])} (with a "
             f"recomputed front: {yes_no(s.get('tp2_recomputed', False))}); fp8 KV "
             f"restored: {yes_no(s['fp8_kv_restored'])}; FP8 weights restored: {yes_no(s['fp8_weights_restored'])}; "
-            f"LoRA isolated: {yes_no(s['lora_isolated'])} ({commits(body)}, "
+            f"LoRA isolated: {yes_no(s['lora_isolated'])} (recomputed under the adapter: "
+            f"{yes_no(s.get('lora_recomputed', False))}) ({commits(body)}, "
             "`cacheflow bench vllm-compat`; details in bench/results/vllm_compat.md).")
     return "\n".join([BEGIN, markdown_table(header, rows), "", line, END])
 

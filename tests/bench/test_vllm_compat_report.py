@@ -43,7 +43,10 @@ def test_summary_counts_restored_families_and_each_target():
     assert s["families_restored"] == 1 and s["restored_families"] == ["llama"]  # FP8 weights are no family
     assert (s["failed_cells"], s["failed"], s["vllm_cannot_run_cells"]) == (1, ["qwen2-tp1-auto-base"], 1)
     assert s["tp2_restored"] and s["fp8_kv_restored"] and s["fp8_weights_restored"]
-    assert s["lora_isolated"] is None and not s["lora_restored"]
+    assert s["lora_isolated"] is None and not s["lora_restored"] and not s["lora_recomputed"]
+    loaded_only, recomputed = cell(lora=True, computed=0), cell(lora=True, kv="fp8")
+    assert rep.summarize([loaded_only])["lora_restored"] and not rep.summarize([loaded_only])["lora_recomputed"]
+    assert rep.summarize([loaded_only, recomputed])["lora_recomputed"]
 
 
 def test_a_lora_cell_whose_base_pass_differs_from_the_lora_off_cell_fails_and_breaks_isolation():

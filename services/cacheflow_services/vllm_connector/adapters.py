@@ -42,7 +42,10 @@ class AdapterScope:
         nothing."""
         if adapter is None:
             return ""
-        reason = self._activate(adapter)
+        try:
+            reason = self._activate(adapter)
+        except Exception as exc:  # its files could not be read: vLLM would fail the request itself
+            return f"LoRA adapter {adapter.name!r} could not be loaded ({type(exc).__name__}: {exc})"
         if not reason and self._has_embeddings(adapter.lora_id):
             reason = f"LoRA adapter {adapter.name!r} has embedding weights (restores embed with the base model's)"
         return reason

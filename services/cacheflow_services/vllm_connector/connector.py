@@ -17,8 +17,9 @@ The protocol, as vLLM drives it (`vllm/distributed/kv_transfer/kv_connector/v1/b
              before the forward) -> forward -> wait_for_save (copy the finished chunks out, store them in
              the background) -> get_finished (the background restores that ended: vLLM schedules those
              requests) -> get_block_ids_with_load_errors (vLLM recomputes those blocks)
-Only this module imports vLLM's Python API (`paged_attention.py` calls its compiled CPU attention ops);
-the logic lives in `plan.py` (scheduler), `worker.py` and `async_loads.py` (worker).
+Only this module imports vLLM's Python API when it loads (`vllm_runtime.py` and `adapters.py` call vLLM's
+model, attention metadata builders and LoRA manager as they run; `paged_attention.py` its compiled CPU
+attention ops); the logic lives in `plan.py` (scheduler), `worker.py` and `async_loads.py` (worker).
 
 Pipeline parallelism (`--pipeline-parallel-size N`): every rank's worker connector holds that rank's layers,
 a CacheFlow stage (worker.py, ranks.py); the scheduler looks prefixes up for the ranks' split, and each step

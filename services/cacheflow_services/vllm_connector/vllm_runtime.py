@@ -76,6 +76,8 @@ class VllmRuntime:
         """[T] int64 -> [T, hidden], as vLLM's model embeds its input (a family's scaling included; with
         LoRA on, the base model's embeddings: `adapters.py`)."""
         ids = token_ids.to(self.device)
+        if not len(ids):
+            return self.module.embed_input_ids(ids)
         parts = []
         for start in range(0, len(ids), self.max_rows):
             piece = ids[start : start + self.max_rows]  # [t]

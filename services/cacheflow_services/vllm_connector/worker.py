@@ -242,9 +242,15 @@ class WorkerEngine:
     def under_adapters(self, spec: LoadSpec) -> LoadSpec:
         """`spec` as it may run with LoRA on: by loads alone where vLLM's model cannot recompute it under its
         adapter, or without one (`adapters.py`); each reason logged once."""
-        if spec.load_only or not self._lora_on or not isinstance(self.model, VllmRuntime):
+        if spec.load_only or not self._lora_on:
             return spec
-        scope = self.model.adapters
+        try:
+            model = self.model
+        except Exception:  # vLLM's model out of reach: the restore fails where it needs it, vLLM recomputes
+            return spec
+        if not isinstance(model, VllmRuntime):
+            return spec
+        scope = model.adapters
         reason = scope.unusable(spec.adapter) if scope is not None else "vLLM's LoRA manager could not be reached"
         if not reason:
             return spec
