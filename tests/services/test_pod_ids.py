@@ -24,8 +24,8 @@ from cacheflow_common.store.placement import tenant_stores
 from cacheflow_common.transport.pod_client import PodAddress
 from cacheflow_operator.manifests.common import pod_addresses
 from cacheflow_operator.spec import Cluster
+from cacheflow_services.vllm_connector.both_sides import open_store
 from cacheflow_services.vllm_connector.config import ConnectorConfig
-from cacheflow_services.vllm_connector.worker import open_store
 from tests.services.chunks import make_chunks
 from tests.services.procs import Pod, start_pod
 

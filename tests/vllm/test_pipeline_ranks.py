@@ -31,10 +31,11 @@ from cacheflow_common.restore.boundary import boundary_name, save_prefix_by_stag
 from cacheflow_common.restore.save import make_job
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_services.storage.launch import LocalPod, launch_pod, write_tokens
+from cacheflow_services.vllm_connector.both_sides import open_store
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.plan import LoadSpec, PromptRows, SaveSpec, SchedulerPlan
 from cacheflow_services.vllm_connector.ranks import rank_layers
-from cacheflow_services.vllm_connector.worker import WorkerEngine, open_store
+from cacheflow_services.vllm_connector.worker import WorkerEngine
 from tests.vllm.helpers import DRIVE_TIMEOUT_S, REPO, VLLM_PYTHON, save_tiny_qwen3, vllm_env
 
 CHUNK, BS, BLOCKS = 16, 8, 24

@@ -15,11 +15,11 @@ from cacheflow_common.kv.keys import object_name
 from cacheflow_common.restore.save import make_job, save_prefix
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_services.vllm_connector.block_kv import BlockKV
+from cacheflow_services.vllm_connector.both_sides import blocks_from
 from cacheflow_services.vllm_connector.paged import gather
 from cacheflow_services.vllm_connector.plan import LoadSpec
 from cacheflow_services.vllm_connector.planned_loads import PlannedLoads
 from cacheflow_services.vllm_connector.planned_split import RunningSplit, Split, SplitPlan, start_splits
-from cacheflow_services.vllm_connector.worker import blocks_from
 from tests.factories import tiny_model
 
 CHUNK, BS, N = 16, 8, 4 * 16

@@ -47,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.store.prefix import cached_prefix_tokens
+from cacheflow_services.vllm_connector.both_sides import StatsLog, blocks_from, open_store
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.model_identity import KVGeometry, chunk_fingerprint, salted
 from cacheflow_services.vllm_connector.plan import Keying, LoadSpec, PromptRows, SaveSpec, SchedulerPlan
@@ -58,7 +59,6 @@ from cacheflow_services.vllm_connector.support import (
     unsupported,
     unsupported_cache,
 )
-from cacheflow_services.vllm_connector.worker import StatsLog, WorkerEngine, blocks_from, open_store
 
 if TYPE_CHECKING:
     import torch
@@ -69,6 +69,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from cacheflow_services.vllm_connector.worker import WorkerEngine
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,8 @@ class CacheFlowConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._plan = _scheduler_plan(self.cfg, vllm_config, layout)
         else:
+            from cacheflow_services.vllm_connector.worker import WorkerEngine  # the worker's side only
+
             device = "cpu" if vllm_config.device_config.device_type == "cpu" else "cuda"
             self._engine = WorkerEngine(self.cfg, dtype=dtype, block_size=block_size, device=device, layout=layout,
                                         vllm_model=lambda: find_vllm_model(vllm_config),

@@ -25,9 +25,7 @@ A rank missing a boundary reports the whole load as failed: vLLM recomputes it.
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -46,11 +44,10 @@ from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.save import dtype_name, make_job
 from cacheflow_common.sched.policies import make_policy, usable_policy
-from cacheflow_common.store.placement import ClusterStore
-from cacheflow_common.transport.pod_client import PodAddress, PodClient
 from cacheflow_common.transport.shaping import gbps
 from cacheflow_services.vllm_connector.async_loads import AsyncLoads
 from cacheflow_services.vllm_connector.block_kv import BlockKV
+from cacheflow_services.vllm_connector.both_sides import StatsLog, blocks_from, open_store
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.model_identity import (
     KVGeometry,
@@ -78,29 +75,6 @@ from cacheflow_services.vllm_connector.support import OnceLog
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 log = logging.getLogger(__name__)
-
-
-def open_store(cfg: ConnectorConfig) -> ClusterStore:
-    """Placement over the pods, authenticated as the tenant."""
-    token = cfg.token()
-    pods = {a.pod_id: PodClient(a, token, timeout_s=cfg.timeout_s) for a in map(PodAddress.parse, cfg.pods)}
-    return ClusterStore(pods, replicas=cfg.replicas)  # type: ignore[arg-type]
-
-
-class StatsLog:
-    """One JSON line per event, appended to a file (nothing without a path); totals kept in memory."""
-
-    def __init__(self, path: str) -> None:
-        self.path = Path(path) if path else None
-        self.totals: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def event(self, kind: str, **fields: Any) -> None:
-        with self._lock:
-            self.totals[kind] = self.totals.get(kind, 0) + 1
-            if self.path is not None:
-                with self.path.open("a") as f:
-                    f.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
 
 
 class WorkerEngine:
@@ -449,12 +423,6 @@ def connector_policy(cfg: ConnectorConfig, profile: Profile | None) -> tuple[str
         log.warning("policy %s restores layer-wise; vLLM's model restores token-wise: cacheflow-token", policy.name)
         return "cacheflow-token", link
     return policy.name, link
-
-
-def blocks_from(spec: LoadSpec, first: int, block_size: int) -> set[int]:
-    """The block ids holding positions [first, N) of the spec's prefix."""
-    last = -(-len(spec.token_ids) // block_size)
-    return set(spec.block_ids[first // block_size : last])
 
 
 def _recomputed(kv: KVBuffer, key: ChunkKey) -> torch.Tensor:
