@@ -134,7 +134,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
                                         layers=_rank_layers(self.cfg, vllm_config), attention_isa=isa,
                                         vllm_config=vllm_config, tp_rank=_tp_rank(vllm_config),
                                         step_slots=forward_context_slots,
-                                        lora_manager=lambda: find_lora_manager(vllm_config))
+                                        lora_manager=lambda model: find_lora_manager(vllm_config, model))
 
     def _resolve_model(self, revision: str | None) -> str:
         """Point `cfg.model` at the checkpoint's directory (a Hub id resolved in the local cache); the reason
@@ -358,16 +358,15 @@ def find_vllm_model(vllm_config: VllmConfig) -> Any:
     return None
 
 
-def find_lora_manager(vllm_config: VllmConfig) -> Any:
-    """The model runner's LoRA manager (None without LoRA, or where neither a runner nor a worker is on the
-    call stack): that of the runner holding vLLM's model, found as `find_vllm_model` finds the model."""
+def find_lora_manager(vllm_config: VllmConfig, model: Any) -> Any:
+    """The LoRA manager of the model runner holding `model` (vLLM's, as `find_vllm_model` found it): None
+    without LoRA, or where neither that runner nor its worker is on the call stack."""
     if vllm_config.lora_config is None:
         return None
-    model = find_vllm_model(vllm_config)
     for owner in _vllm_owners():
         for runner in (owner, getattr(owner, "model_runner", None)):  # a model runner, or a worker's
             manager = getattr(runner, "lora_manager", None)
-            if manager is not None and model is not None and _model_of(runner) is model:
+            if manager is not None and _model_of(runner) is model:
                 return manager
     return None
 

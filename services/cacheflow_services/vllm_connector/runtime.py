@@ -26,14 +26,14 @@ from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 log = logging.getLogger(__name__)
 
 VllmModel = Callable[[], Any]  # vLLM's loaded model module, or None while it cannot be reached
-LoraManager = Callable[[], Any]  # the model runner's LoRA manager, or None (LoRA is off, or it cannot be reached)
+LoraManager = Callable[[Any], Any]  # vLLM's model -> its runner's LoRA manager, or None (LoRA off, or out of reach)
 Event = Callable[..., None]  # the connector's stats log: event(kind, **fields)
 
 
 class RuntimeChoice:
     def __init__(self, model_dir: str, config: ModelConfig | KVGeometry, *, runtime: str, share_weights: bool,
                  dtype: torch.dtype, device: str, vllm_model: VllmModel, vllm_config: Any, fingerprint: str,
-                 event: Event, lora_manager: LoraManager = lambda: None) -> None:
+                 event: Event, lora_manager: LoraManager = lambda model: None) -> None:
         """`config`: CacheFlow's model config, or (`runtime: "vllm"`) the KV geometry of the model vLLM serves."""
         self.model_dir = model_dir
         self.runtime = runtime
@@ -85,7 +85,7 @@ class RuntimeChoice:
                 raise RuntimeError("vLLM's loaded model could not be reached from the connector")
             return
         assert isinstance(self.config, KVGeometry), "vLLM's model runs over the geometry of vLLM's config"
-        manager = self.lora_manager()
+        manager = self.lora_manager(module)
         runtime = VllmRuntime(self.config, module, self.vllm_config, layers=layers, fingerprint=self.fingerprint,
                               adapters=AdapterScope(manager) if manager is not None else None)
         self.model = cast(Transformer, runtime)  # it offers what the restore engine calls of a Transformer

@@ -81,7 +81,7 @@ class WorkerEngine:
     def __init__(self, cfg: ConnectorConfig, *, dtype: torch.dtype, block_size: int, device: str,
                  layout: str, vllm_model: VllmModel | None = None, layers: range | None = None,
                  attention_isa: str = "", vllm_config: Any = None, tp_rank: int | None = None,
-                 step_slots: StepSlots | None = None, lora_manager: LoraManager = lambda: None) -> None:
+                 step_slots: StepSlots | None = None, lora_manager: LoraManager = lambda model: None) -> None:
         """`vllm_model` finds vLLM's loaded model module (None while it cannot); it is asked now, and if it
         has no answer yet, again at `register` and at the first load, before falling back to a copy.
         `layers`: this pipeline rank's layers, where known before `register` (its copy then loads only them).
@@ -89,7 +89,8 @@ class WorkerEngine:
         CacheFlow's. `vllm_config`: vLLM's, which `runtime: "vllm"` runs vLLM's model with. `tp_rank`: this
         rank's, under tensor parallelism (its chunks hold its KV heads). `step_slots`: the slot mapping of the forward
         running now (vLLM's forward context), which files a pipeline rank's boundary rows by request.
-        `lora_manager`: the model runner's, with LoRA on (vLLM's model recomputes under each request's adapter)."""
+        `lora_manager` finds, for vLLM's model, its runner's LoRA manager (LoRA on: vLLM's model recomputes under
+        each request's adapter)."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown paged KV layout {layout!r}; known: {LAYOUTS}")
         self.cfg = cfg
