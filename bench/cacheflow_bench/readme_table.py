@@ -260,16 +260,24 @@ def vllm_memory_row(r: Row) -> tuple[str, str]:
     if "connector-vllm" not in trimmed:
         return r.missing, "≤ 1 % of the weights"
     weights = r.body.get("weight_bytes", 0) / 2**30
+    over = _over_reference(r.summary.get("connector_vllm_over_reference"))
     headline = (f"vLLM's resident memory added by the connector, as a share of the weights ({weights:.1f} GiB, CPU): "
                 f"**{_percent(trimmed['connector-vllm'])}** recomputing with vLLM's own model (after malloc_trim; "
-                f"{_percent(raw['connector-vllm'])} raw); CacheFlow's runtime over vLLM's weights "
+                f"{_percent(raw['connector-vllm'])} raw{over})"
+                "; CacheFlow's runtime over vLLM's weights "
                 f"{_percent(trimmed['connector-shared'])}, over a separate copy "
                 f"{_percent(trimmed['connector-separate'])}")
     for key, tp in r.summary.items():
         if key.startswith("tp") and isinstance(tp, dict):
             headline += (f"; a TP={key.removeprefix('tp')} instance (all its processes) "
-                         f"**{_percent(tp['trimmed_rss_bytes'])}** ({_percent(tp['rss_bytes'])} raw)")
+                         f"**{_percent(tp['trimmed_rss_bytes'])}** ({_percent(tp['rss_bytes'])} raw)"
+                         f"{_over_reference(tp.get('over_reference'))}")
     return headline, "≤ 1 % of the weights"
+
+
+def _over_reference(over: dict[str, float] | None) -> str:
+    """What the connector adds over vLLM with its own reference connector, where that ran."""
+    return f", {_percent(over['trimmed_rss_bytes'])} over vLLM with its reference connector" if over else ""
 
 
 def vllm_stall_row(r: Row) -> tuple[str, str]:

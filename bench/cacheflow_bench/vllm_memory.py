@@ -1,7 +1,9 @@
 """Memory the CacheFlow connector adds to a vLLM process: resident memory (RSS) of vLLM on CPU, same model,
 without the connector, with it (recomputing with vLLM's own model, its default), with CacheFlow's runtime
 over vLLM's loaded weights (`runtime: cacheflow`), and with that runtime on a separate copy of the weights
-(`share_weights: false`).
+(`share_weights: false`); beside them, vLLM with its own reference connector (`ExampleConnector`, KV in local
+files): what any KV connector costs vLLM (its connector machinery on the scheduler's side and the ranks'),
+so that what is CacheFlow's own shows apart.
 
     python -m cacheflow_bench.vllm_memory [--quick] [--layers 12] [--hidden 1536] [--repeats 3] [--tp 1,2]
 
@@ -11,9 +13,10 @@ chunks, the second it restores them (recomputing the front, loading the back), s
 runtime has run when memory is read. RSS is read from /proc/self/status after the prompts and the
 connector's saves are done, in every process of the instance (with tensor parallelism, each rank's
 worker: their sum is the instance's); the peak (VmHWM) is recorded too; each configuration runs `--repeats`
-times (interleaved), the median reported. A tensor-parallel instance runs vLLM alone and with the connector's
-default (vLLM's own model), its ranks one core each. The model is a random Qwen3 in fp32 big
-enough that its weights dominate the noise. Target: the connector adds at most 1 % of the weights' size.
+times (interleaved), the median reported. A tensor-parallel instance runs vLLM alone, with the reference
+connector and with the connector's default (vLLM's own model), its ranks one core each. The model is a
+random Qwen3 in fp32 big enough that its weights dominate the noise. Target: the connector adds at most 1 %
+of the weights' size.
 Writes bench/results/vllm_memory.{json,md}.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,11 +50,12 @@ from cacheflow_services.storage.launch import launch_pod, write_tokens
 
 PROMPT = 1024 + 16  # 4 whole chunks and a suffix
 TARGET = 0.01  # the connector may add at most this fraction of the weights' size
-CONFIGS = {"vllm": None, "connector-vllm": {}, "connector-shared": {"runtime": "cacheflow"},
+REFERENCE = "vllm-reference"  # vLLM with its own reference connector
+CONFIGS = {"vllm": None, REFERENCE: None, "connector-vllm": {}, "connector-shared": {"runtime": "cacheflow"},
            "connector-separate": {"runtime": "cacheflow", "share_weights": False}}
 MiB = 1 << 20
 MEMORY_KEYS = ("rss_bytes", "peak_rss_bytes", "anon_rss_bytes", "file_rss_bytes", "trimmed_rss_bytes")
-TP_CONFIGS = ("vllm", "connector-vllm")  # what a tensor-parallel instance runs
+TP_CONFIGS = ("vllm", REFERENCE, "connector-vllm")  # what a tensor-parallel instance runs
 
 
 def model_config(layers: int, hidden: int) -> dict[str, Any]:
@@ -64,10 +69,14 @@ def model_config(layers: int, hidden: int) -> dict[str, Any]:
 
 def drive(root: Path, name: str, model_dir: Path, prompt: list[int], connector: dict[str, Any] | None, *, tp: int
           ) -> dict[str, Any]:
-    """drive.py's run in a fresh vLLM process, with every process's memory at the end (`memory`)."""
+    """drive.py's run in a fresh vLLM process, with every process's memory at the end (`memory`); the
+    reference configuration's KV files start empty."""
+    reference = root / "reference-kv"
+    if name == REFERENCE:
+        shutil.rmtree(reference, ignore_errors=True)
     spec = {"model": str(model_dir), "prompts": [prompt, prompt], "max_tokens": 1, "block_size": BLOCK,
             "max_model_len": 4096, "connector": connector, "tensor_parallel_size": tp, "memory": True,
-            "out": str(root / f"{name}.json")}
+            "reference_connector": str(reference) if name == REFERENCE else None, "out": str(root / f"{name}.json")}
     (root / f"{name}.spec.json").write_text(json.dumps(spec))
     with (root / f"{name}.log").open("w") as log:
         subprocess.run([str(VLLM_PYTHON), "-P", "-m", "cacheflow_services.vllm_connector.drive",
@@ -136,6 +145,16 @@ def added_fractions(rows: list[dict[str, Any]], weights: int, tp: int = 1) -> di
             for key in ("rss_bytes", "peak_rss_bytes", "trimmed_rss_bytes")}
 
 
+def over_reference(rows: list[dict[str, Any]], weights: int, tp: int = 1) -> dict[str, float]:
+    """Per memory figure, what the connector's default adds to vLLM with its reference connector at TP size
+    `tp`, over the weights: CacheFlow's own share ({} where the reference did not run)."""
+    by = medians(rows, tp)
+    if REFERENCE not in by:
+        return {}
+    return {key: (by["connector-vllm"][key] - by[REFERENCE][key]) / weights
+            for key in ("rss_bytes", "peak_rss_bytes", "trimmed_rss_bytes")}
+
+
 def summarize(body: dict[str, Any]) -> dict[str, Any]:
     rows, weights = body["rows"], body["weight_bytes"]
     one = added_fractions(rows, weights)
@@ -145,14 +164,17 @@ def summarize(body: dict[str, Any]) -> dict[str, Any]:
                "added_trimmed_rss_fraction_of_weights": trimmed,
                "vllm_runtime_within_target": max(added["connector-vllm"], trimmed["connector-vllm"]) <= TARGET,
                "shared_within_target": max(added["connector-shared"], trimmed["connector-shared"]) <= TARGET,
-               "restores_ran": all(r["restores"] >= 1 for r in rows if r["config"] != "vllm"),
+               "restores_ran": all(r["restores"] >= 1 for r in rows if r["config"].startswith("connector-")),
                "runtimes_as_configured": all(r["runtime"][0]["runtime"] == r["config"].removeprefix("connector-")
-                                             for r in rows if r["config"] != "vllm"),
-               "same_tokens": all(r["tokens"] == reference for r in rows)}
+                                             for r in rows if r["config"].startswith("connector-")),
+               "same_tokens": all(r["tokens"] == reference for r in rows if r["config"] != REFERENCE),
+               "reference_same_tokens": all(r["tokens"] == reference for r in rows if r["config"] == REFERENCE),
+               "connector_vllm_over_reference": over_reference(rows, weights)}
     for tp in parallel_sizes(rows):
         fractions = {key: by_name["connector-vllm"] for key, by_name in added_fractions(rows, weights, tp).items()}
         summary[f"tp{tp}"] = {**fractions, "within_target": max(fractions["rss_bytes"],
-                                                                fractions["trimmed_rss_bytes"]) <= TARGET}
+                                                                fractions["trimmed_rss_bytes"]) <= TARGET,
+                              "over_reference": over_reference(rows, weights, tp)}
     return summary
 
 
@@ -222,8 +244,23 @@ def tp_lines(body: dict[str, Any]) -> list[str]:
                   "(vLLM's driver and each rank's worker, one core each).\n", memory_table(body, tp),
                   f"\nConnector recomputing with vLLM's own model: **{t['rss_bytes']:+.1%}** of the weights' size "
                   f"(**{t['trimmed_rss_bytes']:+.1%}** after the trim, peak {t['peak_rss_bytes']:+.1%}; target <= "
-                  f"{TARGET:.0%}: {t['within_target']}).\n"]
+                  f"{TARGET:.0%}: {t['within_target']}).{reference_line(body, tp, t.get('over_reference'))}\n"]
     return lines
+
+
+def reference_line(body: dict[str, Any], tp: int, over: dict[str, float] | None) -> str:
+    """What vLLM's reference connector adds by itself, and CacheFlow's connector over it ("" if it did not run)."""
+    if not over:
+        return ""
+    added = added_fractions(body["rows"], body["weight_bytes"], tp)
+    alone = next(r["tokens"] for r in body["rows"] if r["config"] == "vllm")
+    same = all(r["tokens"] == alone for r in body["rows"] if r["config"] == REFERENCE and r.get("tp", 1) == tp)
+    why = (" (its files are named by prompt and layer, not by rank, so the ranks overwrite each other's heads)"
+           if tp > 1 else "")
+    wrong = "" if same else f" Its greedy tokens differ from vLLM's: it restored wrong KV{why}."
+    return (f" vLLM's reference connector (`ExampleConnector`) adds {added['rss_bytes'][REFERENCE]:+.1%} by "
+            f"itself ({added['trimmed_rss_bytes'][REFERENCE]:+.1%} after the trim); over it, CacheFlow's connector "
+            f"adds **{over['rss_bytes']:+.1%}** (**{over['trimmed_rss_bytes']:+.1%}** after the trim).{wrong}")
 
 
 def report(body: dict[str, Any]) -> str:
@@ -243,7 +280,8 @@ def report(body: dict[str, Any]) -> str:
             f"{s['vllm_runtime_within_target']}); with CacheFlow's runtime over vLLM's weights: "
             f"{added['connector-shared']:+.1%} ({trimmed['connector-shared']:+.1%}); with its separate copy: "
             f"{added['connector-separate']:+.1%} ({trimmed['connector-separate']:+.1%}). "
-            f"Same greedy tokens in every run: {s['same_tokens']}.\n\n"
+            f"Same greedy tokens in every run of vLLM and CacheFlow's connector: {s['same_tokens']}."
+            f"{reference_line(body, 1, s.get('connector_vllm_over_reference'))}\n\n"
             "The separate runtime's copy is read through safetensors' memory map on the CPU: it shows as "
             "file-backed memory, and only the pages a restore touches become resident (the LM head and the "
             "embedding rows of unused tokens stay out), so its row understates the copy; on a GPU the copy is "

@@ -3,7 +3,8 @@
     python -m cacheflow_services.vllm_connector.drive run.json
 
 run.json: {"model": dir, "prompts": [[token ids], ...], "max_tokens": 8, "out": path,
-           "connector": {extra config} or null, "max_model_len": 4096, "dtype": "float32", "prefix_caching": false,
+           "connector": {extra config} or null, "reference_connector": a folder or null,
+           "max_model_len": 4096, "dtype": "float32", "prefix_caching": false,
            "block_size": 128, "max_num_batched_tokens": vLLM's default, "kv_cache_dtype": "auto",
            "batches": [[prompt indices submitted together], ...] (default: each prompt alone, in order),
            "cache_salts": [a prompt's cache_salt or null, ...] (default: none),
@@ -21,7 +22,9 @@ batch arrive together, except `late` ones: each is submitted once every other pr
 from its own submission (`submitted_s` after the batch's). With
 `passes`, all batches run once per pass, the connector's saves flushed and vLLM's prefix cache reset between
 passes (so a later pass goes to the connector); `results` then holds every pass's prompts, pass after pass,
-each with its `request_id` (`{label}-{n}`: the connector's stats name requests by it).
+each with its `request_id` (`{label}-{n}`: the connector's stats name requests by it). `reference_connector`
+(instead of `connector`) runs vLLM's own reference connector, `ExampleConnector`, storing KV under that
+folder: what any KV connector costs vLLM, for comparison.
 Run it with vLLM's Python (its own virtual environment); it waits for the connector's saves before exiting.
 """
 
@@ -44,6 +47,16 @@ def transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
+def spec_transfer_config(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The KV transfer config a run spec asks for: CacheFlow's connector, vLLM's reference one, or none."""
+    if spec.get("connector") is not None:
+        return transfer_config(spec["connector"])
+    if spec.get("reference_connector"):
+        return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": spec["reference_connector"]}}
+    return None
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: starts faster
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # `_flush_saves` sent to TP workers
@@ -52,7 +65,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.lora.request import LoRARequest
 
     started = time.perf_counter()
-    extra = spec.get("connector")
+    extra = spec.get("connector")  # CacheFlow's settings, or None
     # the scheduler's token budget per step (vLLM's default on CPU: 4,096, so a longer prompt is prefilled in chunks)
     budget = {"max_num_batched_tokens": spec["max_num_batched_tokens"]} if "max_num_batched_tokens" in spec else {}
     slots = {"max_loras": spec.get("max_loras", 1)} if spec.get("enable_lora") else {}
@@ -61,7 +74,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
               enable_prefix_caching=spec.get("prefix_caching", False), block_size=spec.get("block_size", 128),
               **budget, tensor_parallel_size=spec.get("tensor_parallel_size", 1),
               kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), enable_lora=spec.get("enable_lora", False), **slots,
-              kv_transfer_config=transfer_config(extra) if extra is not None else None)
+              kv_transfer_config=spec_transfer_config(spec))
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1,
                             ignore_eos=spec.get("ignore_eos", False))
