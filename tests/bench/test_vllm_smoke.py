@@ -32,6 +32,8 @@ def test_vllm_bench_invariants(tmp_path):
     assert body["summary"]["vllm_batch_next_token_matches"] is True
     recompute = body["recompute"]
     assert set(recompute["runs"]) == {"budget-default", "budget-16384", "runtime-cacheflow"}
+    for run in recompute["runs"].values():  # each connector request split into its restore and the rest
+        assert all(0 < t["restore"] < t["connector"] and t["rest"] > 0 for t in run.values()), run
     assert body["summary"]["connector_recompute_restores_happened"] is True
     trace = body["trace"]
     assert set(trace["columns"]) == set(vllm_trace.COLUMNS) and len(trace["requests"]) == 2
