@@ -79,7 +79,8 @@ def test_the_readme_row_gives_cacheflows_share_over_the_reference_connector_at_e
 
 
 def test_a_run_spec_picks_cacheflows_connector_vllms_reference_one_or_none():
-    assert drive.spec_transfer_config({"connector": {"tenant": "t"}})["kv_connector"] == "CacheFlowConnector"
+    cacheflow = drive.spec_transfer_config({"connector": {"tenant": "t"}})
+    assert cacheflow is not None and cacheflow["kv_connector"] == "CacheFlowConnector"
     reference = drive.spec_transfer_config({"connector": None, "reference_connector": "/tmp/kv"})
     assert reference == {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                          "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}
