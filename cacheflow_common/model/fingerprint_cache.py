@@ -5,14 +5,21 @@ Hashing every byte of a large checkpoint takes a while, so the result is kept in
 fingerprint reads: a file that changes is hashed again. Where the directory cannot be written, the
 sidecar goes to the CacheFlow cache directory (`$CACHEFLOW_CACHE`, else `~/.cache/cacheflow`), and where
 that fails too, it is kept in this process's memory only.
+
+Processes that start together on a new checkpoint (vLLM's scheduler and every tensor-parallel rank, stage
+workers on one volume) hash it once between them: the first takes an exclusive lock beside the sidecar
+(`flock`, released if it dies) and hashes; the others wait for the lock, then read its sidecar.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,19 +59,61 @@ def cached_fingerprint(root: Path, files: Iterable[Path], variant: str, compute:
     remembered = _MEMORY.get(key)
     if remembered is not None and remembered[0] == stamps:
         return remembered[1]
+    fp = _kept(root, stamps, variant)
+    if fp is None:
+        with _hashing(root):  # another process may be hashing it: wait for its sidecar
+            fp = _kept(root, stamps, variant)
+            if fp is None:
+                fp = compute()
+                if file_stamps(root, files) != stamps:  # changed while we read it: use the result, keep nothing
+                    log.warning("checkpoint %s changed while it was fingerprinted; not caching its fingerprint",
+                                root)
+                    return fp
+                _keep(root, stamps, variant, fp)
+    _MEMORY[key] = (stamps, fp)
+    return fp
+
+
+def _kept(root: Path, stamps: Stamps, variant: str) -> str | None:
+    """The fingerprint a sidecar holds for these files and `variant`, if any."""
     for sidecar in sidecar_paths(root):
         entry = _read_sidecar(sidecar)
         if entry.get("files") == stamps and variant in entry.get("fingerprints", {}):
-            fp = str(entry["fingerprints"][variant])
-            _MEMORY[key] = (stamps, fp)
-            return fp
-    fp = compute()
-    if file_stamps(root, files) != stamps:  # changed while we read it: use the result, keep nothing
-        log.warning("checkpoint %s changed while it was fingerprinted; not caching its fingerprint", root)
-        return fp
-    _MEMORY[key] = (stamps, fp)
-    _keep(root, stamps, variant, fp)
-    return fp
+            return str(entry["fingerprints"][variant])
+    return None
+
+
+@contextmanager
+def _hashing(root: Path) -> Iterator[None]:
+    """Hold the exclusive lock on hashing `root`, in the first place beside a sidecar where one can be taken
+    (without one where none can: each process then hashes on its own)."""
+    for sidecar in sidecar_paths(root):
+        fd = _locked(sidecar.with_name(sidecar.name + ".lock"))
+        if fd is None:
+            continue
+        try:
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+        return
+    log.info("no place to lock hashing %s in; hashing it without the lock", root)
+    yield
+
+
+def _locked(path: Path) -> int | None:
+    """A descriptor of `path` (created if absent) holding its exclusive lock, waiting for it; None where the
+    file cannot be opened or locked (a read-only place, a file system without locks)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _read_sidecar(path: Path) -> dict[str, Any]:

@@ -6,6 +6,9 @@ when a file changes).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +104,41 @@ def test_a_checkpoint_directory_that_cannot_be_written_keeps_it_in_the_cache_dir
     assert list((fresh_cache / "fingerprints").glob("*.json"))
     monkeypatch.setattr(fingerprint_cache, "_MEMORY", {})
     assert Transformer.from_dir(base, layers=range(2, 3)).fingerprint() == first and hashed == [base]
+
+
+# A process that fingerprints a checkpoint the moment the test says go; its hash takes a second and gives
+# a result of its own, so two that both hashed would print two fingerprints.
+HASH_ON_GO = """
+import sys, time
+from pathlib import Path
+from cacheflow_common.model.fingerprint_cache import cached_fingerprint
+root, work, name = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+def compute():
+    with (work / "hashed.log").open("a") as f:
+        f.write(name + "\\n")
+    time.sleep(1.0)
+    return "fingerprint-of-" + name
+(work / ("ready-" + name)).touch()
+while not (work / "go").exists():
+    time.sleep(0.005)
+print(cached_fingerprint(root, [root / "model.safetensors"], "float32", compute))
+"""
+
+
+def test_processes_starting_together_on_a_new_checkpoint_hash_it_once(tmp_path, fresh_cache):
+    """vLLM's scheduler and its tensor-parallel ranks start together: one hashes, the others wait and read its
+    sidecar (real processes, released at once)."""
+    root, work = tmp_path / "checkpoint", tmp_path / "work"
+    root.mkdir()
+    work.mkdir()
+    (root / "model.safetensors").write_bytes(os.urandom(4096))
+    env = {**os.environ, "CACHEFLOW_CACHE": str(fresh_cache)}
+    procs = [subprocess.Popen([sys.executable, "-c", HASH_ON_GO, str(root), str(work), str(i)],
+                              stdout=subprocess.PIPE, text=True, env=env) for i in range(3)]
+    deadline = time.monotonic() + 60
+    while len(list(work.glob("ready-*"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (work / "go").touch()
+    printed = {proc.communicate(timeout=60)[0].strip() for proc in procs}
+    assert len((work / "hashed.log").read_text().split()) == 1
+    assert len(printed) == 1 and printed.pop().startswith("fingerprint-of-")
