@@ -159,7 +159,7 @@ def summarize(body: dict[str, Any]) -> dict[str, Any]:
     rows, weights = body["rows"], body["weight_bytes"]
     one = added_fractions(rows, weights)
     added, trimmed = one["rss_bytes"], one["trimmed_rss_bytes"]
-    reference = next(r["tokens"] for r in rows if r["config"] == "vllm")
+    alone = next(r["tokens"] for r in rows if r["config"] == "vllm")
     summary = {"added_rss_fraction_of_weights": added, "added_peak_rss_fraction_of_weights": one["peak_rss_bytes"],
                "added_trimmed_rss_fraction_of_weights": trimmed,
                "vllm_runtime_within_target": max(added["connector-vllm"], trimmed["connector-vllm"]) <= TARGET,
@@ -167,8 +167,8 @@ def summarize(body: dict[str, Any]) -> dict[str, Any]:
                "restores_ran": all(r["restores"] >= 1 for r in rows if r["config"].startswith("connector-")),
                "runtimes_as_configured": all(r["runtime"][0]["runtime"] == r["config"].removeprefix("connector-")
                                              for r in rows if r["config"].startswith("connector-")),
-               "same_tokens": all(r["tokens"] == reference for r in rows if r["config"] != REFERENCE),
-               "reference_same_tokens": all(r["tokens"] == reference for r in rows if r["config"] == REFERENCE),
+               "same_tokens": all(r["tokens"] == alone for r in rows if r["config"] != REFERENCE),
+               "reference_same_tokens": all(r["tokens"] == alone for r in rows if r["config"] == REFERENCE),
                "connector_vllm_over_reference": over_reference(rows, weights)}
     for tp in parallel_sizes(rows):
         fractions = {key: by_name["connector-vllm"] for key, by_name in added_fractions(rows, weights, tp).items()}
