@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from safetensors.torch import save_file
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.fingerprint_cache import cached_fingerprint
+from cacheflow_common.model.safetensors_rows import RowReader, SafetensorsRows
 
 FP_BLOCK_BYTES = 64 << 20  # a fingerprint reads a tensor this many bytes at a time
 SHARD_INDEX = "model.safetensors.index.json"
@@ -125,7 +125,6 @@ def save_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:
 
 
 # ------------------------------------------------------------------ fingerprints
-RowReader = Callable[[int, int], torch.Tensor]  # (first row, end row) -> those rows, in the runtime dtype
 
 
 def fingerprint(config: ModelConfig, tensors: dict[str, tuple[tuple[int, ...], torch.dtype, RowReader]]) -> str:
@@ -143,8 +142,8 @@ def fingerprint(config: ModelConfig, tensors: dict[str, tuple[tuple[int, ...], t
         rows = shape[0] if shape else 1
         per_block = max(1, FP_BLOCK_BYTES // max(1, math.prod(shape[1:]) * dtype.itemsize))
         for r0 in range(0, rows if math.prod(shape) else 0, per_block):
-            block = read(r0, min(rows, r0 + per_block)).contiguous()
-            h.update(block.view(torch.uint8).cpu().numpy().data)
+            # one block alive at a time: the last one is freed before the next is read
+            h.update(read(r0, min(rows, r0 + per_block)).contiguous().view(torch.uint8).cpu().numpy().data)
     return h.hexdigest()
 
 
@@ -169,14 +168,22 @@ def checkpoint_fingerprint(path: Path, config: ModelConfig, dtype: torch.dtype) 
 
 def _hash_checkpoint(config: ModelConfig, wanted: dict[str, tuple[int, ...]], located: dict[str, Path],
                      dtype: torch.dtype) -> str:
+    """Every tensor read with plain reads (`safetensors_rows.py`: the process's memory holds one block at a
+    time); one the file holds in another shape or an unknown dtype through safetensors' own slices."""
     with ExitStack() as stack:
-        opened: dict[Path, Any] = {}
+        files: dict[Path, SafetensorsRows] = {}
+        mapped: dict[Path, Any] = {}
         tensors: dict[str, tuple[tuple[int, ...], torch.dtype, RowReader]] = {}
         for name, shape in wanted.items():
             file = located[name]
-            if file not in opened:
-                opened[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            tensors[name] = (shape, dtype, _slice_reader(opened[file].get_slice(name), dtype))
+            if file not in files:
+                files[file] = SafetensorsRows(stack.enter_context(file.open("rb")))
+            read = files[file].reader(name, shape, dtype)
+            if read is None:
+                if file not in mapped:
+                    mapped[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+                read = _slice_reader(mapped[file].get_slice(name), dtype)
+            tensors[name] = (shape, dtype, read)
         return fingerprint(config, tensors)
 
 
