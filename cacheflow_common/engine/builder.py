@@ -60,7 +60,8 @@ class RestoreBuilder:
             inputs.on_wake(self.on_input)  # a delivery may make a unit computable: the loop re-checks
         spec = self.spec(request_id, job, policy_name, input_mode=input_mode, upstream=upstream,
                          delivers=on_computed is not None)
-        loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant)
+        loader = KVLoader(store=store, keys=job.keys, layers=job.layers, kv=kv, dtype=job.kv_dtype, quant=job.quant,
+                          heads=job.heads)
         spec = replace(_token_wise_over_holes(spec, loader), profiled=self.profiled)
         unit_size = self._unit_size(spec, delivers=on_computed is not None)
         units = _units(spec.mode, len(job.token_ids), unit_size, len(job.layers))

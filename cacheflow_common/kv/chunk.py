@@ -2,14 +2,19 @@
 
     object  = section[0] | ... | section[n-1] | trailer JSON | u32 trailer length | b"CFKVEND1"
     section = 64-byte header (b"CFS1", u32 layer, u32 token_start, u32 token_end, u32 crc32(payload),
-              u64 payload length, 16-byte chunk key digest, zero padding) | payload
+              u64 payload length, 16-byte chunk key digest, u32 head_start, u32 head_end, u32 total heads,
+              zero padding) | payload
     payload = K then V of one layer, [2, Hkv, T, D] in the dtype ("none"), or int8 values [2, Hkv, T, D]
               then float32 scales [2, Hkv, T] ("int8"); kind "hidden": [T, hidden] (a stage boundary activation)
 
 Every section of a chunk has the same size, computable without reading anything (`ChunkLayout`), so
 token-wise restore reads the whole object and layer-wise restore reads one layer's section of each
 object with one ranged read: no byte is read twice. Each section verifies itself (key digest, layer,
-token range, crc32), so a ranged read is as safe as a whole one.
+token range, KV heads, crc32), so a ranged read is as safe as a whole one.
+
+A chunk holds all of a model's KV heads (head fields 0, 0, 0), or a tensor-parallel rank's run of them
+[head_start, head_end) of the total (`HeadRange`): a reader holding other heads takes its own out of the
+objects that hold them (`land_kv_sections`' `take`).
 
 Landing (`land_kv_sections`) uses numpy and `checksum.crc32` only, both of which release the GIL on
 large buffers: it runs in the loader thread next to the forward pass and must not compete for torch's
@@ -30,7 +35,7 @@ import torch
 
 from cacheflow_common.errors import BadRequestError, ChunkFormatError
 from cacheflow_common.kv.checksum import crc32
-from cacheflow_common.kv.keys import ChunkKey
+from cacheflow_common.kv.keys import ChunkKey, HeadRange
 from cacheflow_common.kv.quant import (
     dequantize_int8_np,
     float32_to_bfloat16_bits,
@@ -41,7 +46,8 @@ from cacheflow_common.kv.quant import (
 SECTION_MAGIC = b"CFS1"
 END_MAGIC = b"CFKVEND1"
 SECTION_HEADER = struct.Struct("<4sIIIIQ16s")  # magic, layer, token_start, token_end, crc32, payload_len, key
-SECTION_HEADER_SIZE = 64  # padded past the 44 packed bytes: room for later fields without moving payloads
+SECTION_HEADER_SIZE = 64  # padded past the packed bytes: room for later fields without moving payloads
+HEAD_FIELDS = struct.Struct("<III")  # after SECTION_HEADER: head_start, head_end, total heads (0, 0, 0: all heads)
 TRAILER_TAIL = struct.Struct("<I8s")  # trailer length, END_MAGIC
 FORMAT_VERSION = 1
 # fp8 KV is kept as vLLM's fp8 caches hold it: one byte per value, a uint8 tensor (the scales are the model's)
@@ -66,6 +72,7 @@ class ChunkLayout:
     dtype: str  # "bfloat16" | "float16" | "float32"
     quant: str = "none"  # "none" | "int8" (kv only): "none" keeps loaded KV bit-exact
     hidden_size: int = 0  # hidden chunks only; 0 for kv
+    heads: HeadRange | None = None  # the model's KV heads the chunk holds (kv only); None: all of them
 
     def __post_init__(self) -> None:
         problem = _layout_problem(self)
@@ -84,6 +91,12 @@ class ChunkLayout:
         if self.quant == "int8":
             return values + 2 * self.num_kv_heads * self.n_tokens * 4  # int8 values, then float32 scales
         return values * ITEMSIZE[self.dtype]
+
+    @property
+    def head_fields(self) -> tuple[int, int, int]:
+        """What each section header says of the chunk's KV heads: (0, 0, 0) for all the model's."""
+        h = self.heads
+        return (0, 0, 0) if h is None or h.whole else (h.start, h.stop, h.total)
 
     @property
     def section_size(self) -> int:
@@ -108,6 +121,8 @@ def _layout_problem(lay: ChunkLayout) -> str:
         return f"layers [{lay.layer_start}, {lay.layer_end}), {lay.n_tokens} tokens"
     if lay.kind == "kv" and (lay.num_kv_heads <= 0 or lay.head_dim <= 0):
         return f"kv chunk with {lay.num_kv_heads} heads of {lay.head_dim}"
+    if lay.heads is not None and (lay.kind != "kv" or lay.heads.count != lay.num_kv_heads):
+        return f"a {lay.kind} chunk of {lay.num_kv_heads} KV heads said to hold heads {lay.heads}"
     if lay.kind == "hidden" and (lay.hidden_size <= 0 or lay.n_layers != 1 or lay.quant != "none"):
         return f"hidden chunk of size {lay.hidden_size}, {lay.n_layers} layers, quant {lay.quant!r}"
     return ""
@@ -116,7 +131,8 @@ def _layout_problem(lay: ChunkLayout) -> str:
 @dataclass(frozen=True)
 class SectionCheck:
     ok: bool
-    # "" | "magic" | "key" | "layer" | "tokens" (token range or payload size not as expected) | "crc" | "truncated"
+    # "" | "magic" | "key" | "layer" | "tokens" (token range or payload size not as expected) | "heads" | "crc"
+    # | "truncated"
     reason: str = ""
 
 
@@ -170,24 +186,27 @@ def _assemble(layout: ChunkLayout, key: ChunkKey, payloads: Sequence[Sequence[np
         payload = view[i * size + SECTION_HEADER_SIZE : (i + 1) * size]
         SECTION_HEADER.pack_into(out, i * size, SECTION_MAGIC, layout.layer_start + i, key.token_start,
                                  key.token_end, crc32(payload), layout.payload_size, key.digest)
+        HEAD_FIELDS.pack_into(out, i * size + SECTION_HEADER.size, *layout.head_fields)
     return bytes(out)
 
 
 def encode_kv_chunk(*, key: ChunkKey, token_ids: Sequence[int], model: str, layer_start: int,
-                    kv: np.ndarray | torch.Tensor, dtype: str, quant: str = "none") -> bytes:
-    """kv [n_layers, 2, Hkv, T, D] of `dtype` (or its uint8 numpy view) -> the chunk object's bytes.
+                    kv: np.ndarray | torch.Tensor, dtype: str, quant: str = "none", heads: HeadRange | None = None
+                    ) -> bytes:
+    """kv [n_layers, 2, Hkv, T, D] of `dtype` (or its uint8 numpy view) -> the chunk object's bytes; `heads`:
+    the model's KV heads kv holds (None: all of them).
 
     BadRequestError when the arguments do not describe one chunk.
     """
     t = _as_tensor(kv, dtype)  # [L, 2, Hkv, T, D]
     if t.ndim != 5 or t.shape[0] == 0 or t.shape[1] != 2:
         raise BadRequestError(f"KV must be [n_layers, 2, Hkv, T, D], got {tuple(t.shape)}")
-    n_layers, _, heads, n_tokens, head_dim = t.shape
+    n_layers, _, n_heads, n_tokens, head_dim = t.shape
     _check_span(key, token_ids, n_tokens, layer_start)
     if quant not in QUANTS:
         raise BadRequestError(f"unknown quantization {quant!r}: use one of {QUANTS}")
     layout = ChunkLayout(kind="kv", layer_start=layer_start, layer_end=layer_start + n_layers, n_tokens=n_tokens,
-                         num_kv_heads=heads, head_dim=head_dim, dtype=dtype, quant=quant)
+                         num_kv_heads=n_heads, head_dim=head_dim, dtype=dtype, quant=quant, heads=heads)
     payloads: list[list[np.ndarray]]
     if quant == "int8":
         q, scales = quantize_int8(t)  # [L, 2, Hkv, T, D] int8, [L, 2, Hkv, T] float32
@@ -197,7 +216,9 @@ def encode_kv_chunk(*, key: ChunkKey, token_ids: Sequence[int], model: str, laye
     trailer = {"format": FORMAT_VERSION, "kind": "kv", "model": model, "key": key.hex,
                "layer_start": layer_start, "layer_end": layer_start + n_layers,
                "token_start": key.token_start, "token_end": key.token_end, "token_ids": [int(i) for i in token_ids],
-               "dtype": dtype, "num_kv_heads": heads, "head_dim": head_dim, "quant": quant}
+               "dtype": dtype, "num_kv_heads": n_heads, "head_dim": head_dim, "quant": quant}
+    if layout.head_fields != (0, 0, 0):
+        trailer["heads"] = list(layout.head_fields)
     return _assemble(layout, key, payloads, _trailer_bytes(trailer))
 
 
@@ -257,8 +278,9 @@ def layout_of_trailer(trailer: dict[str, Any]) -> ChunkLayout:
                              n_tokens=int(trailer["token_end"]) - int(trailer["token_start"]),
                              num_kv_heads=int(trailer.get("num_kv_heads", 0)), head_dim=int(trailer.get("head_dim", 0)),
                              dtype=str(trailer["dtype"]), quant=str(trailer.get("quant", "none")),
-                             hidden_size=int(trailer.get("hidden_size", 0)))
-    except (KeyError, TypeError, ValueError) as exc:
+                             hidden_size=int(trailer.get("hidden_size", 0)),
+                             heads=HeadRange(*map(int, trailer["heads"])) if "heads" in trailer else None)
+    except (KeyError, TypeError, ValueError, BadRequestError) as exc:
         raise ChunkFormatError(f"chunk trailer is incomplete: {exc!r}") from exc
     ids = trailer.get("token_ids")
     if not isinstance(ids, list) or len(ids) != layout.n_tokens:
@@ -293,6 +315,8 @@ def _verify_parts(header: memoryview, payload: Sequence[memoryview], *, layout: 
         return SectionCheck(False, "layer")
     if (t0, t1) != (key.token_start, key.token_end) or length != layout.payload_size:
         return SectionCheck(False, "tokens")
+    if HEAD_FIELDS.unpack_from(header, SECTION_HEADER.size) != layout.head_fields:
+        return SectionCheck(False, "heads")
     value = 0
     for part in payload:
         value = crc32(part, value)  # releases the GIL on large buffers
@@ -315,17 +339,17 @@ def _payload_bytes(payload: memoryview, layout: ChunkLayout) -> np.ndarray:
 
 
 def _check_landing(layout: ChunkLayout, layers: range, dst: np.ndarray, dst_layer_start: int,
-                   token_start: int) -> None:
-    """BadRequestError when the caller's destination or layer range cannot take these sections."""
+                   token_start: int, n_heads: int = 0) -> None:
+    """BadRequestError when the caller's destination or layer range cannot take these sections (`n_heads` of
+    their heads; 0: all)."""
     if layout.kind != "kv":
         raise BadRequestError(f"only kv chunks land in a KV buffer, not {layout.kind!r}")
     if layers.step != 1 or not layout.layer_start <= layers.start < layers.stop <= layout.layer_end:
         raise BadRequestError(f"layers {layers} are not a non-empty run within [{layout.layer_start}, "
                               f"{layout.layer_end})")
-    row = layout.head_dim * ITEMSIZE[layout.dtype]
-    if dst.dtype != np.uint8 or dst.ndim != 5 or dst.shape[1:3] != (2, layout.num_kv_heads) or dst.shape[4] != row:
-        raise BadRequestError(f"dst must be uint8 [layers, 2, {layout.num_kv_heads}, capacity, {row}], "
-                              f"got {dst.dtype} {dst.shape}")
+    row, heads = layout.head_dim * ITEMSIZE[layout.dtype], n_heads or layout.num_kv_heads
+    if dst.dtype != np.uint8 or dst.ndim != 5 or dst.shape[1:3] != (2, heads) or dst.shape[4] != row:
+        raise BadRequestError(f"dst must be uint8 [layers, 2, {heads}, capacity, {row}], got {dst.dtype} {dst.shape}")
     if not (dst_layer_start <= layers.start and layers.stop - dst_layer_start <= dst.shape[0]
             and 0 <= token_start <= dst.shape[3] - layout.n_tokens):
         raise BadRequestError(f"layers {layers} / tokens [{token_start}, {token_start + layout.n_tokens}) fall "
@@ -333,8 +357,9 @@ def _check_landing(layout: ChunkLayout, layers: range, dst: np.ndarray, dst_laye
 
 
 def land_kv_sections(buf: memoryview, *, layout: ChunkLayout, key: ChunkKey, layers: range, dst: np.ndarray,
-                     dst_layer_start: int, token_start: int) -> SectionCheck:
+                     dst_layer_start: int, token_start: int, take: slice | None = None) -> SectionCheck:
     """Verify every section of `layers` in `buf`, then copy them into `dst`; nothing is written on failure.
+    `take`: the chunk's heads (indices among its own) that land, dst holding just those (None: all).
 
     buf: the contiguous sections of `layers` (absolute), as read from `layout.section_offset(layers.start)`.
     dst: uint8 view of a KV buffer holding layers from `dst_layer_start`, [n_buf_layers, 2, Hkv, capacity,
@@ -342,7 +367,10 @@ def land_kv_sections(buf: memoryview, *, layout: ChunkLayout, key: ChunkKey, lay
     A bad section is a miss (the returned check); a destination that cannot fit is a BadRequestError.
     numpy and `checksum.crc32` only: safe to run next to the forward pass.
     """
-    _check_landing(layout, layers, dst, dst_layer_start, token_start)
+    take = take or slice(0, layout.num_kv_heads)
+    if not 0 <= take.start < take.stop <= layout.num_kv_heads or take.step not in (None, 1):
+        raise BadRequestError(f"heads {take} are not a run of the chunk's {layout.num_kv_heads}")
+    _check_landing(layout, layers, dst, dst_layer_start, token_start, take.stop - take.start)
     mv = memoryview(buf).cast("B")
     size = layout.section_size
     if len(mv) != size * len(layers):
@@ -354,7 +382,8 @@ def land_kv_sections(buf: memoryview, *, layout: ChunkLayout, key: ChunkKey, lay
     t1 = token_start + layout.n_tokens
     for i, layer in enumerate(layers):
         payload = mv[i * size + SECTION_HEADER_SIZE : (i + 1) * size]
-        dst[layer - dst_layer_start, :, :, token_start:t1, :] = _payload_bytes(payload, layout)  # [2, Hkv, T, D*isz]
+        kept = _payload_bytes(payload, layout)[:, take]  # [2, h, T, D * itemsize]: the heads dst holds
+        dst[layer - dst_layer_start, :, :, token_start:t1, :] = kept
     return OK
 
 

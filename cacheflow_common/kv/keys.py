@@ -95,13 +95,55 @@ def chunk_keys(token_ids: Sequence[int], chunk_size: int, salt: bytes) -> list[C
     return keys
 
 
-def object_name(key: ChunkKey, kind: str, layer_start: int, layer_end: int) -> str:
-    """The store name of a chunk object, e.g. "<32 hex>.kv.L0-4": safe for filesystems and Redis."""
+@dataclass(frozen=True)
+class HeadRange:
+    """KV heads [start, stop) of a model's `total`: the part of each layer's KV a tensor-parallel rank holds."""
+
+    start: int
+    stop: int
+    total: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop <= self.total:
+            raise BadRequestError(f"invalid KV head range [{self.start}, {self.stop}) of {self.total}")
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def whole(self) -> bool:
+        return self.count == self.total
+
+    @classmethod
+    def of_rank(cls, total: int, tp_size: int, tp_rank: int) -> HeadRange:
+        """The KV heads tensor-parallel rank `tp_rank` of `tp_size` holds, as vLLM splits them: a 1/tp_size share
+        each, or (more ranks than heads) one head, shared by tp_size / total ranks."""
+        if tp_size <= total:
+            if total % tp_size:
+                raise BadRequestError(f"{total} KV heads do not split over {tp_size} ranks")
+            share = total // tp_size
+            return cls(tp_rank * share, (tp_rank + 1) * share, total)
+        if tp_size % total:
+            raise BadRequestError(f"{tp_size} ranks do not share {total} KV heads evenly")
+        head = tp_rank // (tp_size // total)
+        return cls(head, head + 1, total)
+
+    def parts(self, n: int) -> list[HeadRange]:
+        """The model's heads split into `n` equal runs (`n` divides `total`)."""
+        share = self.total // n
+        return [HeadRange(i * share, (i + 1) * share, self.total) for i in range(n)]
+
+
+def object_name(key: ChunkKey, kind: str, layer_start: int, layer_end: int, heads: HeadRange | None = None) -> str:
+    """The store name of a chunk object, e.g. "<32 hex>.kv.L0-4", or "<32 hex>.kv.L0-4.H2-4" for KV heads [2, 4)
+    of a model's (no suffix: all its heads): safe for filesystems and Redis."""
     if not _KIND_OK.fullmatch(kind):
         raise BadRequestError(f"invalid chunk kind {kind!r}")
     if not 0 <= layer_start < layer_end:
         raise BadRequestError(f"invalid layer range [{layer_start}, {layer_end})")
-    return f"{key.hex}.{kind}.L{layer_start}-{layer_end}"
+    base = f"{key.hex}.{kind}.L{layer_start}-{layer_end}"
+    return base if heads is None or heads.whole else f"{base}.H{heads.start}-{heads.stop}"
 
 
 def valid_name(name: str) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cacheflow_common.errors import BadRequestError
-from cacheflow_common.kv.keys import ChunkKey
+from cacheflow_common.kv.keys import ChunkKey, HeadRange
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.restore.pointers import Unit
 
@@ -35,6 +35,7 @@ class RestoreJob:
     layers: range  # the stage's layers [a_s, b_s)
     kv_dtype: str  # dtype the chunks were stored in, e.g. "bfloat16"
     quant: str = "none"  # "none" | "int8"
+    heads: HeadRange | None = None  # the model's KV heads restored (a tensor-parallel rank's); None: all of them
 
     def __post_init__(self) -> None:
         covered = self.keys[-1].token_end if self.keys else 0

@@ -8,6 +8,11 @@ loader cannot write directly (in GPU memory: `DeviceLanding`, pinned host area, 
 that says where its loads land: `KVBuffer.landing`), those of a host area shaped like the unit, pushed to the
 buffer once checked. int8 chunks are read into staging, checked, then dequantized into the rows.
 
+Under tensor parallelism the buffer holds a rank's KV heads (`heads`), and so do the objects it reads. A
+chunk this split of the heads has not stored may be stored split another way (by an instance of another
+tensor-parallel size): the loader then takes its heads out of those objects (`head_sources.py`), through
+staging, once its own object is found missing.
+
 A load returns "" on success or the reason it missed. A miss leaves its unit's rows holding whatever
 arrived, which nothing reads: the unit is not loaded, so it is recomputed (which overwrites them), and
 attention reads only units that are loaded or computed.
@@ -34,9 +39,10 @@ from cacheflow_common.kv.chunk import (
     land_kv_sections,
     verify_landed,
 )
-from cacheflow_common.kv.keys import ChunkKey, object_name
+from cacheflow_common.kv.keys import ChunkKey, HeadRange, object_name
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.restore.device_landing import DeviceLanding
+from cacheflow_common.restore.head_sources import HeadPart, split_of, stored_parts
 from cacheflow_common.store.base import ChunkStore
 
 
@@ -62,13 +68,16 @@ class KVLoader:
         kv: KVBuffer,
         dtype: str,
         quant: str,
+        heads: HeadRange | None = None,
     ) -> None:
+        """`heads`: the model's KV heads the buffer holds (None: all of them)."""
         if kv.data.device.type not in ("cpu", "cuda"):
             raise ConfigError(f"KV buffers on {kv.data.device} are not supported: restore into CPU or CUDA memory")
         self.store = store
         self.keys = keys
         self.layers = layers
         self.kv = kv
+        self.heads = heads or HeadRange(0, kv.data.shape[2], kv.data.shape[2])
         self.layouts = [
             ChunkLayout(
                 kind="kv",
@@ -79,9 +88,11 @@ class KVLoader:
                 head_dim=kv.data.shape[4],
                 dtype=dtype,
                 quant=quant,
+                heads=heads,
             )
             for k in keys
         ]
+        self._elsewhere: dict[int, list[HeadPart]] = {}  # chunk -> where its heads are, its own object missing
         # CPU: land straight into kv.data, [n_buf_layers, 2, Hkv, capacity, D * itemsize] bytes sharing its memory.
         # GPU: land in a pinned host buffer, then copy to the device. A buffer may say where its KV lands instead.
         self._staged = kv.landing() or (DeviceLanding(kv) if kv.data.is_cuda else None)
@@ -114,10 +125,24 @@ class KVLoader:
 
     def _whole(self, index: int) -> bool:
         size = self.store.size(self.names(index))
-        return size is not None and size >= self.layouts[index].sections_size + TRAILER_TAIL.size
+        if size is not None and size >= self.layouts[index].sections_size + TRAILER_TAIL.size:
+            return True
+        return self._stored_elsewhere(index) is not None
 
     def names(self, index: int) -> str:
-        return object_name(self.keys[index], "kv", self.layers.start, self.layers.stop)
+        return object_name(self.keys[index], "kv", self.layers.start, self.layers.stop, self.heads)
+
+    def _stored_elsewhere(self, index: int) -> list[HeadPart] | None:
+        """The objects of another split of the heads that hold chunk `index`'s (None: none is stored)."""
+        with self._lock:
+            if index in self._elsewhere:
+                return self._elsewhere[index]
+        parts = stored_parts(self.keys[index], self.layouts[index], self.heads, self.store.size,
+                             skip=split_of(self.heads))
+        if parts is not None:
+            with self._lock:
+                self._elsewhere[index] = parts
+        return parts
 
     def load_chunk(self, index: int, staging: memoryview | None = None) -> str:
         """Token mode: every layer of chunk `index` in one read. Returns "" or the miss reason."""
@@ -132,7 +157,7 @@ class KVLoader:
 
     def _chunk_into(self, index: int, dst: np.ndarray, token_start: int, staging: memoryview) -> str:
         """Every layer of chunk `index` into the rows of `dst` (layers from `kv.layer_start`) from `token_start`."""
-        return self._read(index, self.layers, dst, self.kv.layer_start, token_start, staging, 0)
+        return self._read(index, self.layers, dst, self.kv.layer_start, token_start, staging)
 
     def load_layer(self, layer: int, staging: memoryview | None = None) -> str:
         """Layer mode: layer `layer` of every chunk, one ranged read per chunk. Returns "" or the miss reason."""
@@ -147,19 +172,41 @@ class KVLoader:
 
     def _layer_into(self, layer: int, dst: np.ndarray, dst_layer_start: int, staging: memoryview) -> str:
         """Layer `layer` of every chunk into the rows of `dst` (whose layers start at `dst_layer_start`)."""
-        for i, (layout, key) in enumerate(zip(self.layouts, self.keys, strict=True)):
-            reason = self._read(i, range(layer, layer + 1), dst, dst_layer_start, key.token_start, staging,
-                                layout.section_offset(layer))
+        for i, key in enumerate(self.keys):
+            reason = self._read(i, range(layer, layer + 1), dst, dst_layer_start, key.token_start, staging)
             if reason:
                 return reason
         return ""
 
     def _read(self, index: int, layers: range, dst: np.ndarray, dst_layer_start: int, token_start: int,
-              staging: memoryview, offset: int) -> str:
-        """Read the sections of `layers` of chunk `index`, from byte `offset` of its object, into the rows of
-        `dst` from `token_start`: in place (unquantized), or through `staging` (int8: dequantized on landing)."""
-        read = self._read_in_place if self.direct else self._read_dequantized
-        return read(index, layers, dst, dst_layer_start, token_start, staging, offset)
+              staging: memoryview) -> str:
+        """Read the sections of `layers` of chunk `index` into the rows of `dst` from `token_start`: in place
+        (unquantized), or through `staging` (int8: dequantized on landing); from another split's objects if
+        its own is missing."""
+        parts = self._elsewhere.get(index)
+        if parts is None:
+            read = self._read_in_place if self.direct else self._read_dequantized
+            reason = read(index, layers, dst, dst_layer_start, token_start, staging,
+                          self.layouts[index].section_offset(layers.start))
+            if reason != "absent" or (parts := self._stored_elsewhere(index)) is None:
+                return reason
+        return self._read_parts(index, parts, layers, dst, dst_layer_start, token_start)
+
+    def _read_parts(self, index: int, parts: list[HeadPart], layers: range, dst: np.ndarray, dst_layer_start: int,
+                    token_start: int) -> str:
+        """Chunk `index`'s heads out of other objects: each read into a buffer of its own, checked, and its heads
+        the reader holds copied into their rows of `dst`."""
+        for part in parts:
+            buf = staging_buffer(part.layout.section_size * len(layers))
+            if not self.store.read_into(part.name, buf, part.layout.section_offset(layers.start)):
+                return "absent"
+            self._count(len(buf))
+            check = land_kv_sections(buf, layout=part.layout, key=self.keys[index], layers=layers,
+                                     dst=dst[:, :, part.dst], dst_layer_start=dst_layer_start,
+                                     token_start=token_start, take=part.take)
+            if not check.ok:
+                return check.reason
+        return ""
 
     def _read_dequantized(self, index: int, layers: range, dst: np.ndarray, dst_layer_start: int, token_start: int,
                           staging: memoryview, offset: int) -> str:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from cacheflow_common.kv.chunk import encode_kv_chunk
-from cacheflow_common.kv.keys import ChunkKey, chunk_keys, object_name, tenant_salt
+from cacheflow_common.kv.keys import ChunkKey, HeadRange, chunk_keys, object_name, tenant_salt
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.restore.job import RestoreJob
@@ -33,9 +33,11 @@ def make_job(
     quant: str = "none",
     kv_dtype: str = "",
     fingerprint: str = "",
+    heads: HeadRange | None = None,
 ) -> RestoreJob:
     """The restore job for `token_ids` under `tenant`, keys salted by `fingerprint` (by default the model's);
-    its chunks hold KV in `kv_dtype` (by default the model's dtype)."""
+    its chunks hold KV in `kv_dtype` (by default the model's dtype), of the model's KV heads `heads` (a
+    tensor-parallel rank's; None: all)."""
     keys = chunk_keys(token_ids, chunk_size, tenant_salt(fingerprint or model.fingerprint(), tenant))
     return RestoreJob(
         token_ids=tuple(token_ids),
@@ -43,6 +45,7 @@ def make_job(
         layers=layers if layers is not None else range(model.config.num_layers),
         kv_dtype=kv_dtype or dtype_name(model.dtype),
         quant=quant,
+        heads=heads,
     )
 
 
@@ -74,17 +77,17 @@ def save_chunks(kv: KVBuffer, job: RestoreJob, store: ChunkStore, *, model_finge
     for key in keys if keys is not None else job.keys:
         part = kv.data[lo : lo + len(job.layers), :, :, key.token_start : key.token_end]  # [L, 2, Hkv, T, D]
         written += put_chunk(store, key, job.token_ids, part, model_fingerprint=model_fingerprint, layers=job.layers,
-                             dtype=job.kv_dtype, quant=job.quant)
+                             dtype=job.kv_dtype, quant=job.quant, heads=job.heads)
     return written
 
 
 def put_chunk(store: ChunkStore, key: ChunkKey, token_ids: Sequence[int], kv: torch.Tensor, *, model_fingerprint: str,
-              layers: range, dtype: str, quant: str = "none") -> int:
+              layers: range, dtype: str, quant: str = "none", heads: HeadRange | None = None) -> int:
     """Store one chunk: kv [len(layers), 2, Hkv, T, D] of its tokens (`token_ids`: the whole prefix's), its
-    KV stored in `dtype`; returns the bytes written."""
+    KV stored in `dtype`; `heads`: the model's KV heads kv holds (None: all); returns the bytes written."""
     obj = encode_kv_chunk(key=key, token_ids=token_ids[key.token_start : key.token_end], model=model_fingerprint,
-                          layer_start=layers.start, kv=kv, dtype=dtype, quant=quant)
-    store.put(object_name(key, "kv", layers.start, layers.stop), obj)
+                          layer_start=layers.start, kv=kv, dtype=dtype, quant=quant, heads=heads)
+    store.put(object_name(key, "kv", layers.start, layers.stop, heads), obj)
     return len(obj)
 
 

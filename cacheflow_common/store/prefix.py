@@ -7,6 +7,10 @@ data-plane request per chunk and stage, `WINDOW` chunks' worth in flight at once
 a long prompt's lookup would cost hundreds of round trips to busy pods); it stops at the first window
 with a chunk missing. The restore itself re-checks every object it reads (a chunk evicted or
 corrupted in between is recomputed).
+
+Under tensor parallelism each rank stores its KV heads as objects of their own (`head_sources.py`): a chunk
+counts if its heads are stored split the instance's way, or (looked up only for a chunk missing so) any
+other way (one split for every stage).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from cacheflow_common.kv.keys import chunk_keys, object_name, tenant_salt
+from cacheflow_common.kv.keys import ChunkKey, HeadRange, chunk_keys, object_name, tenant_salt
+from cacheflow_common.restore.head_sources import head_splits
 from cacheflow_common.store.base import ChunkStore
 
 WINDOW = 16  # chunks looked up at once
@@ -22,17 +27,41 @@ _LOOKUPS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="prefix-lookup"
 
 
 def cached_prefix_tokens(token_ids: Sequence[int], *, fingerprint: str, tenant: str, chunk_size: int,
-                         stage_layers: Sequence[range], store: ChunkStore, limit: int) -> int:
-    """Tokens [0, n) of `token_ids` whose KV is stored for every stage, n a multiple of the chunk size <= limit."""
+                         stage_layers: Sequence[range], store: ChunkStore, limit: int, kv_heads: int = 0,
+                         head_split: int = 1) -> int:
+    """Tokens [0, n) of `token_ids` whose KV is stored for every stage, n a multiple of the chunk size <= limit.
+
+    `head_split`: how many runs the instance splits the model's `kv_heads` into (its tensor-parallel ranks'
+    objects); a chunk not stored that way counts if every stage's heads are stored split some other way
+    (0 `kv_heads`: not looked for)."""
     keys = [k for k in chunk_keys(token_ids[: max(0, limit)], chunk_size, tenant_salt(fingerprint, tenant))
             if k.n_tokens == chunk_size]
+    own = _split(kv_heads, head_split)
+    others = [n for n in head_splits(kv_heads) if n != head_split] if kv_heads else []
     cached = 0
     for first in range(0, len(keys), WINDOW):
         window = keys[first : first + WINDOW]
-        names = [object_name(key, "kv", r.start, r.stop) for key in window for r in stage_layers]
-        found = list(_LOOKUPS.map(store.exists, names))
-        for i, key in enumerate(window):
-            if not all(found[i * len(stage_layers): (i + 1) * len(stage_layers)]):
+        found = _all_stored([_names(key, stage_layers, own) for key in window], store)
+        for key, stored in zip(window, found, strict=True):
+            if not stored and not any(_all_stored([_names(key, stage_layers, _split(kv_heads, n)) for n in others],
+                                                  store)):
                 return cached
             cached = key.token_end
     return cached
+
+
+def _split(kv_heads: int, n: int) -> list[HeadRange | None]:
+    """The runs of heads of a split n (all heads: [None])."""
+    if n == 1 or not kv_heads:
+        return [None]
+    return [*HeadRange(0, kv_heads, kv_heads).parts(n)]
+
+
+def _names(key: ChunkKey, stage_layers: Sequence[range], runs: list[HeadRange | None]) -> list[str]:
+    return [object_name(key, "kv", r.start, r.stop, heads) for r in stage_layers for heads in runs]
+
+
+def _all_stored(groups: list[list[str]], store: ChunkStore) -> list[bool]:
+    """For each group of names, whether the store holds every one (one round of requests for all)."""
+    found = iter(_LOOKUPS.map(store.exists, [name for group in groups for name in group]))
+    return [all([next(found) for _ in group]) for group in groups]
