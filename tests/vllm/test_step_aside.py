@@ -165,6 +165,40 @@ def test_tensor_parallel_ranks_restore_their_own_heads(cluster: dict[str, Any],
     assert all(e["batch"] == len(cluster["prompts"]) for e in restores)  # started in one step, fronts together
 
 
+def test_tensor_parallel_sizes_share_chunks(cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks stored by a TP 1 instance (all KV heads in one object) are restored by a TP 2 instance, each rank
+    taking its heads out of them; chunks its ranks store (an object per rank's heads) are restored by a TP 1
+    instance, which puts the two ranks' heads together. Three vLLM processes over one pod, each restore with
+    loaded chunks and no miss, and the tokens of the instance that stored them."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    model_dir = cluster["root"] / "tiny-qwen3-tp-share"
+    save_tiny_qwen3(model_dir, seed=6)
+    first, second = cluster["prompts"], [[(7 * t + 5) % 1024 for t in p] for p in cluster["prompts"]]
+    stats = {name: cluster["root"] / f"share-{name}.jsonl" for name in ("tp1", "tp2", "tp1-again")}
+
+    def run(name: str, tp: int, passes: list[tuple[str, list[list[int]]]]) -> dict[str, list[list[int]]]:
+        connector = {**_connector(cluster, stats[name]), "profile": _tp_profile(cluster["root"] / "tp-profile.json")}
+        tokens = {}
+        for label, prompts in passes:  # one pass per prompt set: its saves flushed before the next starts
+            spec = {"model": str(model_dir), "prompts": prompts, "max_tokens": 6, "block_size": BLOCK,
+                    "connector": connector, "tensor_parallel_size": tp, "passes": [{"label": label}]}
+            tokens[label] = [r["tokens"] for r in drive(spec, cluster["root"], f"share-{name}-{label}")["results"]]
+        return tokens
+
+    stored_whole = run("tp1", 1, [("first", first)])
+    by_tp2 = run("tp2", 2, [("first", first), ("second", second)])
+    stored_by_ranks = run("tp1-again", 1, [("second", second)])
+    assert by_tp2["first"] == stored_whole["first"]
+    assert stored_by_ranks["second"] == by_tp2["second"]
+    restored_by_tp2 = [e for e in _events(stats["tp2"], "restore") if e["req"].startswith("first")]
+    assert sorted((e["tp_rank"], e["tokens"]) for e in restored_by_tp2) == [(0, 192), (0, 320), (1, 192), (1, 320)]
+    assert _events(stats["tp1"], "restore") == []  # nothing stored before its pass
+    restored_by_tp1 = _events(stats["tp1-again"], "restore")
+    assert sorted(e["tokens"] for e in restored_by_tp1) == [192, 320]
+    assert all(e["loaded"] > 0 and not e["misses"] and e["written"] == e["tokens"]
+               for e in restored_by_tp2 + restored_by_tp1)
+
+
 def test_lora_restores_recompute_under_each_requests_adapter(cluster: dict[str, Any]) -> None:
     """LoRA on (2 slots), restores recomputed whole (compute-only); passes with the saves flushed and the
     prefix cache reset between them. Two vLLM processes over the same pod:

@@ -49,7 +49,7 @@ from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.store.prefix import cached_prefix_tokens
 from cacheflow_services.vllm_connector.both_sides import StatsLog, blocks_from, open_store
 from cacheflow_services.vllm_connector.config import ConnectorConfig
-from cacheflow_services.vllm_connector.model_identity import KVGeometry, chunk_fingerprint, salted
+from cacheflow_services.vllm_connector.model_identity import KVGeometry, chunk_fingerprint, head_split, salted
 from cacheflow_services.vllm_connector.plan import Keying, LoadSpec, PromptRows, SaveSpec, SchedulerPlan
 from cacheflow_services.vllm_connector.support import (
     OnceLog,
@@ -443,17 +443,17 @@ def _scheduler_plan(cfg: ConnectorConfig, vllm_config: VllmConfig, layout: str) 
 
     pp_size = vllm_config.parallel_config.pipeline_parallel_size
     block_size = vllm_config.cache_config.block_size
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    ranks = [None] if tp == 1 else list(range(tp))
-    fingerprints = [chunk_fingerprint(Path(cfg.model), vllm_config, layout, tp_rank=r) for r in ranks]
+    fingerprint = chunk_fingerprint(Path(cfg.model), vllm_config, layout)
     num_layers = KVGeometry.from_vllm(vllm_config).num_layers
+    kv_heads, split = vllm_config.model_config.get_total_num_kv_heads(), head_split(vllm_config)
     store = open_store(cfg)
     layers = [range(*get_pp_indices(num_layers, r, pp_size)) for r in range(pp_size)]
 
     def lookup(prompt: Any, limit: int, salt: str) -> int:
-        """Tokens whose chunks every rank holds (each tensor-parallel rank has chunks of its own)."""
-        return min(cached_prefix_tokens(prompt, fingerprint=salted(fp, salt), tenant=cfg.tenant,
-                                        chunk_size=cfg.chunk_size, stage_layers=layers, store=store, limit=limit)
-                   for fp in fingerprints)
+        """Tokens whose chunks every rank finds: the heads of each tensor-parallel rank, stored split as this
+        instance's ranks split them or any other way."""
+        return cached_prefix_tokens(prompt, fingerprint=salted(fingerprint, salt), tenant=cfg.tenant,
+                                    chunk_size=cfg.chunk_size, stage_layers=layers, store=store, limit=limit,
+                                    kv_heads=kv_heads, head_split=split)
 
     return SchedulerPlan(chunk_size=cfg.chunk_size, block_size=block_size, lookup=lookup, save=cfg.save)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from cacheflow_common.errors import ConfigError
+from cacheflow_common.kv.keys import HeadRange
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.fingerprint_cache import cached_fingerprint
 from cacheflow_common.model.weights import checkpoint_fingerprint
@@ -63,19 +64,29 @@ def kv_dtype(vllm_config: Any) -> str:
     return FP8[cache_dtype]
 
 
-def chunk_fingerprint(model_dir: Path, vllm_config: Any, layout: str, *, tp_rank: int | None = None) -> str:
-    """What every chunk key of this vLLM instance is salted with (both connector sides compute it alike);
-    under tensor parallelism, rank `tp_rank`'s (its chunks hold its slice of the KV heads)."""
+def chunk_fingerprint(model_dir: Path, vllm_config: Any, layout: str) -> str:
+    """What every chunk key of this vLLM instance is salted with (both connector sides compute it alike). It
+    does not depend on tensor parallelism: a rank's chunks are objects holding its KV heads (`rank_heads`),
+    which an instance of any tensor-parallel size reads its own heads out of."""
     dtype = vllm_config.model_config.dtype
     if vllm_config.cache_config.cache_dtype == "auto":
-        model = model_fingerprint(model_dir, dtype)
-    else:
-        model = _digest(f"{files_fingerprint(model_dir, dtype)}|{kv_dtype(vllm_config)}|{layout}".encode())
+        return model_fingerprint(model_dir, dtype)
+    return _digest(f"{files_fingerprint(model_dir, dtype)}|{kv_dtype(vllm_config)}|{layout}".encode())
+
+
+def rank_heads(vllm_config: Any, tp_rank: int | None) -> HeadRange | None:
+    """The model's KV heads tensor-parallel rank `tp_rank` holds (None without tensor parallelism: all)."""
     tp = vllm_config.parallel_config.tensor_parallel_size
     if tp == 1:
-        return model
-    assert tp_rank is not None, "a tensor-parallel rank's chunks are named for its rank"
-    return _digest(f"{model}|heads of rank {tp_rank} of {tp}".encode())
+        return None
+    assert tp_rank is not None, "a tensor-parallel rank holds the KV heads of its rank"
+    return HeadRange.of_rank(vllm_config.model_config.get_total_num_kv_heads(), tp, tp_rank)
+
+
+def head_split(vllm_config: Any) -> int:
+    """Into how many runs the instance's ranks split the model's KV heads (1: one object holds them all)."""
+    total = vllm_config.model_config.get_total_num_kv_heads()
+    return min(vllm_config.parallel_config.tensor_parallel_size, total)
 
 
 def salted(fingerprint: str, salt: str) -> str:

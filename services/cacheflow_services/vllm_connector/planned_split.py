@@ -85,7 +85,7 @@ def start_splits(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRunti
     together with vLLM's `model` meanwhile, and return with the loads still running (`on_loaded`: called on a
     load thread once its loads end). Fronts that fail stop every plan's loads (and seal its blocks) first."""
     loads = [BackLoads(KVLoader(store=store, keys=plan.job.keys, layers=plan.job.layers, kv=plan.kv,
-                                dtype=plan.job.kv_dtype, quant=plan.job.quant),
+                                dtype=plan.job.kv_dtype, quant=plan.job.quant, heads=plan.job.heads),
                        [unit for unit, key in enumerate(plan.job.keys) if key.token_end > max(plan.start, plan.front)],
                        on_loaded) for plan in plans]
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from cacheflow_common.kv.keys import ChunkKey, chunk_keys, tenant_salt
+from cacheflow_common.kv.keys import ChunkKey, HeadRange, chunk_keys, tenant_salt
 from cacheflow_common.restore.boundary import save_boundaries
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.restore.save import dtype_name, put_chunk
@@ -20,8 +20,9 @@ from cacheflow_services.vllm_connector.runtime import Event
 
 class ConnectorSaves:
     def __init__(self, store: ChunkStore, event: Event, *, fingerprint: str, dtype: torch.dtype, kv_dtype: str,
-                 chunk_size: int, tenant: str) -> None:
-        """`dtype`: the model's (boundary activations); `kv_dtype`: the chunks' (the cache's, fp8 included)."""
+                 chunk_size: int, tenant: str, heads: HeadRange | None = None) -> None:
+        """`dtype`: the model's (boundary activations); `kv_dtype`: the chunks' (the cache's, fp8 included);
+        `heads`: the model's KV heads the chunks hold (a tensor-parallel rank's; None: all)."""
         self.store = store
         self.event = event
         self.fingerprint = fingerprint
@@ -29,6 +30,7 @@ class ConnectorSaves:
         self.kv_dtype = kv_dtype
         self.chunk_size = chunk_size
         self.tenant = tenant
+        self.heads = heads
         self._thread = SaverThread("cacheflow-saver", lambda request_id, exc: event(
             "save_error", req=request_id, error=f"{type(exc).__name__}: {exc}"))
 
@@ -73,4 +75,4 @@ class ConnectorSaves:
              ) -> int:
         """Store one chunk: kv [b - a, 2, Hkv, C, D], its layers' KV in the cache's dtype; the bytes written."""
         return put_chunk(self.store, key, token_ids, kv, model_fingerprint=fingerprint, layers=layers,
-                         dtype=self.kv_dtype)
+                         dtype=self.kv_dtype, heads=self.heads)

@@ -54,6 +54,7 @@ from cacheflow_services.vllm_connector.model_identity import (
     chunk_fingerprint,
     kv_dtype,
     model_fingerprint,
+    rank_heads,
     salted,
 )
 from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather_layers, layer_index, scatter
@@ -101,8 +102,9 @@ class WorkerEngine:
         vllm_runtime = cfg.runtime == "vllm" and vllm_config is not None
         self.config = KVGeometry.from_vllm(vllm_config) if vllm_runtime else ModelConfig.from_dir(cfg.model)
         self.tp_rank = tp_rank
-        self.fingerprint = chunk_fingerprint(Path(cfg.model), vllm_config, layout, tp_rank=tp_rank) \
+        self.fingerprint = chunk_fingerprint(Path(cfg.model), vllm_config, layout) \
             if vllm_config is not None else model_fingerprint(Path(cfg.model), dtype)  # as the scheduler's
+        self.heads = rank_heads(vllm_config, tp_rank) if vllm_config is not None else None  # its chunks hold these
         self.kv_dtype = kv_dtype(vllm_config) if vllm_config is not None else dtype_name(dtype)  # chunks' dtype
         self._vllm_model = vllm_model or (lambda: None)
         self.store = open_store(cfg)
@@ -115,7 +117,7 @@ class WorkerEngine:
         self._lora_on = vllm_config is not None and vllm_config.lora_config is not None
         self._once = OnceLog()
         self.saves = ConnectorSaves(self.store, self.stats.event, fingerprint=self.fingerprint, dtype=dtype,
-                                    kv_dtype=self.kv_dtype,
+                                    kv_dtype=self.kv_dtype, heads=self.heads,
                                     chunk_size=cfg.chunk_size, tenant=cfg.tenant)
         self.caches: list[tuple[int, torch.Tensor]] = []  # (decoder layer, its vLLM cache), by layer
         self._expected = layers  # the rank's layers vLLM's split gives, checked at `register`
@@ -306,7 +308,8 @@ class WorkerEngine:
 
     def job(self, spec: LoadSpec) -> RestoreJob:
         return make_job(self.model, spec.token_ids, tenant=self.cfg.tenant, chunk_size=self.cfg.chunk_size,
-                        layers=self.layers, kv_dtype=self.kv_dtype, fingerprint=salted(self.fingerprint, spec.salt))
+                        layers=self.layers, kv_dtype=self.kv_dtype, fingerprint=salted(self.fingerprint, spec.salt),
+                        heads=self.heads)
 
     def buffer(self, spec: LoadSpec, job: RestoreJob) -> KVBuffer:
         """The restore's KV: also written into the request's blocks and attended over there with vLLM's CPU
