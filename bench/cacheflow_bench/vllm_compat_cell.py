@@ -11,6 +11,11 @@ without LoRA a cold pass (vLLM computes; the connector stores the chunks: the re
 the adapter's chunks are stored (any restore there used another adapter's chunks: a leak), then both warm.
 A later pass's greedy tokens must equal its reference pass's. When vLLM with the connector fails, vLLM runs
 once without it to tell vLLM's own failure (`vllm_cannot_run`) from the connector's (`failed`).
+
+A sharing cell (`stored_by`: another tensor-parallel size) runs two processes over its pod: vLLM at TP
+`stored_by` makes the cold pass (its ranks store the chunks, each its own KV heads), then vLLM at the cell's TP
+makes the "shared" pass, which restores from those chunks (its ranks take their heads out of the other split's
+objects): its tokens must equal the cold pass's.
 """
 
 from __future__ import annotations
@@ -44,9 +49,10 @@ SPECIFIC_ERROR = re.compile(r"\b\w+Error: |timed out after")
 ERROR = re.compile(r"(Error|error|Exception)[:,]")
 TENANT = "compat"
 BASE_PASSES = (("cold", False), ("warm", False))  # (label, with the adapter), in order
+SHARE_PASSES = (("cold", False), ("shared", False))  # the first by the storing process, the second by the cell's
 LORA_PASSES = (("lora-cold", True), ("base-after-lora", False), ("lora-warm", True), ("base-warm", False))
-REFERENCE = {"warm": "cold", "lora-warm": "lora-cold", "base-warm": "base-after-lora"}  # pass -> its reference
-OUTCOME_PASS = {False: "warm", True: "lora-warm"}  # the pass whose outcome is the cell's
+REFERENCE = {"warm": "cold", "lora-warm": "lora-cold", "base-warm": "base-after-lora",
+             "shared": "cold"}  # pass -> its reference
 LEAK_PASS = "base-after-lora"
 
 
@@ -70,10 +76,17 @@ class Cell:
     tp: int
     kv_dtype: str
     lora: bool
+    stored_by: int = 0  # the TP size whose process stored the chunks this cell restores (0: this cell's own)
 
     @property
     def name(self) -> str:
-        return f"{self.family}-tp{self.tp}-{self.kv_dtype}-{'lora' if self.lora else 'base'}"
+        shared = f"-from-tp{self.stored_by}" if self.stored_by else ""
+        return f"{self.family}-tp{self.tp}-{self.kv_dtype}-{'lora' if self.lora else 'base'}{shared}"
+
+    @property
+    def passes(self) -> tuple[tuple[str, bool], ...]:
+        """(label, with the adapter) of each pass, in order; the last's outcome is the cell's."""
+        return SHARE_PASSES if self.stored_by else LORA_PASSES if self.lora else BASE_PASSES
 
 
 def prompts() -> list[list[int]]:
@@ -123,7 +136,8 @@ def drive(spec: dict[str, Any], root: Path, name: str) -> tuple[dict[str, Any] |
 
 
 def spec_for(cell: Cell, model: Path, adapter: Path, connector: dict[str, Any] | None) -> dict[str, Any]:
-    passes = LORA_PASSES if cell.lora else BASE_PASSES
+    """The cell's vLLM run (a sharing cell's second process: its first runs with `storing_spec`)."""
+    passes = cell.passes[1:] if cell.stored_by else cell.passes
     return {"model": str(model), "dtype": tiny_models.RUN_DTYPE.get(cell.family, "float32"), "prompts": prompts(),
             "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "block_size": BLOCK, "max_model_len": 1024, "tensor_parallel_size": cell.tp,
@@ -145,7 +159,7 @@ def run_cell(cell: Cell, root: Path) -> dict[str, Any]:
         connector = {"pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": TENANT,
                      "pod_token_file": str(work / "tokens"), "chunk_size": CHUNK, "stats_file": str(stats),
                      "profile": str(write_profile(work / "profile.json"))}
-        result, log = drive(spec_for(cell, model, adapter, connector), work, "connector")
+        result, log = drive_cell(cell, work, spec_for(cell, model, adapter, connector))
     finally:
         pod.stop()
     record = {**asdict(cell), "name": cell.name, "commit": machine_facts()["git"]}
@@ -154,6 +168,20 @@ def run_cell(cell: Cell, root: Path) -> dict[str, Any]:
     else:
         record |= judge(cell, result, read_events(stats))
     return {**record, "wall_s": round(time.perf_counter() - started, 1)}
+
+
+def drive_cell(cell: Cell, work: Path, spec: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """The cell's run: one process, or for a sharing cell the storing process's then the cell's, their results
+    (pass after pass) and logs joined."""
+    if not cell.stored_by:
+        return drive(spec, work, "connector")
+    storing = {**spec, "tensor_parallel_size": cell.stored_by, "passes": [{"label": cell.passes[0][0]}]}
+    stored, log = drive(storing, work, "storing")
+    if stored is None:
+        return None, log
+    result, more = drive(spec, work, "connector")
+    joined = None if result is None else {**result, "results": stored["results"] + result["results"]}
+    return joined, f"{log}\n{more}"
 
 
 def without_connector(cell: Cell, work: Path, model: Path, adapter: Path, connector_log: str) -> dict[str, Any]:
@@ -204,7 +232,7 @@ def outcome(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 def judge(cell: Cell, result: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
     """Per pass its tokens and the connector's outcome; the cell's status from them."""
-    labels = [label for label, _ in (LORA_PASSES if cell.lora else BASE_PASSES)]
+    labels = [label for label, _ in cell.passes]
     n = len(PREFIXES)
     tokens = {label: [r["tokens"] for r in result["results"][i * n:(i + 1) * n]] for i, label in enumerate(labels)}
     inactive = [e for e in events if e["event"] == "inactive"]
@@ -213,7 +241,7 @@ def judge(cell: Cell, result: dict[str, Any], events: list[dict[str, Any]]) -> d
     equal = all(tokens[later] == tokens[ref] for later, ref in REFERENCE.items() if later in tokens)
     errors = [e for e in events if e["event"] == "load_error"]
     record: dict[str, Any] = {"start_ok": True, "startup_s": round(result["startup_s"], 1), "tokens_equal": equal,
-                              **per_pass[OUTCOME_PASS[cell.lora]], "passes": per_pass, "load_errors": len(errors),
+                              **per_pass[labels[-1]], "passes": per_pass, "load_errors": len(errors),
                               "saved_chunks": sum(e.get("chunks", 0) for e in events if e["event"] == "save")}
     if cell.lora:
         record["lora_leak"] = per_pass[LEAK_PASS]["outcome"] == "restored"

@@ -23,7 +23,8 @@ def variant_key(c: dict[str, Any]) -> tuple[str, int, str]:
 def cross_check(cells: Cells) -> None:
     """A LoRA cell's base-model pass must give the LoRA-off cell's cold tokens (same model, TP, KV dtype):
     where that cell ran, record it, and fail the LoRA cell if they differ."""
-    base = {variant_key(c): c["base_tokens"] for c in cells if not c["lora"] and "base_tokens" in c}
+    base = {variant_key(c): c["base_tokens"] for c in cells
+            if not c["lora"] and not c.get("stored_by") and "base_tokens" in c}
     for c in cells:
         if c["lora"] and "base_tokens" in c and variant_key(c) in base:
             c["base_equals_lora_off_cell"] = c["base_tokens"] == base[variant_key(c)]
@@ -55,7 +56,19 @@ def summarize(cells: Cells) -> dict[str, Any]:
             "fp8_weights_restored": any(c["family"] in FP8_FAMILIES for c in restored),
             "lora_restored": any(c["lora"] for c in restored),
             "lora_recomputed": any(c["lora"] and c.get("computed", 0) > 0 for c in restored),
-            "lora_isolated": lora_isolated(cells)}
+            "lora_isolated": lora_isolated(cells), "tp_sizes_share_chunks": tp_sizes_share(cells)}
+
+
+def tp_sizes_share(cells: Cells) -> bool | None:
+    """Every sharing cell restored the other TP size's chunks with its tokens, where its family restores at
+    both sizes on its own (None if no sharing cell ran, or none could restore)."""
+    alone = {variant_key(c) for c in cells if not c.get("stored_by") and not c["lora"] and c["status"] == "ok"
+             and c.get("outcome") == "restored"}
+    due = [c for c in cells if c.get("stored_by") and variant_key(c) in alone
+           and (c["family"], c["stored_by"], c["kv_dtype"]) in alone]
+    if not due:
+        return None
+    return all(c["status"] == "ok" and c.get("outcome") == "restored" for c in due)
 
 
 def one_line(text: str | None, limit: int = 200) -> str:
@@ -78,7 +91,7 @@ def yes_no(value: Any) -> str:
 def report(body: dict[str, Any]) -> str:
     """bench/results/vllm_compat.md: the summary, then one row per cell."""
     cells = body["cells"]
-    rows = [[c["family"], c["tp"], c["kv_dtype"], "on" if c["lora"] else "off", c["status"], yes_no(c["start_ok"]),
+    rows = [[c["family"], tp_of(c), c["kv_dtype"], "on" if c["lora"] else "off", c["status"], yes_no(c["start_ok"]),
              yes_no(c.get("tokens_equal")), c.get("outcome", "—"), detail(c), c["wall_s"],
              c.get("commit") or body["machine"]["git"]] for c in cells]
     table = markdown_table(["family", "TP", "KV dtype", "LoRA", "status", "vLLM starts", "tokens equal",
@@ -86,6 +99,11 @@ def report(body: dict[str, Any]) -> str:
     summary = "\n".join(f"- {k}: {v}" for k, v in body["summary"].items())
     return (f"# vLLM compatibility matrix (`cacheflow bench vllm-compat`)\n\n{body['command']}\n\n{summary}\n\n"
             f"{table}\n")
+
+
+def tp_of(c: dict[str, Any]) -> str:
+    """The cell's TP size, and a sharing cell's storing one: "2 (from 1)"."""
+    return f"{c['tp']} (from {c['stored_by']})" if c.get("stored_by") else str(c["tp"])
 
 
 def short(c: dict[str, Any] | None) -> str:
@@ -101,10 +119,11 @@ def short(c: dict[str, Any] | None) -> str:
 def block(body: dict[str, Any]) -> str:
     """The README's compatibility table: one row per family, one column per (TP, KV dtype, LoRA)."""
     cells = body["cells"]
-    columns = sorted({(c["tp"], c["kv_dtype"], c["lora"]) for c in cells})
-    by = {(c["family"], c["tp"], c["kv_dtype"], c["lora"]): c for c in cells}
+    columns = sorted({(c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]) for c in cells})
+    by = {(c["family"], c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]): c for c in cells}
     families = list(dict.fromkeys(c["family"] for c in cells))
-    header = ["family", *(f"TP {tp}, KV {kv}, LoRA {'on' if lora else 'off'}" for tp, kv, lora in columns)]
+    header = ["family", *(f"TP {tp}{f' from TP {by_tp}' if by_tp else ''}, KV {kv}, LoRA {'on' if lora else 'off'}"
+                          for by_tp, tp, kv, lora in columns)]
     rows = [[f, *(short(by.get((f, *col))) for col in columns)] for f in families]
     s = body["summary"]
     line = (f"{s['cells']} cells: {s['restored_cells']} restored, {s['declined_cells']} declined, "
@@ -113,7 +132,8 @@ def block(body: dict[str, Any]) -> str:
             f"recomputed front: {yes_no(s.get('tp2_recomputed', False))}); fp8 KV "
             f"restored: {yes_no(s['fp8_kv_restored'])}; FP8 weights restored: {yes_no(s['fp8_weights_restored'])}; "
             f"LoRA isolated: {yes_no(s['lora_isolated'])} (recomputed under the adapter: "
-            f"{yes_no(s.get('lora_recomputed', False))}) ({commits(body)}, "
+            f"{yes_no(s.get('lora_recomputed', False))}); TP sizes share chunks: "
+            f"{yes_no(s.get('tp_sizes_share_chunks'))} ({commits(body)}, "
             "`cacheflow bench vllm-compat`; details in bench/results/vllm_compat.md).")
     return "\n".join([BEGIN, markdown_table(header, rows), "", line, END])
 

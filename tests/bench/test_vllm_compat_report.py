@@ -84,3 +84,20 @@ def test_the_committed_readme_compat_table_is_the_one_the_committed_result_gives
     result = RESULTS_DIR / "vllm_compat.json"
     expected = rep.block(json.loads(result.read_text())) if result.exists() else f"{rep.BEGIN}\n{rep.END}"
     assert current_block(rep.README.read_text(), rep.BEGIN, rep.END) == expected
+
+
+def test_sharing_cells_count_where_their_family_restores_at_both_tp_sizes():
+    def shared(family="llama", tp=2, by=1, **extra):
+        return cell(family, tp=tp, stored_by=by, name=f"{family}-tp{tp}-auto-base-from-tp{by}", **extra)
+
+    alone = [cell(), cell(tp=2), cell("deepseek_v2", out="declined"), cell("deepseek_v2", tp=2, out="declined")]
+    assert rep.summarize(alone)["tp_sizes_share_chunks"] is None  # no sharing cell ran
+    cells = [*alone, shared(), shared(tp=1, by=2), shared("deepseek_v2", out="declined")]  # MLA: declined alone too
+    assert rep.summarize(cells)["tp_sizes_share_chunks"] is True
+    assert rep.summarize([*cells, shared(tp=1, by=2, out="none")])["tp_sizes_share_chunks"] is False
+    assert rep.summarize([*alone, shared(status="failed")])["tp_sizes_share_chunks"] is False
+    body = {"cells": cells, "summary": rep.summarize(cells), "machine": {"git": "abc1234"}, "command": "c"}
+    assert "| TP 2 from TP 1, KV auto, LoRA off |" in rep.block(body)
+    assert "| llama | 2 (from 1) | auto | off | ok |" in rep.report(body)
+    rep.cross_check([shared(base_tokens=[[9]]), lora_cell := cell(tp=2, lora=True, base_tokens=[[1]])])
+    assert "base_equals_lora_off_cell" not in lora_cell  # a sharing cell's tokens are the storing TP size's
