@@ -119,6 +119,7 @@ class WorkerInfo(BaseModel):
     policy: str
     step_tokens: int
     busy: BusyTotals
+    kv_heads: int = 0  # the model's KV heads (0: not said; chunks split by heads are then not looked up)
 
 
 class ForwardAnswer(BaseModel):

@@ -7,6 +7,7 @@ single-process greedy run, whether the prefix was prefilled or restored.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import threading
@@ -18,17 +19,24 @@ from typing import Any
 import httpx
 import pytest
 
+from cacheflow_common.kv.chunk import decode_kv_chunk
+from cacheflow_common.kv.keys import HeadRange, chunk_keys, object_name, tenant_salt
 from cacheflow_common.model.sources import load_model
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.restore.save import put_chunk
 from cacheflow_common.sim.replay import ReplayRequest
 from cacheflow_common.sim.trace import TraceRequest
+from cacheflow_common.store.placement import tenant_stores
+from cacheflow_common.transport.pod_client import PodAddress
 from cacheflow_services.coordinator.launch import LocalCoordinator, launch_coordinator
-from cacheflow_services.local_cluster import SECRETS_DIR, ClusterSpec, LocalCluster, start_cluster
+from cacheflow_services.local_cluster import SECRETS_DIR, ClusterSpec, LocalCluster, preflight, start_cluster
 from cacheflow_services.replay import ReplayError, replay
 from tests.factories import greedy_reference
 
 CHUNK = 32
 MODEL = "tiny"
+SPEC = ClusterSpec(model=MODEL, stages=2, pods=2, chunk_size=CHUNK, dtype="float32", policy="cake", port=0,
+                   transport="tcp", max_batch=4, max_queue=8, threads_per_stage=1, batch_window_ms=30)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +49,7 @@ def reference() -> Transformer:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Path]]:
     workdir = tmp_path_factory.mktemp("cluster")
-    spec = ClusterSpec(model=MODEL, stages=2, pods=2, chunk_size=CHUNK, dtype="float32", policy="cake", port=0,
-                       transport="tcp", max_batch=4, max_queue=8, threads_per_stage=1, batch_window_ms=30)
-    started = start_cluster(spec, workdir)
+    started = start_cluster(SPEC, workdir)
     yield started, workdir
     started.stop()
 
@@ -269,6 +275,36 @@ def _second_coordinator(local: LocalCluster, workdir: Path, tmp_path: Path, *ext
     return launch_coordinator(tmp_path, stages=[w.url for w in local.workers], pods=pods,
                               pod_token_file=workdir / "pod-tokens", token_file=workdir / "api-tokens",
                               secrets=workdir / SECRETS_DIR, model=MODEL, extra=list(extra))
+
+
+def test_chunks_a_tensor_parallel_vllm_instance_stored_are_restored(client, cluster, reference):
+    """A TP 2 vLLM instance's ranks store each chunk as two objects, one per rank's KV heads: once the workers'
+    whole objects of a prompt are replaced by such (taken apart here), the coordinator still finds its prefix,
+    and the stage workers restore it out of the two runs, with a single-process run's tokens."""
+    local, workdir = cluster
+    prompt = _prompt(5 * CHUNK + 3, seed=50)
+    _, expected = greedy_reference(reference, prompt, 4)
+    for _ in range(50):  # until every chunk is stored whole by the stage workers (they store in the background)
+        if _complete(client, prompt, n_new=4)["cacheflow"]["prompt_tokens_restored"] == 5 * CHUNK:
+            break
+    tenant_token = dict(line.split() for line in (workdir / "pod-tokens").read_text().splitlines())[local.tenant]
+    addresses = [PodAddress.parse(f"pod-{i}=127.0.0.1:{p.data_port}") for i, p in enumerate(local.pods)]
+    store = tenant_stores(addresses, {local.tenant: tenant_token})[local.tenant]
+    keys = chunk_keys(prompt[: 5 * CHUNK], CHUNK, tenant_salt(reference.fingerprint(), local.tenant))
+    heads = HeadRange(0, reference.config.num_kv_heads, reference.config.num_kv_heads)
+    try:
+        for key, layers in itertools.product(keys, preflight(SPEC)):
+            whole = object_name(key, "kv", layers.start, layers.stop)
+            trailer, kv = decode_kv_chunk(store.read(whole) or b"")  # [L, 2, H, C, D]
+            for run in heads.parts(2):
+                put_chunk(store, key, prompt, kv[:, :, run.start : run.stop], model_fingerprint=trailer["model"],
+                          layers=layers, dtype=trailer["dtype"], heads=run)
+            store.delete(whole)
+        body = _complete(client, prompt, n_new=4)
+    finally:
+        store.close()
+    assert body["cacheflow"]["prompt_tokens_restored"] == 5 * CHUNK
+    assert body["choices"][0]["token_ids"] == expected
 
 
 def test_a_killed_storage_pod_is_recomputed_around(client, cluster, reference):

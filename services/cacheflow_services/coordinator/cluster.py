@@ -51,6 +51,7 @@ class ModelInfo:
     vocab_size: int
     max_tokens: int  # the longest prompt + generation a request may hold
     stage_layers: tuple[range, ...]
+    kv_heads: int = 0  # the model's KV heads: chunks stored split by heads (vLLM's TP ranks') count too
 
 
 class Cluster:
@@ -183,4 +184,4 @@ def model_info(infos: list[WorkerInfo]) -> ModelInfo:
     if not infos[-1].last_stage:
         raise ConfigError("the last listed stage does not own the LM head")
     return ModelInfo(fingerprint=first.model, chunk_size=first.chunk_size, vocab_size=first.vocab_size,
-                     max_tokens=min(info.max_tokens for info in infos), stage_layers=layers)
+                     max_tokens=min(info.max_tokens for info in infos), stage_layers=layers, kv_heads=first.kv_heads)

@@ -95,7 +95,8 @@ class Intake:
         self.cluster.chain.release(request.id, request.tenant)
 
     def _stored_prefix(self, token_ids: list[int], tenant: str, store: ChunkStore, *, limit: int) -> int:
-        """Tokens of the longest prefix of `token_ids` (at most `limit`) whose chunks every stage holds."""
+        """Tokens of the longest prefix of `token_ids` (at most `limit`) whose chunks every stage holds (all KV
+        heads in one object, or split by heads as a tensor-parallel vLLM instance's ranks store them)."""
         return cached_prefix_tokens(token_ids, fingerprint=self.model.fingerprint, tenant=tenant,
                                     chunk_size=self.model.chunk_size, stage_layers=self.model.stage_layers,
-                                    store=store, limit=limit)
+                                    store=store, limit=limit, kv_heads=self.model.kv_heads)

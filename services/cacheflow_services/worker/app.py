@@ -103,7 +103,8 @@ def create_app(engine: StageEngine, *, max_body_bytes: int, max_json_bytes: int,
                           pool_blocks=engine.pool.capacity_blocks, block_tokens=c.block_tokens,
                           vocab_size=engine.model.config.vocab_size,
                           max_tokens=min(engine.model.config.max_position_embeddings, c.max_request_tokens),
-                          policy=c.policy, step_tokens=c.step_tokens, busy=BusyTotals(**engine.busy()))
+                          policy=c.policy, step_tokens=c.step_tokens, busy=BusyTotals(**engine.busy()),
+                          kv_heads=engine.model.config.num_kv_heads)
 
     @app.post("/v1/restore")
     def restore(body: RestoreRequest, request: Request) -> RestoreSummary:
