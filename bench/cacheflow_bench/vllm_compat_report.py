@@ -60,11 +60,11 @@ def summarize(cells: Cells) -> dict[str, Any]:
 
 
 def tp_sizes_share(cells: Cells) -> bool | None:
-    """Every sharing cell restored the other TP size's chunks with its tokens, where its family restores at
-    both sizes on its own (None if no sharing cell ran, or none could restore)."""
+    """Every sharing cell that vLLM could run restored the other TP size's chunks with its tokens, where its
+    family restores at both sizes on its own (None if no such sharing cell ran)."""
     alone = {variant_key(c) for c in cells if not c.get("stored_by") and not c["lora"] and c["status"] == "ok"
              and c.get("outcome") == "restored"}
-    due = [c for c in cells if c.get("stored_by") and variant_key(c) in alone
+    due = [c for c in cells if c.get("stored_by") and c["status"] != "vllm_cannot_run" and variant_key(c) in alone
            and (c["family"], c["stored_by"], c["kv_dtype"]) in alone]
     if not due:
         return None

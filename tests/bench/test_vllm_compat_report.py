@@ -94,6 +94,9 @@ def test_sharing_cells_count_where_their_family_restores_at_both_tp_sizes():
     assert rep.summarize(alone)["tp_sizes_share_chunks"] is None  # no sharing cell ran
     cells = [*alone, shared(), shared(tp=1, by=2), shared("deepseek_v2", out="declined")]  # MLA: declined alone too
     assert rep.summarize(cells)["tp_sizes_share_chunks"] is True
+    host = shared(status="vllm_cannot_run", out=None)  # vLLM cannot run it here at all: no connector's failure
+    assert rep.summarize([*cells, host])["tp_sizes_share_chunks"] is True
+    assert rep.summarize([*alone, host])["tp_sizes_share_chunks"] is None
     assert rep.summarize([*cells, shared(tp=1, by=2, out="none")])["tp_sizes_share_chunks"] is False
     assert rep.summarize([*alone, shared(status="failed")])["tp_sizes_share_chunks"] is False
     body = {"cells": cells, "summary": rep.summarize(cells), "machine": {"git": "abc1234"}, "command": "c"}
