@@ -107,6 +107,11 @@ class ChunkLayout:
         """All sections, without the trailer: the bytes a whole-chunk read needs."""
         return self.n_layers * self.section_size
 
+    def stored_whole(self, size: int | None) -> bool:
+        """Whether an object of `size` bytes (None: absent) is long enough for every section and a trailer's end
+        (not truncated)."""
+        return size is not None and size >= self.sections_size + TRAILER_TAIL.size
+
     def section_offset(self, layer: int) -> int:
         """Byte offset of absolute layer `layer`'s section within the object."""
         if not self.layer_start <= layer < self.layer_end:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from cacheflow_common.kv.chunk import TRAILER_TAIL, ChunkLayout
+from cacheflow_common.kv.chunk import ChunkLayout
 from cacheflow_common.kv.keys import ChunkKey, HeadRange, object_name
 
 
@@ -68,7 +68,7 @@ def stored_parts(key: ChunkKey, layout: ChunkLayout, want: HeadRange, size: Call
         if n == skip:
             continue
         parts = parts_of(key, layout, want, n)
-        if all(_whole(size(p.name), p.layout) for p in parts):
+        if all(p.layout.stored_whole(size(p.name)) for p in parts):
             return parts
     return None
 
@@ -76,7 +76,3 @@ def stored_parts(key: ChunkKey, layout: ChunkLayout, want: HeadRange, size: Call
 def split_of(heads: HeadRange) -> int:
     """The layout a run of heads belongs to: n for a 1/n share of the model's heads."""
     return heads.total // heads.count
-
-
-def _whole(size: int | None, layout: ChunkLayout) -> bool:
-    return size is not None and size >= layout.sections_size + TRAILER_TAIL.size

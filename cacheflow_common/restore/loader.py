@@ -33,7 +33,6 @@ import torch
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.kv.chunk import (
     SECTION_HEADER_SIZE,
-    TRAILER_TAIL,
     ChunkLayout,
     kv_landing_views,
     land_kv_sections,
@@ -124,8 +123,7 @@ class KVLoader:
         return [i for i in range(len(self.keys)) if not self._whole(i)]
 
     def _whole(self, index: int) -> bool:
-        size = self.store.size(self.names(index))
-        if size is not None and size >= self.layouts[index].sections_size + TRAILER_TAIL.size:
+        if self.layouts[index].stored_whole(self.store.size(self.names(index))):
             return True
         return self._stored_elsewhere(index) is not None
 

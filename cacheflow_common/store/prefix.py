@@ -51,10 +51,8 @@ def cached_prefix_tokens(token_ids: Sequence[int], *, fingerprint: str, tenant: 
 
 
 def _split(kv_heads: int, n: int) -> list[HeadRange | None]:
-    """The runs of heads of a split n (all heads: [None])."""
-    if n == 1 or not kv_heads:
-        return [None]
-    return [*HeadRange(0, kv_heads, kv_heads).parts(n)]
+    """The runs of heads of a split n (heads not known: [None], the object of all heads)."""
+    return [*HeadRange(0, kv_heads, kv_heads).parts(n)] if kv_heads else [None]
 
 
 def _names(key: ChunkKey, stage_layers: Sequence[range], runs: list[HeadRange | None]) -> list[str]:

@@ -28,6 +28,7 @@ from cacheflow_common.kv.keys import HeadRange
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.fingerprint_cache import cached_fingerprint
 from cacheflow_common.model.weights import checkpoint_fingerprint
+from cacheflow_common.restore.head_sources import split_of
 
 READ_BYTES = 16 << 20  # a weight file is hashed this much at a time
 SNAPSHOT = re.compile(r"models--(?P<repo>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})$")
@@ -85,8 +86,8 @@ def rank_heads(vllm_config: Any, tp_rank: int | None) -> HeadRange | None:
 
 def head_split(vllm_config: Any) -> int:
     """Into how many runs the instance's ranks split the model's KV heads (1: one object holds them all)."""
-    total = vllm_config.model_config.get_total_num_kv_heads()
-    return min(vllm_config.parallel_config.tensor_parallel_size, total)
+    total, tp = vllm_config.model_config.get_total_num_kv_heads(), vllm_config.parallel_config.tensor_parallel_size
+    return split_of(HeadRange.of_rank(total, tp, 0))
 
 
 def salted(fingerprint: str, salt: str) -> str:
