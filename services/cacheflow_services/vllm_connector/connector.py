@@ -24,7 +24,9 @@ attention ops); the logic lives in `plan.py` (scheduler), `worker.py` and `async
 Pipeline parallelism (`--pipeline-parallel-size N`): every rank's worker connector holds that rank's layers,
 a CacheFlow stage (worker.py, ranks.py); the scheduler looks prefixes up for the ranks' split, and each step
 tells the ranks where its prompt rows go (their blocks), so a rank after the first can store the boundary
-activation entering its first layer. The capture is a forward pre-hook on vLLM's top-level model, outside
+activation entering its first layer, and restores a rank's layers on its own: vLLM's model recomputes the
+front over the rank's layers, a rank after the first starting from the stored boundary activations
+(`vllm_runtime.py`), while the back loads. The capture is a forward pre-hook on vLLM's top-level model, outside
 the region vLLM compiles, which files each row by its slot in the step's slot mapping (vLLM's forward
 context, on both model runners); a step replayed as one full CUDA graph (pure decode batches) skips it, and a prompt row
 computed in one leaves its chunk without a boundary activation (that rank then recomputes the prefix).
@@ -105,9 +107,6 @@ class CacheFlowConnector(KVConnectorBase_V1):
         self._declined: set[str] = set()  # scheduler side: requests the connector neither restores nor stores
         pipeline = vllm_config.parallel_config.pipeline_parallel_size > 1
         self._captured = pipeline and self.cfg.save  # ranks after the first capture boundary activations
-        if pipeline and self.cfg.runtime == "vllm":
-            log.info("pipeline ranks restore from boundary activations with CacheFlow's runtime (runtime: cacheflow)")
-            self.cfg = replace(self.cfg, runtime="cacheflow")
         # Restores have their meeting point planned before they start under tensor parallelism (a rank's forward
         # needs every other rank's in lockstep: planned_split.py).
         if vllm_config.parallel_config.tensor_parallel_size > 1:

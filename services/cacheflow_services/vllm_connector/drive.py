@@ -8,7 +8,8 @@ run.json: {"model": dir, "prompts": [[token ids], ...], "max_tokens": 8, "out": 
            "block_size": 128, "max_num_batched_tokens": vLLM's default, "kv_cache_dtype": "auto",
            "batches": [[prompt indices submitted together], ...] (default: each prompt alone, in order),
            "cache_salts": [a prompt's cache_salt or null, ...] (default: none),
-           "tensor_parallel_size": 1, "enable_lora": false, "max_loras": 1, "ignore_eos": false,
+           "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enable_lora": false, "max_loras": 1,
+           "ignore_eos": false,
            "passes": [{"label": "cold", "lora": adapter dir or null, "loras": [per prompt: adapter dir or null]},
                       ...] (default: one pass, no adapter; "loras" overrides "lora"),
            "late": [prompt indices] (default: none), "late_after_tokens": 4, "memory": false}
@@ -69,10 +70,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     # the scheduler's token budget per step (vLLM's default on CPU: 4,096, so a longer prompt is prefilled in chunks)
     budget = {"max_num_batched_tokens": spec["max_num_batched_tokens"]} if "max_num_batched_tokens" in spec else {}
     slots = {"max_loras": spec.get("max_loras", 1)} if spec.get("enable_lora") else {}
+    pipeline = spec.get("pipeline_parallel_size", 1)
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), skip_tokenizer_init=True, seed=0,
-              max_model_len=spec.get("max_model_len", 4096), enforce_eager=True,
+              max_model_len=spec.get("max_model_len", 4096), **_execution(pipeline),
               enable_prefix_caching=spec.get("prefix_caching", False), block_size=spec.get("block_size", 128),
-              **budget, tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+              **budget, tensor_parallel_size=spec.get("tensor_parallel_size", 1), pipeline_parallel_size=pipeline,
               kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), enable_lora=spec.get("enable_lora", False), **slots,
               kv_transfer_config=spec_transfer_config(spec))
     startup_s = time.perf_counter() - started
@@ -98,6 +100,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         ranks = llm.collective_rpc(process_memory)
         out["memory"] = list({m["pid"]: m for m in [process_memory(), *ranks]}.values())  # a rank may be this process
     return out
+
+
+def _execution(pipeline: int) -> dict[str, Any]:
+    """Eager, except under pipeline parallelism: vLLM's CPU worker skips its warm-up run when eager, and a rank
+    after the first then has no buffer for what the rank before sends (`assert self.intermediate_tensors is
+    not None` at its first step); torch.compile's warm-up allocates it."""
+    return {"enforce_eager": True} if pipeline == 1 else {"compilation_config": {"mode": 1}}  # STOCK_TORCH_COMPILE
 
 
 class Late(NamedTuple):

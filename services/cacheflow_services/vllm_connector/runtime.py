@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import torch
 
+from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_services.vllm_connector.adapters import AdapterScope
@@ -86,8 +87,12 @@ class RuntimeChoice:
             return
         assert isinstance(self.config, KVGeometry), "vLLM's model runs over the geometry of vLLM's config"
         manager = self.lora_manager(module)
-        runtime = VllmRuntime(self.config, module, self.vllm_config, layers=layers, fingerprint=self.fingerprint,
-                              adapters=AdapterScope(manager) if manager is not None else None)
+        try:
+            runtime = VllmRuntime(self.config, module, self.vllm_config, layers=layers, fingerprint=self.fingerprint,
+                                  adapters=AdapterScope(manager) if manager is not None else None)
+        except ConfigError as exc:  # a pipeline rank of a family whose ranks send more than a residual stream
+            self._separate(layers, str(exc))
+            return
         self.model = cast(Transformer, runtime)  # it offers what the restore engine calls of a Transformer
         self.kind = "vllm"
         log.info("CacheFlow recomputes with vLLM's own model (%s) and attention backend", type(module).__name__)

@@ -12,6 +12,14 @@ vLLM's attention and LoRA metadata): a larger batch runs as several forwards, a 
 like a chunked prefill. Loaded chunks are written into the blocks as they land (`BlockKV`), so a unit finds
 them there. With LoRA on, each forward runs under its requests' adapters (`adapters.py`).
 
+On a pipeline-parallel rank after the first, a forward starts from the restore's stored boundary
+activations (the residual stream entering the rank's first layer), handed to vLLM's model as what the rank
+before would send (`IntermediateTensors`): hidden_states, and a zero residual where the family sends one (its
+first layer adds the two). A rank before the last returns the residual stream leaving its last layer.
+
+The model is called past its module hooks (`module.forward`): the boundary capture's pre-hook (`ranks.py`) is
+for vLLM's own forwards, and must not file a restore's rows as the step's.
+
 Token-wise only: a layer-wise unit would run the model's decoder layers one at a time, whose signatures
 differ by family. Called on vLLM's thread only (the connector computes there: `async_loads.py` says why).
 
@@ -23,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -54,6 +62,7 @@ class VllmRuntime:
         self.adapters = adapters
         self.max_rows: int = vllm_config.scheduler_config.max_num_batched_tokens  # rows per forward, at most
         self._builders: list[tuple[Any, list[str]]] | None = None  # (metadata builder, its layers), at first use
+        self._sent = () if layers.start == 0 else sent_between_ranks(module, self.dtype, self.device)
 
     def fingerprint(self) -> str:
         return self._fingerprint
@@ -113,8 +122,20 @@ class VllmRuntime:
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans]).to(self.device)  # [r]
         with self._mapped([(kv.adapter, s.length) for kv, s in zip(blocks, spans, strict=True)]), \
                 set_forward_context(metadata, self.vllm_config, num_tokens=hidden.shape[0], slot_mapping=slots):
-            out: torch.Tensor = self.module(input_ids=None, positions=positions, inputs_embeds=hidden)
-        return out
+            out = self.module.forward(input_ids=None, positions=positions, **self._inputs(hidden))
+        return residual_stream(out)
+
+    def _inputs(self, hidden: torch.Tensor) -> dict[str, Any]:
+        """vLLM's model's input for rows `hidden` [r, hidden]: embedded tokens on the first rank; on a later
+        one, the boundary activations as the rank before sends them."""
+        if not self._sent:
+            return {"inputs_embeds": hidden}
+        from vllm.sequence import IntermediateTensors
+
+        tensors = {"hidden_states": hidden}
+        if "residual" in self._sent:
+            tensors["residual"] = torch.zeros_like(hidden)  # [r, hidden]: the first layer adds it to hidden_states
+        return {"intermediate_tensors": IntermediateTensors(tensors)}
 
     def _mapped(self, rows: Sequence[tuple[Adapter | None, int]]) -> AbstractContextManager[None]:
         """The LoRA mapping of `rows` (per request: its adapter, its rows) while a forward runs; nothing
@@ -155,6 +176,28 @@ class VllmRuntime:
             self._builders = [(backend.get_builder_cls()(spec, names, self.vllm_config, self.device), names)
                               for (backend, spec), names in groups.items()]
         return self._builders
+
+
+def sent_between_ranks(module: Any, dtype: torch.dtype, device: torch.device) -> tuple[str, ...]:
+    """What the rank before sends a pipeline rank (vLLM's `IntermediateTensors` keys): the residual stream as
+    hidden_states (plus a residual the first layer adds to it). Anything else (a family that also sends
+    auxiliary states) cannot be rebuilt from a boundary activation: ConfigError."""
+    make = getattr(module, "make_empty_intermediate_tensors", None)
+    keys = tuple(sorted(make(0, dtype, device).tensors)) if make is not None else ()
+    if keys not in (("hidden_states",), ("hidden_states", "residual")):
+        raise ConfigError(f"vLLM's {type(module).__name__} sends {list(keys) or 'nothing'} between pipeline ranks, "
+                          "not a residual stream a boundary activation rebuilds")
+    return keys
+
+
+def residual_stream(out: Any) -> torch.Tensor:
+    """vLLM's model's output as rows [r, hidden]: the last rank's hidden states, or the residual stream an
+    earlier rank sends on (hidden_states + residual)."""
+    tensors = getattr(out, "tensors", None)
+    if tensors is None:
+        return cast(torch.Tensor, out)
+    residual = tensors.get("residual")
+    return tensors["hidden_states"] if residual is None else tensors["hidden_states"] + residual
 
 
 def forward_groups(spans: Sequence[Span], max_rows: int) -> list[list[Span]]:

@@ -285,7 +285,8 @@ class WorkerEngine:
                          policy=self.policy if done.computed else "load-only", mode="token",
                          computed=done.computed, loaded=done.loaded, misses={done.miss: 1} if done.miss else {},
                          bytes_loaded=done.bytes_read, batch=done.batch, elapsed_s=elapsed_s, runtime=self.runtime,
-                         asynchronous=asynchronous, attention="vllm", tp_rank=self.tp_rank)
+                         asynchronous=asynchronous, attention="vllm", tp_rank=self.tp_rank,
+                         layers=[self.layers.start, self.layers.stop])
         return blocks_from(spec, done.end, self.block_size) if done.miss else set()
 
     def start_loads(self, specs: Sequence[LoadSpec]) -> None:
@@ -355,7 +356,8 @@ class WorkerEngine:
                          loaded=sources.count("loaded"), misses=dict(result.misses),
                          bytes_loaded=result.bytes_loaded, elapsed_s=result.elapsed_s, batch=batch,
                          runtime=self.runtime, asynchronous=self._async is not None,
-                         attention="vllm" if isinstance(result.kv, PagedKV | BlockKV) else "cacheflow")
+                         attention="vllm" if isinstance(result.kv, PagedKV | BlockKV) else "cacheflow",
+                         layers=[self.layers.start, self.layers.stop])
         return self._after_misses(spec, job, result)
 
     def engine(self) -> Engine:
