@@ -1,16 +1,17 @@
 """The vLLM compatibility matrix: tiny random checkpoints of the families vLLM users run (and an FP8-weight
-one), each with TP 1 / 2, KV cache dtype auto / fp8 and LoRA off / on, through vLLM's CPU build with the
-CacheFlow connector.
+one), each with TP 1 / 2 and PP 2, KV cache dtype auto / fp8 and LoRA off / on, through vLLM's CPU build with
+the CacheFlow connector.
 
-    cacheflow bench vllm-compat [--families llama,gemma2] [--tp 1,2] [--kv-dtypes auto,fp8] [--lora off,on]
-                                [--share on] [--merge] [--out DIR] [--workdir DIR]
+    cacheflow bench vllm-compat [--families llama,gemma2] [--tp 1,2] [--pp 1,2] [--kv-dtypes auto,fp8]
+                                [--lora off,on] [--share on] [--merge] [--out DIR] [--workdir DIR]
 
 Each cell is one fresh vLLM process over its own storage pod (see vllm_compat_cell.py): a cold pass (vLLM
 computes, the connector stores; the reference), then the same prompts again after the saves are flushed
 and vLLM's prefix cache reset (the connector restores or declines); greedy tokens must be equal. A cell is
 `ok`, `failed` (tokens differ, a load error, a LoRA leak, or vLLM fails to start only with the connector)
 or `vllm_cannot_run` (vLLM's CPU build fails without the connector too: its own error is kept). With two
-TP sizes, sharing cells (LoRA off) also restore at one TP size the chunks vLLM stored at the other. Writes
+TP sizes, sharing cells (LoRA off) also restore at one TP size the chunks vLLM stored at the other. PP 2
+cells run vLLM with torch.compile (drive.py says why): each rank restores its own layers. Writes
 vllm_compat.{json,md}; with --merge, cells of an earlier vllm_compat.json that this run does not redo are
 kept (each cell records the commit it ran at). Written to the committed results, the README's compatibility
 table is regenerated from them.
@@ -36,19 +37,23 @@ KV_DTYPES = ("auto", "fp8")
 
 
 def cells_of(args: argparse.Namespace) -> list[Cell]:
-    """TP 1 cells first (the ones that fit a short run), then by family; then the sharing cells."""
-    product = itertools.product(args.tp, args.families, args.kv_dtypes, args.lora)
+    """TP 1 cells first (the ones that fit a short run), then by family; then the sharing cells; then the
+    pipeline-parallel ones (PP 2 at TP 1: two ranks, one core each)."""
+    single = 1 in args.pp
+    product = itertools.product(args.tp if single else [], args.families, args.kv_dtypes, args.lora)
     cells = [Cell(family, tp, kv, lora) for tp, family, kv, lora in product]
-    shared = itertools.product(args.tp, args.tp, args.families, args.kv_dtypes) if args.share else []
-    return cells + [Cell(family, tp, kv, False, stored_by=by) for tp, by, family, kv in shared if by != tp]
+    shared = itertools.product(args.tp, args.tp, args.families, args.kv_dtypes) if args.share and single else []
+    cells += [Cell(family, tp, kv, False, stored_by=by) for tp, by, family, kv in shared if by != tp]
+    pipeline = itertools.product([pp for pp in args.pp if pp > 1], args.families, args.kv_dtypes, args.lora)
+    return cells + [Cell(family, 1, kv, lora, pp=pp) for pp, family, kv, lora in pipeline]
 
 
 def merged(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`old` cells that `new` does not redo, then `new`'s, in the order of every family, TP, KV dtype, LoRA."""
     by_name = {c["name"]: c for c in old} | {c["name"]: c for c in new}
     order = {f: i for i, f in enumerate(FAMILIES)}
-    return sorted(by_name.values(), key=lambda c: (c.get("stored_by", 0), c["tp"], order.get(c["family"], len(order)),
-                                                   c["kv_dtype"], c["lora"]))
+    return sorted(by_name.values(), key=lambda c: (c.get("pp", 1), c.get("stored_by", 0), c["tp"],
+                                                   order.get(c["family"], len(order)), c["kv_dtype"], c["lora"]))
 
 
 def earlier_cells(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -93,6 +98,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default=",".join(FAMILIES), help="tiny checkpoints to run")
     parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes")
+    parser.add_argument("--pp", default="1,2", help="pipeline-parallel sizes (PP 2 cells run at TP 1)")
     parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPES), help="vLLM's --kv-cache-dtype values")
     parser.add_argument("--lora", default="off,on", help="LoRA off, on, or both")
     parser.add_argument("--share", default="on", help="sharing cells across the TP sizes: on or off")
@@ -102,6 +108,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.families = choices(args.families, list(FAMILIES), "--families", parser)
     args.tp = [int(x) for x in choices(args.tp, ["1", "2"], "--tp", parser)]
+    args.pp = [int(x) for x in choices(args.pp, ["1", "2"], "--pp", parser)]
     args.kv_dtypes = choices(args.kv_dtypes, KV_DTYPES, "--kv-dtypes", parser)
     args.lora = [x == "on" for x in choices(args.lora, ["off", "on"], "--lora", parser)]
     args.share = choices(args.share, ["on", "off"], "--share", parser) == ["on"]

@@ -1,5 +1,5 @@
 """One cell of the vLLM compatibility matrix: a tiny checkpoint of one family in one fresh vLLM process
-(TP, KV cache dtype, LoRA on or off) with the CacheFlow connector over its own storage pod.
+(TP or PP, KV cache dtype, LoRA on or off) with the CacheFlow connector over its own storage pod.
 
 The connector plans with a profile whose costs make a chunk's recompute on these tiny models about as dear
 as its load (`COSTS`), so every restore runs CacheFlow's own policy with both pointers moving (its
@@ -77,11 +77,13 @@ class Cell:
     kv_dtype: str
     lora: bool
     stored_by: int = 0  # the TP size whose process stored the chunks this cell restores (0: this cell's own)
+    pp: int = 1  # pipeline-parallel size
 
     @property
     def name(self) -> str:
         shared = f"-from-tp{self.stored_by}" if self.stored_by else ""
-        return f"{self.family}-tp{self.tp}-{self.kv_dtype}-{'lora' if self.lora else 'base'}{shared}"
+        pipeline = f"-pp{self.pp}" if self.pp > 1 else ""
+        return f"{self.family}-tp{self.tp}{pipeline}-{self.kv_dtype}-{'lora' if self.lora else 'base'}{shared}"
 
     @property
     def passes(self) -> tuple[tuple[str, bool], ...]:
@@ -107,14 +109,14 @@ def make_models(root: Path, families: list[str]) -> None:
         tiny_models.save_lora(family, model, adapter)
 
 
-def vllm_env(tp: int) -> dict[str, str]:
+def vllm_env(ranks: int) -> dict[str, str]:
     """vLLM's process: a fixed KV space, no Hub, the engine in the driver's process; this checkout's
-    connector (ahead of any installed copy). With TP, one core per rank: on one NUMA node vLLM's CPU build
-    refuses to place more than one worker by itself."""
+    connector (ahead of any installed copy). With several ranks (TP x PP), one core each: on one NUMA node
+    vLLM's CPU build refuses to place more than one worker by itself."""
     path = os.pathsep.join([str(REPO / "services"), str(REPO), os.environ.get("PYTHONPATH", "")])
-    ranks = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))} if tp > 1 else {}
+    binding = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(ranks)))} if ranks > 1 else {}
     return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": path, **ranks}
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": path, **binding}
 
 
 def drive(spec: dict[str, Any], root: Path, name: str) -> tuple[dict[str, Any] | None, str]:
@@ -125,9 +127,8 @@ def drive(spec: dict[str, Any], root: Path, name: str) -> tuple[dict[str, Any] |
     with log_path.open("w") as log:
         try:
             rc = subprocess.run([str(VLLM_PYTHON), "-m", "cacheflow_services.vllm_connector.drive", str(spec_path)],
-                                stdout=log, stderr=subprocess.STDOUT, env=vllm_env(spec["tensor_parallel_size"]),
-                                cwd=root,
-                                timeout=DRIVE_TIMEOUT_S, check=False).returncode
+                                stdout=log, stderr=subprocess.STDOUT, cwd=root, timeout=DRIVE_TIMEOUT_S, check=False,
+                                env=vllm_env(spec["tensor_parallel_size"] * spec["pipeline_parallel_size"])).returncode
         except subprocess.TimeoutExpired:
             rc = -1
             log.write(f"\ntimed out after {DRIVE_TIMEOUT_S} s\n")
@@ -141,6 +142,7 @@ def spec_for(cell: Cell, model: Path, adapter: Path, connector: dict[str, Any] |
     return {"model": str(model), "dtype": tiny_models.RUN_DTYPE.get(cell.family, "float32"), "prompts": prompts(),
             "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "block_size": BLOCK, "max_model_len": 1024, "tensor_parallel_size": cell.tp,
+            "pipeline_parallel_size": cell.pp,
             "kv_cache_dtype": cell.kv_dtype, "enable_lora": cell.lora, "connector": connector,
             "passes": [{"label": label, "lora": str(adapter) if with_adapter else None}
                        for label, with_adapter in passes]}

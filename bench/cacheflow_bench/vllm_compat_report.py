@@ -16,8 +16,8 @@ END = "<!-- vllm-compat-table:end -->"
 Cells = list[dict[str, Any]]
 
 
-def variant_key(c: dict[str, Any]) -> tuple[str, int, str]:
-    return c["family"], c["tp"], c["kv_dtype"]
+def variant_key(c: dict[str, Any]) -> tuple[str, int, str, int]:
+    return c["family"], c["tp"], c["kv_dtype"], c.get("pp", 1)
 
 
 def cross_check(cells: Cells) -> None:
@@ -56,7 +56,10 @@ def summarize(cells: Cells) -> dict[str, Any]:
             "fp8_weights_restored": any(c["family"] in FP8_FAMILIES for c in restored),
             "lora_restored": any(c["lora"] for c in restored),
             "lora_recomputed": any(c["lora"] and c.get("computed", 0) > 0 for c in restored),
-            "lora_isolated": lora_isolated(cells), "tp_sizes_share_chunks": tp_sizes_share(cells)}
+            "lora_isolated": lora_isolated(cells), "tp_sizes_share_chunks": tp_sizes_share(cells),
+            "pp2_restored": any(c.get("pp", 1) == 2 for c in restored),
+            "pp2_recomputed": any(c.get("pp", 1) == 2 and c.get("computed", 0) > 0 for c in restored),
+            "pp2_families_restored": len({c["family"] for c in restored if c.get("pp", 1) == 2})}
 
 
 def tp_sizes_share(cells: Cells) -> bool | None:
@@ -65,7 +68,7 @@ def tp_sizes_share(cells: Cells) -> bool | None:
     alone = {variant_key(c) for c in cells if not c.get("stored_by") and not c["lora"] and c["status"] == "ok"
              and c.get("outcome") == "restored"}
     due = [c for c in cells if c.get("stored_by") and c["status"] != "vllm_cannot_run" and variant_key(c) in alone
-           and (c["family"], c["stored_by"], c["kv_dtype"]) in alone]
+           and (c["family"], c["stored_by"], c["kv_dtype"], 1) in alone]
     if not due:
         return None
     return all(c["status"] == "ok" and c.get("outcome") == "restored" for c in due)
@@ -102,8 +105,9 @@ def report(body: dict[str, Any]) -> str:
 
 
 def tp_of(c: dict[str, Any]) -> str:
-    """The cell's TP size, and a sharing cell's storing one: "2 (from 1)"."""
-    return f"{c['tp']} (from {c['stored_by']})" if c.get("stored_by") else str(c["tp"])
+    """The cell's TP size, and a sharing cell's storing one: "2 (from 1)"; a PP size above 1: "1, PP 2"."""
+    pipeline = f", PP {c['pp']}" if c.get("pp", 1) > 1 else ""
+    return (f"{c['tp']} (from {c['stored_by']})" if c.get("stored_by") else str(c["tp"])) + pipeline
 
 
 def short(c: dict[str, Any] | None) -> str:
@@ -119,11 +123,11 @@ def short(c: dict[str, Any] | None) -> str:
 def block(body: dict[str, Any]) -> str:
     """The README's compatibility table: one row per family, one column per (TP, KV dtype, LoRA)."""
     cells = body["cells"]
-    columns = sorted({(c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]) for c in cells})
-    by = {(c["family"], c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]): c for c in cells}
+    columns = sorted({(c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]) for c in cells})
+    by = {(c["family"], c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]): c for c in cells}
     families = list(dict.fromkeys(c["family"] for c in cells))
-    header = ["family", *(f"TP {tp}{f' from TP {by_tp}' if by_tp else ''}, KV {kv}, LoRA {'on' if lora else 'off'}"
-                          for by_tp, tp, kv, lora in columns)]
+    header = ["family", *(f"{f'PP {pp}' if pp > 1 else f'TP {tp}'}{f' from TP {by_tp}' if by_tp else ''}, KV {kv}, "
+                          f"LoRA {'on' if lora else 'off'}" for pp, by_tp, tp, kv, lora in columns)]
     rows = [[f, *(short(by.get((f, *col))) for col in columns)] for f in families]
     s = body["summary"]
     line = (f"{s['cells']} cells: {s['restored_cells']} restored, {s['declined_cells']} declined, "
@@ -133,7 +137,9 @@ def block(body: dict[str, Any]) -> str:
             f"restored: {yes_no(s['fp8_kv_restored'])}; FP8 weights restored: {yes_no(s['fp8_weights_restored'])}; "
             f"LoRA isolated: {yes_no(s['lora_isolated'])} (recomputed under the adapter: "
             f"{yes_no(s.get('lora_recomputed', False))}); TP sizes share chunks: "
-            f"{yes_no(s.get('tp_sizes_share_chunks'))} ({commits(body)}, "
+            f"{yes_no(s.get('tp_sizes_share_chunks'))}; PP 2 restored: {yes_no(s.get('pp2_restored', False))} "
+            f"({s.get('pp2_families_restored', 0)} families; with a recomputed front: "
+            f"{yes_no(s.get('pp2_recomputed', False))}) ({commits(body)}, "
             "`cacheflow bench vllm-compat`; details in bench/results/vllm_compat.md).")
     return "\n".join([BEGIN, markdown_table(header, rows), "", line, END])
 

@@ -104,3 +104,36 @@ def test_sharing_cells_count_where_their_family_restores_at_both_tp_sizes():
     assert "| llama | 2 (from 1) | auto | off | ok |" in rep.report(body)
     rep.cross_check([shared(base_tokens=[[9]]), lora_cell := cell(tp=2, lora=True, base_tokens=[[1]])])
     assert "base_equals_lora_off_cell" not in lora_cell  # a sharing cell's tokens are the storing TP size's
+
+
+def test_pipeline_cells_have_their_own_column_cross_check_and_summary():
+    def piped(family="llama", **extra):
+        return cell(family, pp=2, name=f"{family}-tp1-pp2-auto-base", **extra)
+
+    cells = [cell(base_tokens=[[1]]), piped(base_tokens=[[2]]), piped("qwen2", computed=0),
+             piped("gemma2", out="declined"), cell(pp=2, lora=True, base_tokens=[[2]], lora_leak=False)]
+    rep.cross_check(cells)
+    assert cells[-1]["base_equals_lora_off_cell"]  # checked against the PP 2 LoRA-off cell, not the PP 1 one
+    s = rep.summarize(cells)
+    assert s["pp2_restored"] and s["pp2_recomputed"] and s["pp2_families_restored"] == 2
+    assert not rep.summarize(cells[:1])["pp2_restored"]
+    assert not rep.summarize([cells[0], cells[2]])["pp2_recomputed"]  # loads only
+    body = {"cells": cells, "summary": s, "machine": {"git": "abc1234"}, "command": "c"}
+    table = rep.block(body)
+    assert "| family | TP 1, KV auto, LoRA off | PP 2, KV auto, LoRA off | PP 2, KV auto, LoRA on |" in table
+    assert "| gemma2 | not run | declined | not run |" in table
+    assert "PP 2 restored: yes (2 families; with a recomputed front: yes)" in table
+    assert "| llama | 1, PP 2 | auto | off | ok |" in rep.report(body)
+
+
+def test_pipeline_cells_run_at_tp_1_after_the_others():
+    from argparse import Namespace
+
+    from cacheflow_bench.vllm_compat import cells_of
+
+    args = Namespace(tp=[1, 2], pp=[1, 2], families=["llama"], kv_dtypes=["auto"], lora=[False], share=True)
+    assert [c.name for c in cells_of(args)] == [
+        "llama-tp1-auto-base", "llama-tp2-auto-base", "llama-tp1-auto-base-from-tp2", "llama-tp2-auto-base-from-tp1",
+        "llama-tp1-pp2-auto-base"]
+    args.pp = [2]  # only the pipeline cells
+    assert [(c.name, c.tp, c.pp) for c in cells_of(args)] == [("llama-tp1-pp2-auto-base", 1, 2)]
