@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vll
 
 
 def test_llama_restores_and_gemma2_serves_with_the_connector(tmp_path):
-    assert vllm_compat.main(["--families", "llama,gemma2", "--tp", "1", "--pp", "1", "--kv-dtypes", "auto", "--lora", "off",
-                             "--out", str(tmp_path), "--workdir", str(tmp_path / "work")]) == 0
+    assert vllm_compat.main(["--families", "llama,gemma2", "--tp", "1", "--pp", "1", "--kv-dtypes", "auto",
+                             "--lora", "off", "--out", str(tmp_path), "--workdir", str(tmp_path / "work")]) == 0
     body = json.loads((tmp_path / "vllm_compat.json").read_text())
     llama, gemma2 = body["cells"]
     assert (llama["name"], gemma2["name"]) == ("llama-tp1-auto-base", "gemma2-tp1-auto-base")
