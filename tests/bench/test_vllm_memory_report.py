@@ -1,5 +1,5 @@
 """The memory benchmark's bookkeeping without vLLM: which runs it makes, and what a connector adds at each
-tensor-parallel size (an instance's memory is the sum over its processes)."""
+tensor- and pipeline-parallel size (an instance's memory is the sum over its processes)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,20 @@ from cacheflow_services.vllm_connector import drive
 MiB = 1 << 20
 
 
-def _row(config: str, tp: int, repeat: int, live_mib: int) -> dict[str, Any]:
+def _row(config: str, tp: int, repeat: int, live_mib: int, pp: int = 1) -> dict[str, Any]:
     figures = {key: live_mib * MiB for key in mem.MEMORY_KEYS}
-    return {"config": config, "tp": tp, "repeat": repeat, **figures, "tokens": [[1]], "restores": 1,
+    return {"config": config, "tp": tp, "pp": pp, "repeat": repeat, **figures, "tokens": [[1]], "restores": 1,
             "runtime": [{"runtime": config.removeprefix("connector-")}]}
 
 
 def test_a_tensor_parallel_instance_runs_vllm_alone_with_the_reference_and_with_the_connectors_default():
-    planned = mem.runs([1, 2], repeats=2)
-    assert [name for tp, repeat, name in planned if tp == 1 and repeat == 0] == list(mem.CONFIGS)
-    assert [(repeat, name) for tp, repeat, name in planned if tp == 2] == [
-        (0, "vllm"), (0, "vllm-reference"), (0, "connector-vllm"),
-        (1, "vllm"), (1, "vllm-reference"), (1, "connector-vllm")]
+    planned = mem.runs([1, 2], [1, 2], repeats=2)
+    assert [name for size, repeat, name in planned if size == (1, 1) and repeat == 0] == list(mem.CONFIGS)
+    for parallel in ((2, 1), (1, 2)):  # TP 2; PP 2 (at TP 1)
+        assert [(repeat, name) for size, repeat, name in planned if size == parallel] == [
+            (0, "vllm"), (0, "vllm-reference"), (0, "connector-vllm"),
+            (1, "vllm"), (1, "vllm-reference"), (1, "connector-vllm")]
+    assert [size for size, _, _ in mem.runs([1], [1], repeats=1)] == [(1, 1)] * len(mem.CONFIGS)
 
 
 def test_each_tensor_parallel_size_is_compared_with_vllm_alone_at_that_size():
@@ -41,9 +43,15 @@ def test_each_tensor_parallel_size_is_compared_with_vllm_alone_at_that_size():
                               "over_reference": {"rss_bytes": 0.008, "peak_rss_bytes": 0.008,
                                                  "trimmed_rss_bytes": 0.008}}
     assert summary["connector_vllm_over_reference"]["trimmed_rss_bytes"] == 0.003
-    text = "\n".join(mem.tp_lines({"rows": rows, "weight_bytes": weights, "summary": summary}))
+    text = "\n".join(mem.parallel_lines({"rows": rows, "weight_bytes": weights, "summary": summary}))
     assert "## Tensor parallel, 2 ranks" in text
     assert "adds +1.2% by itself" in text and "**+0.8%**" in text
+    piped = [_row(name, 1, r, 5000 + extra, pp=2) for r in range(3) for name, extra in {**two, "vllm": 10}.items()]
+    summary = mem.summarize({"rows": rows + piped, "weight_bytes": weights})
+    assert summary["pp2"]["trimmed_rss_bytes"] == 0.01 and summary["pp2"]["within_target"]
+    assert summary["tp2"]["trimmed_rss_bytes"] == 0.02  # the PP rows are compared with vLLM alone at PP 2 only
+    text = "\n".join(mem.parallel_lines({"rows": rows + piped, "weight_bytes": weights, "summary": summary}))
+    assert text.index("## Tensor parallel, 2 ranks") < text.index("## Pipeline parallel, 2 ranks")
 
 
 def test_the_reference_connectors_rows_are_not_counted_as_cacheflow_restores():
@@ -61,8 +69,8 @@ def test_wrong_tokens_of_the_reference_connector_are_reported_apart_from_cachefl
     body = {"rows": rows, "weight_bytes": 1000 * MiB}
     body["summary"] = summary = mem.summarize(body)
     assert summary["same_tokens"] and not summary["reference_same_tokens"]
-    assert "overwrite each other's heads" in "\n".join(mem.tp_lines(body))
-    assert "differ" not in mem.reference_line(body, 1, summary["connector_vllm_over_reference"])
+    assert "overwrite each other's heads" in "\n".join(mem.parallel_lines(body))
+    assert "differ" not in mem.reference_line(body, "tp1", summary["connector_vllm_over_reference"])
 
 
 def test_the_readme_row_gives_cacheflows_share_over_the_reference_connector_at_each_size():
@@ -76,6 +84,10 @@ def test_the_readme_row_gives_cacheflows_share_over_the_reference_connector_at_e
     assert "0.300 % over vLLM with its reference connector" in headline
     assert "a TP=2 instance (all its processes) **2.00 %**" in headline
     assert "0.800 % over vLLM with its reference connector" in headline and target == "≤ 1 % of the weights"
+    rows += [_row(name, 1, 0, 6000 + extra, pp=2) for name, extra in two.items()]
+    body["summary"] = mem.summarize(body)
+    headline, _ = readme_table.vllm_memory_row(readme_table.Row("vllm_memory", body))
+    assert "a PP=2 instance (all its processes) **2.00 %**" in headline
 
 
 def test_a_run_spec_picks_cacheflows_connector_vllms_reference_one_or_none():
