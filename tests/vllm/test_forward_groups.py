@@ -1,15 +1,20 @@
 """How vLLM's model runs a restore step's rows (`vllm_runtime.forward_groups`): forwards of at most vLLM's
-token budget, a request cut between two in position order, and one LoRA adapter (or none) per forward. The
-forwards themselves need vLLM: `test_step_aside.py` runs them."""
+token budget, a request cut between two in position order, and one LoRA adapter (or none) per forward; and
+what a pipeline rank's forward takes and gives (`sent_between_ranks`, `residual_stream`). The forwards
+themselves need vLLM: `test_step_aside.py` and `test_pipeline_ranks.py` run them."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
+from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.transformer import Span
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.plan import Adapter
-from cacheflow_services.vllm_connector.vllm_runtime import forward_groups
+from cacheflow_services.vllm_connector.vllm_runtime import forward_groups, residual_stream, sent_between_ranks
 
 BS = 8
 A = Adapter("a", 1, "/adapters/a")
@@ -43,3 +48,34 @@ def test_each_forward_runs_under_one_adapter() -> None:
     groups = forward_groups([Span(base, 0, 8), Span(lora, 0, 8), Span(base2, 0, 8)], 64)
     assert [[s.kv for s in g] for g in groups] == [[base], [lora], [base2]]
     assert _shape(groups) == [[(0, 8, 0)], [(0, 8, 8)], [(0, 8, 16)]]
+
+
+class Sent:
+    """Stands in for vLLM's IntermediateTensors (its `tensors` dict) and a model that makes them."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+
+class Model:
+    def __init__(self, *keys: str) -> None:
+        self.keys = keys
+
+    def make_empty_intermediate_tensors(self, batch_size: int, dtype: torch.dtype, device: Any) -> Sent:
+        return Sent({k: torch.zeros(batch_size, 4, dtype=dtype) for k in self.keys})
+
+
+def test_a_later_rank_takes_a_residual_stream_and_nothing_else() -> None:
+    cpu = torch.device("cpu")
+    assert sent_between_ranks(Model("residual", "hidden_states"), torch.float32, cpu) == ("hidden_states", "residual")
+    assert sent_between_ranks(Model("hidden_states"), torch.float32, cpu) == ("hidden_states",)
+    for unknown in (Model("hidden_states", "aux_hidden_states"), Model(), object()):
+        with pytest.raises(ConfigError, match="between pipeline ranks"):
+            sent_between_ranks(unknown, torch.float32, cpu)
+
+
+def test_a_ranks_output_is_its_residual_stream_or_the_last_ranks_hidden_states() -> None:
+    hidden, residual = torch.randn(3, 4), torch.randn(3, 4)  # [rows, hidden]
+    assert torch.equal(residual_stream(Sent({"hidden_states": hidden, "residual": residual})), hidden + residual)
+    assert torch.equal(residual_stream(Sent({"hidden_states": hidden})), hidden)
+    assert residual_stream(hidden) is hidden

@@ -47,7 +47,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from cacheflow_common.errors import ConfigError
-from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.store.prefix import cached_prefix_tokens
 from cacheflow_services.vllm_connector.both_sides import StatsLog, blocks_from, open_store
 from cacheflow_services.vllm_connector.config import ConnectorConfig
@@ -130,7 +129,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
             device = "cpu" if vllm_config.device_config.device_type == "cpu" else "cuda"
             self._engine = WorkerEngine(self.cfg, dtype=dtype, block_size=block_size, device=device, layout=layout,
                                         vllm_model=lambda: find_vllm_model(vllm_config),
-                                        layers=_rank_layers(self.cfg, vllm_config), attention_isa=isa,
+                                        layers=_rank_layers(vllm_config), attention_isa=isa,
                                         vllm_config=vllm_config, tp_rank=_tp_rank(vllm_config),
                                         step_slots=forward_context_slots,
                                         lora_manager=lambda model: find_lora_manager(vllm_config, model))
@@ -389,7 +388,7 @@ def _tp_rank(vllm_config: VllmConfig) -> int | None:
     return int(get_tensor_model_parallel_rank())
 
 
-def _rank_layers(cfg: ConnectorConfig, vllm_config: VllmConfig) -> range | None:
+def _rank_layers(vllm_config: VllmConfig) -> range | None:
     """This pipeline rank's layers by vLLM's split (None without pipeline parallelism, or before vLLM's
     groups exist); `register` checks them against the caches vLLM hands over."""
     pp_size = vllm_config.parallel_config.pipeline_parallel_size
@@ -402,7 +401,7 @@ def _rank_layers(cfg: ConnectorConfig, vllm_config: VllmConfig) -> range | None:
         rank = get_pp_group().rank_in_group
     except AssertionError:  # the pipeline group is not initialized in this process
         return None
-    return range(*get_pp_indices(ModelConfig.from_dir(cfg.model).num_layers, rank, pp_size))
+    return range(*get_pp_indices(KVGeometry.from_vllm(vllm_config).num_layers, rank, pp_size))
 
 
 def forward_context_slots(layer: str) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Which model CacheFlow recomputes with inside vLLM, chosen once and logged once:
 
 * `runtime: "vllm"` (the default): vLLM's own model runs the restore's front (`vllm_runtime.py`); where vLLM's
-  model cannot be reached, restores fail and vLLM recomputes them.
+  model cannot be reached (or, on a pipeline rank after the first, takes more from the rank before than a
+  residual stream), restores fail and vLLM recomputes them.
 * `runtime: "cacheflow"`: CacheFlow's runtime over vLLM's loaded weights, wrapped without copying one
   (`shared.py`), or — where the wrapper does not cover the model, vLLM's model cannot be reached, or
   `share_weights` is off — over a separate copy loaded from the model directory.
@@ -91,7 +92,8 @@ class RuntimeChoice:
             runtime = VllmRuntime(self.config, module, self.vllm_config, layers=layers, fingerprint=self.fingerprint,
                                   adapters=AdapterScope(manager) if manager is not None else None)
         except ConfigError as exc:  # a pipeline rank of a family whose ranks send more than a residual stream
-            self._separate(layers, str(exc))
+            if final:
+                raise RuntimeError(f"vLLM's model cannot restore this rank's layers: {exc}") from exc
             return
         self.model = cast(Transformer, runtime)  # it offers what the restore engine calls of a Transformer
         self.kind = "vllm"
