@@ -25,6 +25,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -125,11 +126,14 @@ def drive(spec: dict[str, Any], root: Path, name: str) -> tuple[dict[str, Any] |
     spec_path.write_text(json.dumps({**spec, "out": str(out_path)}))
     out_path.unlink(missing_ok=True)
     with log_path.open("w") as log:
+        proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "cacheflow_services.vllm_connector.drive", str(spec_path)],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True,
+                                env=vllm_env(spec["tensor_parallel_size"] * spec["pipeline_parallel_size"]))
         try:
-            rc = subprocess.run([str(VLLM_PYTHON), "-m", "cacheflow_services.vllm_connector.drive", str(spec_path)],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=root, timeout=DRIVE_TIMEOUT_S, check=False,
-                                env=vllm_env(spec["tensor_parallel_size"] * spec["pipeline_parallel_size"])).returncode
-        except subprocess.TimeoutExpired:
+            rc = proc.wait(timeout=DRIVE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # its rank workers too: one left waiting on a failed rank spins a core
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = -1
             log.write(f"\ntimed out after {DRIVE_TIMEOUT_S} s\n")
     return (json.loads(out_path.read_text()) if rc == 0 and out_path.exists() else None), log_path.read_text(
