@@ -46,7 +46,8 @@ SUFFIX = 16
 MAX_TOKENS = 8
 DRIVE_TIMEOUT_S = 300
 TAIL_LINES = 15
-SPECIFIC_ERROR = re.compile(r"\b\w+Error: |timed out after")
+SPECIFIC_ERROR = re.compile(r"\b\w+Error: ")
+TIMED_OUT = "timed out after"
 ERROR = re.compile(r"(Error|error|Exception)[:,]")
 TENANT = "compat"
 BASE_PASSES = (("cold", False), ("warm", False))  # (label, with the adapter), in order
@@ -135,7 +136,7 @@ def drive(spec: dict[str, Any], root: Path, name: str) -> tuple[dict[str, Any] |
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = -1
-            log.write(f"\ntimed out after {DRIVE_TIMEOUT_S} s\n")
+            log.write(f"\n{TIMED_OUT} {DRIVE_TIMEOUT_S} s\n")
     return (json.loads(out_path.read_text()) if rc == 0 and out_path.exists() else None), log_path.read_text(
         errors="replace")
 
@@ -207,12 +208,14 @@ def tail(log: str) -> str:
 
 def error_line(log: str) -> str:
     """The line of a failed run's log that says what went wrong: the last exception with a specific class
-    (a TP worker's, not the engine's generic report of it), else the last line naming an error, else the last."""
+    (a TP worker's, not the engine's generic report of it), else the last line naming an error, else the last;
+    with the timeout, where the run then hung (a rank that failed leaves the others waiting)."""
     lines = [x.strip() for x in log.splitlines() if x.strip() and " WARNING " not in x]  # warnings are no cause
+    timed_out = next((x for x in reversed(lines) if x.startswith(TIMED_OUT)), "")
     for pattern in (SPECIFIC_ERROR, ERROR):
-        if named := [x for x in lines if pattern.search(x)]:
-            return named[-1]
-    return lines[-1] if lines else ""
+        if named := [x for x in lines if pattern.search(x) and not x.startswith(TIMED_OUT)]:
+            return f"{named[-1]} ({timed_out})" if timed_out else named[-1]
+    return timed_out or (lines[-1] if lines else "")
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

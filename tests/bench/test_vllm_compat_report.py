@@ -9,7 +9,7 @@ from typing import Any
 from cacheflow_bench import vllm_compat_report as rep
 from cacheflow_bench.common import RESULTS_DIR
 from cacheflow_bench.readme_table import current_block
-from cacheflow_bench.vllm_compat_cell import outcome, pass_of
+from cacheflow_bench.vllm_compat_cell import error_line, outcome, pass_of
 
 
 def test_outcome_is_restored_declined_or_none_from_the_stats_events():
@@ -137,3 +137,13 @@ def test_pipeline_cells_run_at_tp_1_after_the_others():
         "llama-tp1-pp2-auto-base"]
     args.pp = [2]  # only the pipeline cells
     assert [(c.name, c.tp, c.pp) for c in cells_of(args)] == [("llama-tp1-pp2-auto-base", 1, 2)]
+
+
+def test_a_failed_runs_error_is_its_last_specific_exception_and_whether_it_then_hung():
+    log = ("INFO start\n(Worker_PP0) ERROR RuntimeError: Unsupported block size: 16\n"
+           "(Worker_PP0) WARNING ValueError: not a cause\nINFO No available shared memory broadcast block\n")
+    assert error_line(log) == "(Worker_PP0) ERROR RuntimeError: Unsupported block size: 16"
+    assert error_line(log + "\ntimed out after 300 s\n") == \
+        "(Worker_PP0) ERROR RuntimeError: Unsupported block size: 16 (timed out after 300 s)"
+    assert error_line("INFO loading\ntimed out after 300 s\n") == "timed out after 300 s"
+    assert error_line("INFO a\nsomething failed, error: x\nINFO b\n") == "something failed, error: x"
