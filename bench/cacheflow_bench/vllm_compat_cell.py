@@ -46,7 +46,7 @@ SUFFIX = 16
 MAX_TOKENS = 8
 DRIVE_TIMEOUT_S = 300
 TAIL_LINES = 15
-SPECIFIC_ERROR = re.compile(r"\b\w+Error: ")
+SPECIFIC_ERROR = re.compile(r"\b\w+Error(: |$)")
 TIMED_OUT = "timed out after"
 ERROR = re.compile(r"(Error|error|Exception)[:,]")
 TENANT = "compat"
@@ -207,15 +207,27 @@ def tail(log: str) -> str:
 
 
 def error_line(log: str) -> str:
-    """The line of a failed run's log that says what went wrong: the last exception with a specific class
-    (a TP worker's, not the engine's generic report of it), else the last line naming an error, else the last;
-    with the timeout, where the run then hung (a rank that failed leaves the others waiting)."""
+    """The line of a failed run's log that says what went wrong: the last exception with a specific class, a
+    rank worker's first (the engine's report of it, or the driver's error once the engine is gone, comes
+    after), else the last line naming an error, else the last; with the timeout, where the run then hung (a
+    rank that failed leaves the others waiting)."""
     lines = [x.strip() for x in log.splitlines() if x.strip() and " WARNING " not in x]  # warnings are no cause
     timed_out = next((x for x in reversed(lines) if x.startswith(TIMED_OUT)), "")
-    for pattern in (SPECIFIC_ERROR, ERROR):
-        if named := [x for x in lines if pattern.search(x) and not x.startswith(TIMED_OUT)]:
-            return f"{named[-1]} ({timed_out})" if timed_out else named[-1]
+    workers = [x for x in lines if x.startswith("(Worker")]
+    for pattern, among in ((SPECIFIC_ERROR, workers), (SPECIFIC_ERROR, lines), (ERROR, lines)):
+        if named := [x for x in among if pattern.search(x) and not x.startswith(TIMED_OUT)]:
+            found = with_assertion(named[-1], among)
+            return f"{found} ({timed_out})" if timed_out else found
     return timed_out or (lines[-1] if lines else "")
+
+
+def with_assertion(line: str, lines: list[str]) -> str:
+    """A bare `AssertionError` with the assert statement its traceback shows just before it."""
+    if not line.endswith("AssertionError"):
+        return line
+    before = lines[: len(lines) - lines[::-1].index(line) - 1]
+    statement = next((x for x in reversed(before) if "assert " in x), "")
+    return f"{line}: {statement.split('assert ', 1)[1]}" if statement else line
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

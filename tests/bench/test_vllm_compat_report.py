@@ -146,4 +146,13 @@ def test_a_failed_runs_error_is_its_last_specific_exception_and_whether_it_then_
     assert error_line(log + "\ntimed out after 300 s\n") == \
         "(Worker_PP0) ERROR RuntimeError: Unsupported block size: 16 (timed out after 300 s)"
     assert error_line("INFO loading\ntimed out after 300 s\n") == "timed out after 300 s"
+    engine_gone = ("(Worker_PP1 pid=7) ERROR [x.py:1] Traceback (most recent call last):\n"
+                   "(Worker_PP1 pid=7) ERROR [x.py:1]     assert self.intermediate_tensors is not None\n"
+                   "(Worker_PP1 pid=7) ERROR [x.py:1]            ^^^^^^^^^^^^\n"
+                   "(Worker_PP1 pid=7) ERROR [x.py:1] AssertionError\n"
+                   "(EngineCore pid=6) ERROR RuntimeError: Worker failed with error '', see above\n"
+                   "Traceback (most recent call last):\nKeyError: 'lora-cold-0-b423019f'\n")
+    assert error_line(engine_gone) == \
+        "(Worker_PP1 pid=7) ERROR [x.py:1] AssertionError: self.intermediate_tensors is not None"
+    assert error_line("a\nTraceback:\nKeyError: 'x'\n") == "KeyError: 'x'"
     assert error_line("INFO a\nsomething failed, error: x\nINFO b\n") == "something failed, error: x"
