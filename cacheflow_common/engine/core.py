@@ -111,15 +111,17 @@ class EngineCore:
             self._cond.notify_all()
 
     # -- the compute loop ---------------------------------------------------------------------------
-    def next_step(self, budget: StepBudget, *, wait: bool, until: Callable[[], bool]) -> StepPlan | None:
+    def next_step(self, budget: StepBudget, *, wait: bool, until: Callable[[], bool], bounded: bool = False
+                  ) -> StepPlan | None:
         """The next step's work (`step_plan.decide_step`); None when there is none (after waiting for work,
-        if `wait`, unless `until()` holds: checked under the lock, where restores are answered)."""
+        if `wait`, unless `until()` holds: checked under the lock, where restores are answered; at most
+        `IDLE_WAIT_S` if `bounded`)."""
         with self._cond:
             plan = decide_step(self._forwards, self._scheduler, budget, now=time.perf_counter(),
                                ready=self._computable, mode_of=lambda request_id: self._restore(request_id).spec.mode)
             if plan.empty:
                 if wait and not until():
-                    self._idle_wait()
+                    self._idle_wait(bounded=bounded)
                 return None
             return plan
 
@@ -177,11 +179,12 @@ class EngineCore:
             self._cond.notify_all()
 
     # -- under the lock -----------------------------------------------------------------------------
-    def _idle_wait(self) -> None:
-        """Wait for the next event: with restores in flight at most `IDLE_WAIT_S`, as the scheduler's
-        decisions depend on the time; with none, until something happens (an arrival, a forward, a stop:
-        each notifies), so an idle engine takes no CPU."""
-        self._cond.wait(timeout=IDLE_WAIT_S if self._requests.restores() else None)
+    def _idle_wait(self, *, bounded: bool = False) -> None:
+        """Wait for the next event: with restores in flight (or `bounded`: a caller that waits for something
+        the engine is not told of) at most `IDLE_WAIT_S`, as the scheduler's decisions depend on the time;
+        with none, until something happens (an arrival, a forward, a stop: each notifies), so an idle
+        engine takes no CPU."""
+        self._cond.wait(timeout=IDLE_WAIT_S if bounded or self._requests.restores() else None)
 
     def _looked(self, channel: int, *, loading: bool) -> None:
         """A channel asked the scheduler for work."""

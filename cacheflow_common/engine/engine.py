@@ -168,7 +168,8 @@ class Engine:
         return self._step_loop.step(wait=False)
 
     def run_until(self, done: Callable[[], bool]) -> None:
-        """Compute on this thread until `done()` holds (waiting for work in between)."""
+        """Compute on this thread until `done()` holds (waiting for work in between, a bounded wait at a time:
+        `done` may turn true without the engine hearing of it)."""
         self._step_loop.run(until=done)
 
     # -- forward work -------------------------------------------------------------------------

@@ -41,19 +41,23 @@ class StepLoop:
         self.sampler = sampler
         self.on_step = on_step  # metrics: told of every step and its seconds
 
-    def run(self, until: Callable[[], bool] = lambda: False) -> None:
-        """Step until the engine stops, or `until()` holds: the body of a loop thread, or of a caller that
-        drives its own restores on its own thread."""
-        while not self.core.has_stopped and not until():
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Step until the engine stops, or `until()` holds: the body of a loop thread (no `until`), or of a
+        caller that drives its own restores on its own thread. A caller's `until` may turn true without the
+        engine hearing of it (a time limit; a restore that failed before it reached the engine), so its
+        waits for work are bounded and `until` checked again after each."""
+        done = until or (lambda: False)
+        while not self.core.has_stopped and not done():
             try:
-                self.step(until=until)
+                self.step(until=done, bounded=until is not None)
             except Exception:  # a bug, not a bad request: keep serving, fail nothing silently
                 log.exception("compute step failed")
 
-    def step(self, *, wait: bool = True, until: Callable[[], bool] = lambda: False) -> bool:
+    def step(self, *, wait: bool = True, until: Callable[[], bool] = lambda: False, bounded: bool = False) -> bool:
         """One step; False when there was nothing to do (after waiting for work, if `wait`, unless `until()`
-        holds by then: a restore the caller waits for may finish on a channel's thread)."""
-        plan = self.core.next_step(self.budget, wait=wait, until=until)
+        holds by then: a restore the caller waits for may finish on a channel's thread; at most `IDLE_WAIT_S`
+        if `bounded`)."""
+        plan = self.core.next_step(self.budget, wait=wait, until=until, bounded=bounded)
         if plan is None:
             return False
         started = time.perf_counter()

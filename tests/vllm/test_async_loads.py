@@ -153,3 +153,23 @@ def test_a_restore_past_its_timeout_is_cancelled_and_its_blocks_reported(rig):
     finally:
         rig.store.release.set()
         loads.close()
+
+
+def test_an_idle_collect_returns_while_a_restore_fails_before_it_reaches_the_engine(rig, monkeypatch):
+    """A restore can fail while it is being built, before the engine holds it (a pipeline rank whose boundary
+    activations are missing): nothing then tells the engine. An idle collect still returns after its slice
+    (it used to wait for the engine forever, and vLLM's step with it), and a later one reports the failure."""
+    def failing_job(spec: LoadSpec) -> RestoreJob:
+        time.sleep(0.3)  # the idle collect is waiting by now
+        raise RuntimeError("boundary activations missing")
+
+    monkeypatch.setattr(rig.restorer, "job", failing_job)
+    rig.loads.start([spec("a", rig.prompts["a"], 0)])
+    first: list[tuple[set[str], set[int]]] = []
+    collecting = threading.Thread(target=lambda: first.append(rig.loads.collect(set(), idle=True)), daemon=True)
+    collecting.start()
+    collecting.join(5)
+    assert not collecting.is_alive() and first
+    done, blocks = collect_all(rig.loads, 1 - len(first[0][0]))
+    assert sorted(first[0][0]) + done == ["a"] and first[0][1] | blocks == {0, 1, 2, 3}
+    assert isinstance(rig.restorer.failed["a"], RuntimeError) and not rig.restorer.landed

@@ -350,27 +350,38 @@ def test_vllms_own_slot_mapping_places_every_prompt_row_at_its_request_and_posit
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
 def test_vllm_pipeline_ranks_restore_with_vllms_own_model(ranks: Ranks, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch):
-    """vLLM at pipeline parallel size 2, with the connector over both pods. A first pass prefills and stores
-    (rank 1 also its boundary activations); a second restores on both ranks, the front recomputed with vLLM's
-    own model (rank 1 from the stored boundary activations) while the back loads; then a fresh vLLM process
-    recomputes every chunk on both ranks (compute-only), so its tokens stand on vLLM's model alone. Every
-    restore gives the first pass's tokens, and no rank loads a second copy of the weights."""
+    """vLLM at pipeline parallel size 2, with the connector over a pod of its own. A first pass prefills and
+    stores (rank 1 also its boundary activations); a second restores on both ranks, the front recomputed with
+    vLLM's own model (rank 1 from the stored boundary activations) while the back loads; then a fresh vLLM
+    process recomputes every chunk on both ranks (compute-only), so its tokens stand on vLLM's model alone.
+    Last, with the boundary activations deleted, a third process finds the KV chunks: rank 1's restore fails
+    before it starts and vLLM recomputes the prefix (this hung vLLM's step once: the engine waited for a
+    restore it never got). Every restore gives the first pass's tokens, and no rank loads a second copy of
+    the weights."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     model_dir = tmp_path / "tiny-qwen3-pp"
     save_tiny_qwen3(model_dir, seed=7)
     rng = random.Random(11)
     prompts = [[rng.randrange(1024) for _ in range(n)] for n in (200, 330)]
     stats = tmp_path / "pp.jsonl"
-    connector = {"pods": [f"pod-{i}=127.0.0.1:{pod.data_port}" for i, pod in enumerate(ranks.pods)],
-                 "tenant": "alpha", "pod_token_file": str(ranks.token_file), "chunk_size": 64,
-                 "stats_file": str(stats)}
+    pod = launch_pod(tmp_path / "pod", tenants=("alpha",), tokens=ranks.tokens)
+    connector = {"pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": "alpha",
+                 "pod_token_file": str(ranks.token_file), "chunk_size": 64, "stats_file": str(stats)}
     spec = {"model": str(model_dir), "prompts": prompts, "max_tokens": 6, "block_size": 32,
             "pipeline_parallel_size": 2}
-    first = drive({**spec, "connector": connector, "passes": [{"label": "cold"}, {"label": "warm"}]}, tmp_path,
-                  "pp-split")["results"]
-    recomputed = drive({**spec, "connector": {**connector, "policy": "compute-only"}, "passes": [{"label": "all"}]},
-                       tmp_path, "pp-recompute")["results"]
+    try:
+        first = drive({**spec, "connector": connector, "passes": [{"label": "cold"}, {"label": "warm"}]},
+                      tmp_path, "pp-split")["results"]
+        recomputed = drive({**spec, "connector": {**connector, "policy": "compute-only"},
+                            "passes": [{"label": "all"}]}, tmp_path, "pp-recompute")["results"]
+        for boundary in (tmp_path / "pod").rglob("*.hidden.*"):
+            boundary.unlink()
+        unbounded = drive({**spec, "connector": connector, "passes": [{"label": "gone"}]}, tmp_path,
+                          "pp-no-boundary")["results"]
+    finally:
+        pod.stop()
     cold = first[: len(prompts)]
+    assert [r["tokens"] for r in unbounded] == [r["tokens"] for r in cold]
     for restored in (first[len(prompts):], recomputed):
         assert [r["tokens"] for r in restored] == [r["tokens"] for r in cold]
         # fp32-close: a wrong rank-1 input (the boundary doubled) moved them by 0.05 with the same tokens
@@ -388,3 +399,5 @@ def test_vllm_pipeline_ranks_restore_with_vllms_own_model(ranks: Ranks, tmp_path
         assert sorted(e["tokens"] for e in warm) == sorted(e["tokens"] for e in everything) == [192, 320]
         assert all(e["computed"] > 0 and e["loaded"] > 0 for e in warm)
         assert all(e["computed"] > 0 and e["loaded"] == 0 for e in everything)  # in units of up to 2,048 tokens
+    errors = [e for e in events if e["event"] == "load_error" and e["req"].startswith("gone")]
+    assert len(errors) == 2 and all("BoundaryMissingError" in e["error"] for e in errors)
