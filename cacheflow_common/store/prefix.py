@@ -8,6 +8,9 @@ a long prompt's lookup would cost hundreds of round trips to busy pods); it stop
 with a chunk missing. The restore itself re-checks every object it reads (a chunk evicted or
 corrupted in between is recomputed).
 
+With `boundaries`, a chunk also needs each later stage's boundary activation (a vLLM pipeline rank restores
+only from it; a stage worker can fall back to a pipelined restore, so the coordinator does not ask).
+
 Under tensor parallelism each rank stores its KV heads as objects of their own (`head_sources.py`): a chunk
 counts if its heads are stored split the instance's way, or (looked up only for a chunk missing so) any
 other way (one split for every stage).
@@ -19,6 +22,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from cacheflow_common.kv.keys import ChunkKey, HeadRange, chunk_keys, object_name, tenant_salt
+from cacheflow_common.restore.boundary import boundary_name
 from cacheflow_common.restore.head_sources import head_splits
 from cacheflow_common.store.base import ChunkStore
 
@@ -28,23 +32,25 @@ _LOOKUPS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="prefix-lookup"
 
 def cached_prefix_tokens(token_ids: Sequence[int], *, fingerprint: str, tenant: str, chunk_size: int,
                          stage_layers: Sequence[range], store: ChunkStore, limit: int, kv_heads: int = 0,
-                         head_split: int = 1) -> int:
+                         head_split: int = 1, boundaries: bool = False) -> int:
     """Tokens [0, n) of `token_ids` whose KV is stored for every stage, n a multiple of the chunk size <= limit.
 
     `head_split`: how many runs the instance splits the model's `kv_heads` into (its tensor-parallel ranks'
     objects); a chunk not stored that way counts if every stage's heads are stored split some other way
-    (0 `kv_heads`: not looked for)."""
+    (0 `kv_heads`: not looked for). `boundaries`: the stages after the first need their boundary activations
+    too."""
     keys = [k for k in chunk_keys(token_ids[: max(0, limit)], chunk_size, tenant_salt(fingerprint, tenant))
             if k.n_tokens == chunk_size]
     own = _split(kv_heads, head_split)
     others = [n for n in head_splits(kv_heads) if n != head_split] if kv_heads else []
+    later = [layers.start for layers in stage_layers[1:]] if boundaries else []
     cached = 0
     for first in range(0, len(keys), WINDOW):
         window = keys[first : first + WINDOW]
-        found = _all_stored([_names(key, stage_layers, own) for key in window], store)
+        found = _all_stored([_names(key, stage_layers, own) + _boundary_names(key, later) for key in window], store)
         for key, stored in zip(window, found, strict=True):
-            if not stored and not any(_all_stored([_names(key, stage_layers, _split(kv_heads, n)) for n in others],
-                                                  store)):
+            if not stored and not (_all_stored([_boundary_names(key, later)], store)[0] and any(
+                    _all_stored([_names(key, stage_layers, _split(kv_heads, n)) for n in others], store))):
                 return cached
             cached = key.token_end
     return cached
@@ -57,6 +63,11 @@ def _split(kv_heads: int, n: int) -> list[HeadRange | None]:
 
 def _names(key: ChunkKey, stage_layers: Sequence[range], runs: list[HeadRange | None]) -> list[str]:
     return [object_name(key, "kv", r.start, r.stop, heads) for r in stage_layers for heads in runs]
+
+
+def _boundary_names(key: ChunkKey, layers: Sequence[int]) -> list[str]:
+    """The chunk's boundary activations entering each of `layers`."""
+    return [boundary_name(key, layer) for layer in layers]
 
 
 def _all_stored(groups: list[list[str]], store: ChunkStore) -> list[bool]:

@@ -46,3 +46,23 @@ def test_the_leading_run_of_chunks_stored_on_every_stage(missing, expected_chunk
 def test_the_limit_caps_the_lookup():
     every = {(i, s) for i in range(WHOLE + 1) for s in range(len(STAGES))}
     assert _lookup(_store(every), limit=CHUNK * 3 + 2) == CHUNK * 3
+
+
+def test_with_boundaries_a_chunk_counts_only_if_each_later_stage_has_its_boundary_activation():
+    """What a vLLM pipeline rank needs (it cannot fall back to a pipelined restore as a stage worker does)."""
+    from cacheflow_common.restore.boundary import boundary_name
+
+    every = {(i, s) for i in range(WHOLE + 1) for s in range(len(STAGES))}
+    store = _store(every)
+    keys = chunk_keys(PROMPT, CHUNK, tenant_salt("fp", "t"))
+    for key in keys[:5]:  # chunks 0-4 have stage 1's boundary; the rest only their KV
+        store.put(boundary_name(key, STAGES[1].start), b"h")
+
+    def lookup(boundaries: bool) -> int:
+        return cached_prefix_tokens(PROMPT, fingerprint="fp", tenant="t", chunk_size=CHUNK, stage_layers=STAGES,
+                                    store=store, limit=len(PROMPT), boundaries=boundaries)
+
+    assert lookup(False) == WHOLE * CHUNK and lookup(True) == 5 * CHUNK
+    single = cached_prefix_tokens(PROMPT, fingerprint="fp", tenant="t", chunk_size=CHUNK, stage_layers=STAGES[:1],
+                                  store=store, limit=len(PROMPT), boundaries=True)
+    assert single == WHOLE * CHUNK  # one stage: no boundary to look for

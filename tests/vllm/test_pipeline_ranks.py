@@ -354,10 +354,10 @@ def test_vllm_pipeline_ranks_restore_with_vllms_own_model(ranks: Ranks, tmp_path
     stores (rank 1 also its boundary activations); a second restores on both ranks, the front recomputed with
     vLLM's own model (rank 1 from the stored boundary activations) while the back loads; then a fresh vLLM
     process recomputes every chunk on both ranks (compute-only), so its tokens stand on vLLM's model alone.
-    Last, with the boundary activations deleted, a third process finds the KV chunks: rank 1's restore fails
-    before it starts and vLLM recomputes the prefix (this hung vLLM's step once: the engine waited for a
-    restore it never got). Every restore gives the first pass's tokens, and no rank loads a second copy of
-    the weights."""
+    Last, with the boundary activations deleted, a third process finds every KV chunk but restores none: the
+    scheduler's lookup counts a chunk only with rank 1's boundary activation (rank 1 cannot restore without
+    it), so vLLM computes the prompts itself. Every run gives the first pass's tokens, and no rank loads a
+    second copy of the weights."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     model_dir = tmp_path / "tiny-qwen3-pp"
     save_tiny_qwen3(model_dir, seed=7)
@@ -399,5 +399,4 @@ def test_vllm_pipeline_ranks_restore_with_vllms_own_model(ranks: Ranks, tmp_path
         assert sorted(e["tokens"] for e in warm) == sorted(e["tokens"] for e in everything) == [192, 320]
         assert all(e["computed"] > 0 and e["loaded"] > 0 for e in warm)
         assert all(e["computed"] > 0 and e["loaded"] == 0 for e in everything)  # in units of up to 2,048 tokens
-    errors = [e for e in events if e["event"] == "load_error" and e["req"].startswith("gone")]
-    assert len(errors) == 2 and all("BoundaryMissingError" in e["error"] for e in errors)
+    assert not [e for e in events if e.get("req", "").startswith("gone") and e["event"] != "save"]

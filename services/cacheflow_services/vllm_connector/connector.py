@@ -449,9 +449,10 @@ def _scheduler_plan(cfg: ConnectorConfig, vllm_config: VllmConfig, layout: str) 
 
     def lookup(prompt: Any, limit: int, salt: str) -> int:
         """Tokens whose chunks every rank finds: the heads of each tensor-parallel rank, stored split as this
-        instance's ranks split them or any other way."""
+        instance's ranks split them or any other way, and each later pipeline rank's boundary activations
+        (without them that rank's restore fails)."""
         return cached_prefix_tokens(prompt, fingerprint=salted(fingerprint, salt), tenant=cfg.tenant,
                                     chunk_size=cfg.chunk_size, stage_layers=layers, store=store, limit=limit,
-                                    kv_heads=kv_heads, head_split=split)
+                                    kv_heads=kv_heads, head_split=split, boundaries=True)
 
     return SchedulerPlan(chunk_size=cfg.chunk_size, block_size=block_size, lookup=lookup, save=cfg.save)
