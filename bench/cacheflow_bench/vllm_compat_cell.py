@@ -129,7 +129,7 @@ def drive(spec: dict[str, Any], root: Path, name: str) -> tuple[dict[str, Any] |
     with log_path.open("w") as log:
         proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "cacheflow_services.vllm_connector.drive", str(spec_path)],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True,
-                                env=vllm_env(spec["tensor_parallel_size"] * spec["pipeline_parallel_size"]))
+                                env=vllm_env(spec["tensor_parallel_size"] * spec.get("pipeline_parallel_size", 1)))
         try:
             rc = proc.wait(timeout=DRIVE_TIMEOUT_S)
         except subprocess.TimeoutExpired:  # its rank workers too: one left waiting on a failed rank spins a core
