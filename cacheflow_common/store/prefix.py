@@ -47,10 +47,12 @@ def cached_prefix_tokens(token_ids: Sequence[int], *, fingerprint: str, tenant: 
     cached = 0
     for first in range(0, len(keys), WINDOW):
         window = keys[first : first + WINDOW]
-        found = _all_stored([_names(key, stage_layers, own) + _boundary_names(key, later) for key in window], store)
-        for key, stored in zip(window, found, strict=True):
-            if not stored and not (_all_stored([_boundary_names(key, later)], store)[0] and any(
-                    _all_stored([_names(key, stage_layers, _split(kv_heads, n)) for n in others], store))):
+        # per key, two groups in one round of requests: its KV objects (the instance's split), its boundaries
+        found = iter(_all_stored([group for key in window for group in (_names(key, stage_layers, own),
+                                                                        _boundary_names(key, later))], store))
+        for key, kv_stored, boundaries_stored in zip(window, found, found, strict=True):
+            if not boundaries_stored or not (kv_stored or any(_all_stored(
+                    [_names(key, stage_layers, _split(kv_heads, n)) for n in others], store))):  # split another way
                 return cached
             cached = key.token_end
     return cached
