@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -46,9 +45,9 @@ from cacheflow_common.model.sources import TINY_QWEN3
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.sim import ModelShape
 from cacheflow_services.storage.launch import LocalPod, launch_pod, write_tokens
+from cacheflow_services.vllm_connector.drive_process import VLLM_PYTHON, run_drive
 
 REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 CHUNK, BLOCK = 256, 128  # CacheFlow chunk; vLLM's default CPU block size
 SUFFIX = 16  # prompt tokens after the cached prefix
 REPEATS = 3  # timings of each measured prompt per configuration
@@ -99,20 +98,12 @@ class Bench:
                 budget: int | None = None, batches: list[list[int]] | None = None) -> list[dict[str, Any]]:
         """What drive.py reports per prompt, from one fresh vLLM process (`batches`: prompts sent together)."""
         spec: dict[str, Any] = {"model": str(self.model_dir), "prompts": prompts, "max_tokens": 1,
-                                "block_size": BLOCK, "max_model_len": 16384, "connector": connector,
-                                "out": str(self.root / f"{name}.json")}
+                                "block_size": BLOCK, "max_model_len": 16384, "connector": connector}
         if budget is not None:
             spec["max_num_batched_tokens"] = budget
         if batches is not None:
             spec["batches"] = batches
-        (self.root / f"{name}.spec.json").write_text(json.dumps(spec))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        with (self.root / f"{name}.log").open("w") as log:
-            subprocess.run([str(VLLM_PYTHON), "-m", "cacheflow_services.vllm_connector.drive",
-                            str(self.root / f"{name}.spec.json")], stdout=log, stderr=subprocess.STDOUT,
-                           env=env, cwd=self.root, check=True)
-        results: list[dict[str, Any]] = json.loads((self.root / f"{name}.json").read_text())["results"]
+        results: list[dict[str, Any]] = run_drive(spec, self.root, name, kv_space_gib=2).checked()["results"]
         self.first_tokens[name] = [r["tokens"][0] for r in results]
         return results
 

@@ -21,12 +21,9 @@ objects): its tokens must equal the cold pass's.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
-import signal
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,10 +31,10 @@ from typing import Any
 
 from cacheflow_bench import tiny_models
 from cacheflow_bench.common import machine_facts
-from cacheflow_bench.vllm import VLLM_PYTHON
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 from cacheflow_common.restore.profile import Crossover, Profile
 from cacheflow_services.storage.launch import launch_pod, write_tokens
+from cacheflow_services.vllm_connector.drive_process import TIMED_OUT, run_drive
 
 REPO = Path(__file__).resolve().parents[2]
 CHUNK, BLOCK = 64, 32  # CacheFlow chunk; vLLM block (its CPU attention needs a multiple of 32)
@@ -47,7 +44,6 @@ MAX_TOKENS = 8
 DRIVE_TIMEOUT_S = 300
 TAIL_LINES = 15
 SPECIFIC_ERROR = re.compile(r"\b\w+Error(: |$)")
-TIMED_OUT = "timed out after"
 ERROR = re.compile(r"(Error|error|Exception)[:,]")
 TENANT = "compat"
 BASE_PASSES = (("cold", False), ("warm", False))  # (label, with the adapter), in order
@@ -111,34 +107,10 @@ def make_models(root: Path, families: list[str]) -> None:
         tiny_models.save_lora(family, model, adapter)
 
 
-def vllm_env(ranks: int) -> dict[str, str]:
-    """vLLM's process: a fixed KV space, no Hub, the engine in the driver's process; this checkout's
-    connector (ahead of any installed copy). With several ranks (TP x PP), one core each: on one NUMA node
-    vLLM's CPU build refuses to place more than one worker by itself."""
-    path = os.pathsep.join([str(REPO / "services"), str(REPO), os.environ.get("PYTHONPATH", "")])
-    binding = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(ranks)))} if ranks > 1 else {}
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": path, **binding}
-
-
 def drive(spec: dict[str, Any], root: Path, name: str) -> tuple[dict[str, Any] | None, str]:
     """Run drive.py on `spec` in a fresh vLLM process: what it wrote (None if it failed) and its log."""
-    spec_path, out_path, log_path = (root / f"{name}{s}" for s in (".spec.json", ".out.json", ".log"))
-    spec_path.write_text(json.dumps({**spec, "out": str(out_path)}))
-    out_path.unlink(missing_ok=True)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "cacheflow_services.vllm_connector.drive", str(spec_path)],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True,
-                                env=vllm_env(spec["tensor_parallel_size"] * spec.get("pipeline_parallel_size", 1)))
-        try:
-            rc = proc.wait(timeout=DRIVE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:  # its rank workers too: one left waiting on a failed rank spins a core
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = -1
-            log.write(f"\n{TIMED_OUT} {DRIVE_TIMEOUT_S} s\n")
-    return (json.loads(out_path.read_text()) if rc == 0 and out_path.exists() else None), log_path.read_text(
-        errors="replace")
+    run = run_drive(spec, root, name, timeout_s=DRIVE_TIMEOUT_S)
+    return run.result, run.log
 
 
 def spec_for(cell: Cell, model: Path, adapter: Path, connector: dict[str, Any] | None) -> dict[str, Any]:

@@ -29,7 +29,6 @@ import argparse
 import json
 import random
 import shutil
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,11 +44,11 @@ from cacheflow_bench.common import (
     results_dir,
     write_json,
 )
-from cacheflow_bench.vllm import BLOCK, CHUNK, VLLM_PYTHON, require_vllm  # the vLLM bench's settings and environment
-from cacheflow_bench.vllm_compat_cell import vllm_env
+from cacheflow_bench.vllm import BLOCK, CHUNK, require_vllm  # the vLLM bench's settings and environment
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.transformer import Transformer
 from cacheflow_services.storage.launch import launch_pod, write_tokens
+from cacheflow_services.vllm_connector.drive_process import run_drive
 
 PROMPT = 1024 + 16  # 4 whole chunks and a suffix
 TARGET = 0.01  # the connector may add at most this fraction of the weights' size
@@ -80,14 +79,8 @@ def drive(root: Path, name: str, model_dir: Path, prompt: list[int], connector: 
     spec = {"model": str(model_dir), "prompts": [prompt, prompt], "max_tokens": 1, "block_size": BLOCK,
             "max_model_len": 4096, "connector": connector, "tensor_parallel_size": tp,
             "pipeline_parallel_size": pp, "memory": True,
-            "reference_connector": str(reference) if name == REFERENCE else None, "out": str(root / f"{name}.json")}
-    (root / f"{name}.spec.json").write_text(json.dumps(spec))
-    with (root / f"{name}.log").open("w") as log:
-        subprocess.run([str(VLLM_PYTHON), "-P", "-m", "cacheflow_services.vllm_connector.drive",
-                        str(root / f"{name}.spec.json")], stdout=log, stderr=subprocess.STDOUT, env=vllm_env(tp * pp),
-                       cwd=root, check=True)
-    out: dict[str, Any] = json.loads((root / f"{name}.json").read_text())
-    return out
+            "reference_connector": str(reference) if name == REFERENCE else None}
+    return run_drive(spec, root, name).checked()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,8 +4,6 @@ prompts through vLLM (its own virtual environment) with `cacheflow_services.vllm
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +11,11 @@ import torch
 
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_services.vllm_connector.drive_process import VLLM_PYTHON as VLLM_PYTHON  # the tests take them from here
+from cacheflow_services.vllm_connector.drive_process import run_drive
+from cacheflow_services.vllm_connector.drive_process import vllm_env as vllm_env
 
 REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"  # created by .ci/run
 DRIVE_TIMEOUT_S = 240
 
 TINY_QWEN3 = {
@@ -41,24 +41,10 @@ def save_tiny_qwen3(path: Path, *, seed: int = 1, config: dict[str, Any] | None 
     return Transformer.from_dir(path, dtype=torch.float32)
 
 
-def vllm_env() -> dict[str, str]:
-    # A fixed KV space (start-up fails without it here); no Hub access; the engine in the driver's process.
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
 def drive(spec: dict[str, Any], workdir: Path, name: str, *, timeout_s: float = DRIVE_TIMEOUT_S) -> dict[str, Any]:
-    """Run `spec` (see drive.py) in a fresh vLLM process; returns what it wrote. `-P`: the repository root
-    must not be on sys.path (operator/ there shadows the standard library)."""
-    spec_path, out_path, log_path = (workdir / f"{name}{suffix}" for suffix in (".spec.json", ".out.json", ".log"))
-    spec_path.write_text(json.dumps({**spec, "out": str(out_path)}))
-    with log_path.open("w") as log:
-        proc = subprocess.run([str(VLLM_PYTHON), "-m", "cacheflow_services.vllm_connector.drive",
-                               str(spec_path)], stdout=log, stderr=subprocess.STDOUT, env=vllm_env(),
-                              cwd=workdir, timeout=timeout_s)
-    if proc.returncode != 0:
-        raise RuntimeError(f"vLLM run {name!r} failed ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
-    result: dict[str, Any] = json.loads(out_path.read_text())
-    return result
+    """Run `spec` (see drive.py) in a fresh vLLM process; returns what it wrote (RuntimeError with the log's
+    tail if it failed or timed out)."""
+    return run_drive(spec, workdir, name, timeout_s=timeout_s).checked()
 
 
 def read_stats(path: Path) -> list[dict[str, Any]]:

@@ -348,8 +348,7 @@ def test_vllms_own_slot_mapping_places_every_prompt_row_at_its_request_and_posit
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
-def test_vllm_pipeline_ranks_restore_with_vllms_own_model(ranks: Ranks, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch):
+def test_vllm_pipeline_ranks_restore_with_vllms_own_model(ranks: Ranks, tmp_path: Path):
     """vLLM at pipeline parallel size 2, with the connector over a pod of its own. A first pass prefills and
     stores (rank 1 also its boundary activations); a second restores on both ranks, the front recomputed with
     vLLM's own model (rank 1 from the stored boundary activations) while the back loads; then a fresh vLLM
@@ -358,7 +357,6 @@ def test_vllm_pipeline_ranks_restore_with_vllms_own_model(ranks: Ranks, tmp_path
     scheduler's lookup counts a chunk only with rank 1's boundary activation (rank 1 cannot restore without
     it), so vLLM computes the prompts itself. Every run gives the first pass's tokens, and no rank loads a
     second copy of the weights."""
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     model_dir = tmp_path / "tiny-qwen3-pp"
     save_tiny_qwen3(model_dir, seed=7)
     rng = random.Random(11)

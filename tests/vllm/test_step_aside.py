@@ -140,13 +140,11 @@ def _tp_profile(path: Path) -> str:
     return str(path)
 
 
-def test_tensor_parallel_ranks_restore_their_own_heads(cluster: dict[str, Any],
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tensor_parallel_ranks_restore_their_own_heads(cluster: dict[str, Any]) -> None:
     """TP 2: each rank stores and restores the chunks of its own KV heads; the second pass restores every prompt
     on both ranks with the same planned split (the front recomputed with vLLM's model in lockstep, the back
     loaded in the background), with vLLM's own outputs. The prompts arrive together: their fronts share
     forwards."""
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     model_dir = cluster["root"] / "tiny-qwen3-tp"
     save_tiny_qwen3(model_dir, seed=5)
     stats = cluster["root"] / "tp.jsonl"
@@ -165,12 +163,11 @@ def test_tensor_parallel_ranks_restore_their_own_heads(cluster: dict[str, Any],
     assert all(e["batch"] == len(cluster["prompts"]) for e in restores)  # started in one step, fronts together
 
 
-def test_tensor_parallel_sizes_share_chunks(cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tensor_parallel_sizes_share_chunks(cluster: dict[str, Any]) -> None:
     """Chunks stored by a TP 1 instance (all KV heads in one object) are restored by a TP 2 instance, each rank
     taking its heads out of them; chunks its ranks store (an object per rank's heads) are restored by a TP 1
     instance, which puts the two ranks' heads together. Three vLLM processes over one pod, each restore with
     loaded chunks and no miss, and the tokens of the instance that stored them."""
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     model_dir = cluster["root"] / "tiny-qwen3-tp-share"
     save_tiny_qwen3(model_dir, seed=6)
     first, second = cluster["prompts"], [[(7 * t + 5) % 1024 for t in p] for p in cluster["prompts"]]

@@ -1,0 +1,69 @@
+"""Run `drive.py` (prompts through vLLM, with or without the connector) in a fresh process of vLLM's own
+Python, as the tests and benches do: the spec written beside its log, vLLM's CPU settings for a short run,
+one core per rank, and on a timeout the whole process group killed (a rank left waiting on a failed one
+spins a core until vLLM's RPC timeout).
+
+Imports nothing of vLLM: it runs in CacheFlow's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[3]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"  # created by .ci/run
+TIMED_OUT = "timed out after"  # the line a timeout adds to the log
+LOG_TAIL_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class DriveRun:
+    name: str
+    result: dict[str, Any] | None  # what drive.py wrote; None when it failed or timed out
+    log: str
+    returncode: int  # -1: killed at the timeout
+
+    def checked(self) -> dict[str, Any]:
+        """What drive.py wrote, or RuntimeError with the log's tail."""
+        if self.result is None:
+            raise RuntimeError(f"vLLM run {self.name!r} failed ({self.returncode}):\n{self.log[-LOG_TAIL_CHARS:]}")
+        return self.result
+
+
+def vllm_env(ranks: int = 1, *, kv_space_gib: int = 1) -> dict[str, str]:
+    """vLLM's process: a fixed KV space (its start-up fails without one here), no Hub, the engine in the
+    driver's process; this checkout's CacheFlow ahead of any installed copy. With several ranks (TP x PP),
+    one core each: on one NUMA node vLLM's CPU build refuses to place more than one worker by itself."""
+    path = os.pathsep.join([str(REPO / "services"), str(REPO), os.environ.get("PYTHONPATH", "")])
+    binding = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(ranks)))} if ranks > 1 else {}
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": path, **binding}
+
+
+def run_drive(spec: dict[str, Any], workdir: Path, name: str, *, timeout_s: float | None = None,
+              kv_space_gib: int = 1, python: Path = VLLM_PYTHON) -> DriveRun:
+    """drive.py over `spec` in a fresh vLLM process, in `workdir` (`name`.spec.json, .out.json, .log there).
+    `-P`: the working folder stays off sys.path."""
+    spec_path, out_path, log_path = (workdir / f"{name}{suffix}" for suffix in (".spec.json", ".out.json", ".log"))
+    spec_path.write_text(json.dumps({**spec, "out": str(out_path)}))
+    out_path.unlink(missing_ok=True)
+    ranks = spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([str(python), "-P", "-m", "cacheflow_services.vllm_connector.drive", str(spec_path)],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True,
+                                env=vllm_env(ranks, kv_space_gib=kv_space_gib))
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its rank workers too
+            proc.wait()
+            returncode = -1
+            log.write(f"\n{TIMED_OUT} {timeout_s:g} s\n")
+    result = json.loads(out_path.read_text()) if returncode == 0 and out_path.exists() else None
+    return DriveRun(name, result, log_path.read_text(errors="replace"), returncode)

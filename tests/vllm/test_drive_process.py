@@ -1,0 +1,81 @@
+"""The launcher the vLLM tests and benches share (`drive_process.py`): a run's result and log, its environment,
+and on a timeout the whole process group killed. Its interpreter here is a small script standing in for
+vLLM's Python (what it runs is the launcher's business, not vLLM's): the real vLLM runs go through the same
+launcher in every other test of this folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cacheflow_services.vllm_connector.drive_process import TIMED_OUT, run_drive, vllm_env
+
+STAND_IN = f"""#!{sys.executable}
+import json, os, subprocess, sys, time
+spec = json.loads(open(sys.argv[-1]).read())
+print("args", sys.argv[1:4], "bind", os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), flush=True)
+if spec.get("child"):  # a rank worker of its own, as vLLM's multiprocess executor starts
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    open(spec["child"], "w").write(str(child.pid))
+time.sleep(spec.get("sleep", 0))
+if spec.get("fail"):
+    sys.exit("ValueError: " + spec["fail"])
+open(spec["out"], "w").write(json.dumps({{"results": [{{"tokens": [1, 2]}}]}}))
+"""
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path) -> Path:
+    path = tmp_path / "python"
+    path.write_text(STAND_IN)
+    path.chmod(0o755)
+    return path
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie is gone but for its parent
+
+
+def test_a_run_returns_what_drive_wrote_and_its_log(stand_in: Path, tmp_path: Path) -> None:
+    run = run_drive({"tensor_parallel_size": 2, "pipeline_parallel_size": 1}, tmp_path, "ok", python=stand_in,
+                    timeout_s=30)
+    assert run.returncode == 0 and run.checked() == {"results": [{"tokens": [1, 2]}]}
+    assert "args ['-P', '-m', 'cacheflow_services.vllm_connector.drive'] bind 0|1" in run.log  # one core per rank
+    assert json.loads((tmp_path / "ok.spec.json").read_text())["out"] == str(tmp_path / "ok.out.json")
+
+
+def test_a_failed_run_raises_with_its_log_when_checked(stand_in: Path, tmp_path: Path) -> None:
+    (tmp_path / "failed.out.json").write_text("{}")  # an earlier run's result is not taken for this one's
+    run = run_drive({"fail": "no kernel"}, tmp_path, "failed", python=stand_in, timeout_s=30)
+    assert run.result is None and run.returncode == 1
+    with pytest.raises(RuntimeError, match="vLLM run 'failed' failed \\(1\\):\n(.|\n)*ValueError: no kernel"):
+        run.checked()
+
+
+def test_a_timeout_kills_the_whole_process_group(stand_in: Path, tmp_path: Path) -> None:
+    child = tmp_path / "child.pid"
+    started = time.monotonic()
+    run = run_drive({"sleep": 60, "child": str(child)}, tmp_path, "hung", python=stand_in, timeout_s=3)
+    assert time.monotonic() - started < 30
+    assert run.result is None and run.returncode == -1 and run.log.rstrip().endswith(f"{TIMED_OUT} 3 s")
+    pid = int(child.read_text())
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:  # SIGKILL is delivered, then init reaps the orphan
+        time.sleep(0.05)
+    assert not alive(pid)
+
+
+def test_one_rank_runs_without_a_core_binding(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    env = vllm_env(1, kv_space_gib=2)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert vllm_env(4)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1|2|3"
