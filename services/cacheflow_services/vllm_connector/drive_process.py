@@ -39,9 +39,12 @@ class DriveRun:
 def vllm_env(ranks: int = 1, *, kv_space_gib: int = 1) -> dict[str, str]:
     """vLLM's process: a fixed KV space (its start-up fails without one here), no Hub, the engine in the
     driver's process; this checkout's CacheFlow ahead of any installed copy. With several ranks (TP x PP),
-    one core each: on one NUMA node vLLM's CPU build refuses to place more than one worker by itself."""
+    one core each (on one NUMA node vLLM's CPU build refuses to place more than one worker by itself), ranks
+    sharing cores where there are more ranks than cores (slow, but it runs)."""
     path = os.pathsep.join([str(REPO / "services"), str(REPO), os.environ.get("PYTHONPATH", "")])
-    binding = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(ranks)))} if ranks > 1 else {}
+    cores = sorted(os.sched_getaffinity(0))
+    binding = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cores[rank % len(cores)]) for rank in range(ranks))
+               } if ranks > 1 else {}
     return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": path, **binding}
 
