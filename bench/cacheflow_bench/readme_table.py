@@ -263,16 +263,23 @@ def vllm_memory_row(r: Row) -> tuple[str, str]:
     over = _over_reference(r.summary.get("connector_vllm_over_reference"))
     headline = (f"vLLM's resident memory added by the connector, as a share of the weights ({weights:.1f} GiB, CPU): "
                 f"**{_percent(trimmed['connector-vllm'])}** recomputing with vLLM's own model (after malloc_trim; "
-                f"{_percent(raw['connector-vllm'])} raw{over})"
+                f"{_percent(raw['connector-vllm'])} raw"
+                f"{_heap(r.summary.get('added_heap_in_use_fraction_of_weights', {}).get('connector-vllm'))}{over})"
                 "; CacheFlow's runtime over vLLM's weights "
                 f"{_percent(trimmed['connector-shared'])}, over a separate copy "
                 f"{_percent(trimmed['connector-separate'])}")
     for key, split in r.summary.items():
         if key[:2] in ("tp", "pp") and isinstance(split, dict):
             headline += (f"; a {key[:2].upper()}={key[2:]} instance (all its processes) "
-                         f"**{_percent(split['trimmed_rss_bytes'])}** ({_percent(split['rss_bytes'])} raw)"
+                         f"**{_percent(split['trimmed_rss_bytes'])}** ({_percent(split['rss_bytes'])} raw"
+                         f"{_heap(split.get('heap_in_use_bytes'))})"
                          f"{_over_reference(split.get('over_reference'))}")
     return headline, "≤ 1 % of the weights"
+
+
+def _heap(fraction: float | None) -> str:
+    """The heap in use the connector adds (glibc's live allocations), where the run measured it."""
+    return "" if fraction is None else f", heap in use {_percent(fraction)}"
 
 
 def _over_reference(over: dict[str, float] | None) -> str:

@@ -56,7 +56,9 @@ REFERENCE = "vllm-reference"  # vLLM with its own reference connector
 CONFIGS = {"vllm": None, REFERENCE: None, "connector-vllm": {}, "connector-shared": {"runtime": "cacheflow"},
            "connector-separate": {"runtime": "cacheflow", "share_weights": False}}
 MiB = 1 << 20
-MEMORY_KEYS = ("rss_bytes", "peak_rss_bytes", "anon_rss_bytes", "file_rss_bytes", "trimmed_rss_bytes")
+MEMORY_KEYS = ("rss_bytes", "peak_rss_bytes", "anon_rss_bytes", "file_rss_bytes", "trimmed_rss_bytes",
+               "heap_in_use_bytes")
+COMPARED = ("rss_bytes", "peak_rss_bytes", "trimmed_rss_bytes", "heap_in_use_bytes")  # set beside vLLM alone's
 TP_CONFIGS = ("vllm", REFERENCE, "connector-vllm")  # what a tensor-parallel instance runs
 
 
@@ -147,7 +149,7 @@ def added_fractions(rows: list[dict[str, Any]], weights: int, split: str = "tp1"
     """Per memory figure, what each connector configuration adds to vLLM alone run as `split`, over the weights."""
     by = medians(rows, split)
     return {key: {name: (by[name][key] - by["vllm"][key]) / weights for name in by if name != "vllm"}
-            for key in ("rss_bytes", "peak_rss_bytes", "trimmed_rss_bytes")}
+            for key in COMPARED}
 
 
 def over_reference(rows: list[dict[str, Any]], weights: int, split: str = "tp1") -> dict[str, float]:
@@ -157,7 +159,7 @@ def over_reference(rows: list[dict[str, Any]], weights: int, split: str = "tp1")
     if REFERENCE not in by:
         return {}
     return {key: (by["connector-vllm"][key] - by[REFERENCE][key]) / weights
-            for key in ("rss_bytes", "peak_rss_bytes", "trimmed_rss_bytes")}
+            for key in COMPARED}
 
 
 def summarize(body: dict[str, Any]) -> dict[str, Any]:
@@ -167,6 +169,7 @@ def summarize(body: dict[str, Any]) -> dict[str, Any]:
     alone = next(r["tokens"] for r in rows if r["config"] == "vllm")
     summary = {"added_rss_fraction_of_weights": added, "added_peak_rss_fraction_of_weights": one["peak_rss_bytes"],
                "added_trimmed_rss_fraction_of_weights": trimmed,
+               "added_heap_in_use_fraction_of_weights": one["heap_in_use_bytes"],
                "vllm_runtime_within_target": max(added["connector-vllm"], trimmed["connector-vllm"]) <= TARGET,
                "shared_within_target": max(added["connector-shared"], trimmed["connector-shared"]) <= TARGET,
                "restores_ran": all(r["restores"] >= 1 for r in rows if r["config"].startswith("connector-")),
@@ -226,7 +229,7 @@ def memory_table(body: dict[str, Any], split: str) -> str:
     base = by["vllm"]
     header = ["configuration", "RSS (MiB)", "spread (MiB)", "added RSS (MiB)", "added / weights",
               "of it anon / file (MiB)", "peak RSS (MiB)", "added peak / weights", "RSS after trim (MiB)",
-              "spread", "added / weights"]
+              "spread", "added / weights", "heap in use (MiB)", "added / weights"]
     rows = []
     for name, r in by.items():
         more, peak = r["rss_bytes"] - base["rss_bytes"], r["peak_rss_bytes"] - base["peak_rss_bytes"]
@@ -234,11 +237,13 @@ def memory_table(body: dict[str, Any], split: str) -> str:
         mine = [x for x in body["rows"] if x["config"] == name and layout(x) == split]
         runs, trims = [x["rss_bytes"] for x in mine], [x["trimmed_rss_bytes"] for x in mine]
         trim = r["trimmed_rss_bytes"] - base["trimmed_rss_bytes"]
+        heap = r["heap_in_use_bytes"] - base["heap_in_use_bytes"]
         rows.append([name, f"{r['rss_bytes'] / MiB:.0f}", f"{(max(runs) - min(runs)) / MiB:.0f}",
                      f"{more / MiB:+.0f}", f"{more / weights:+.1%}",
                      f"{anon / MiB:+.0f} / {file / MiB:+.0f}", f"{r['peak_rss_bytes'] / MiB:.0f}",
                      f"{peak / weights:+.1%}", f"{r['trimmed_rss_bytes'] / MiB:.0f}",
-                     f"{(max(trims) - min(trims)) / MiB:.0f}", f"{trim / weights:+.1%}"])
+                     f"{(max(trims) - min(trims)) / MiB:.0f}", f"{trim / weights:+.1%}",
+                     f"{r['heap_in_use_bytes'] / MiB:.0f}", f"{heap / weights:+.1%}"])
     return markdown_table(header, rows)
 
 
@@ -250,7 +255,8 @@ def parallel_lines(body: dict[str, Any]) -> list[str]:
         lines += [f"\n## {kind} parallel, {split[2:]} ranks\n", "Each figure is the instance's: the sum over its "
                   "processes (vLLM's driver and each rank's worker, one core each).\n", memory_table(body, split),
                   f"\nConnector recomputing with vLLM's own model: **{t['rss_bytes']:+.1%}** of the weights' size "
-                  f"(**{t['trimmed_rss_bytes']:+.1%}** after the trim, peak {t['peak_rss_bytes']:+.1%}; target <= "
+                  f"(**{t['trimmed_rss_bytes']:+.1%}** after the trim, peak {t['peak_rss_bytes']:+.1%}, heap in use "
+                  f"{t['heap_in_use_bytes']:+.1%}; target <= "
                   f"{TARGET:.0%}: {t['within_target']}).{reference_line(body, split, t.get('over_reference'))}\n"]
     return lines
 
@@ -267,7 +273,8 @@ def reference_line(body: dict[str, Any], split: str, over: dict[str, float] | No
     wrong = "" if same else f" Its greedy tokens differ from vLLM's: it restored wrong KV{why}."
     return (f" vLLM's reference connector (`ExampleConnector`) adds {added['rss_bytes'][REFERENCE]:+.1%} by "
             f"itself ({added['trimmed_rss_bytes'][REFERENCE]:+.1%} after the trim); over it, CacheFlow's connector "
-            f"adds **{over['rss_bytes']:+.1%}** (**{over['trimmed_rss_bytes']:+.1%}** after the trim).{wrong}")
+            f"adds **{over['rss_bytes']:+.1%}** (**{over['trimmed_rss_bytes']:+.1%}** after the trim, heap in use "
+            f"{over['heap_in_use_bytes']:+.1%}).{wrong}")
 
 
 def report(body: dict[str, Any]) -> str:
@@ -278,12 +285,15 @@ def report(body: dict[str, Any]) -> str:
             f"({m['num_hidden_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}, fp32), "
             f"weights {weights / MiB:.0f} MiB; per row the median of {body['repeats']} fresh vLLM processes, each "
             f"running one {body['prompt_tokens']}-token prompt twice (the connector saves it, then restores it); "
-            "resident memory read after, and again after `malloc_trim(0)` (the heap's freed pages handed back: "
-            "live memory, without what the allocator keeps from start-up); spread: the largest minus the "
-            "smallest of its runs.\n\n"
+            "resident memory read after, and again after `malloc_trim(0)` (the heap's freed pages handed back, "
+            "but for those the allocator cannot: a freed page in a thread's arena beside a live chunk stays "
+            "resident); the heap in use: glibc's bytes in live allocations (`mallinfo2`, every arena and "
+            "mmapped chunk), what the process's code holds on its heap, with none of the allocator's free pages; "
+            "spread: the largest minus the smallest of its runs.\n\n"
             f"{memory_table(body, 'tp1')}\n\n"
             f"Connector recomputing with vLLM's own model: **{added['connector-vllm']:+.1%}** of the weights' "
-            f"size (**{trimmed['connector-vllm']:+.1%}** after the trim; target <= {TARGET:.0%}: "
+            f"size (**{trimmed['connector-vllm']:+.1%}** after the trim, heap in use "
+            f"{s['added_heap_in_use_fraction_of_weights']['connector-vllm']:+.1%}; target <= {TARGET:.0%}: "
             f"{s['vllm_runtime_within_target']}); with CacheFlow's runtime over vLLM's weights: "
             f"{added['connector-shared']:+.1%} ({trimmed['connector-shared']:+.1%}); with its separate copy: "
             f"{added['connector-separate']:+.1%} ({trimmed['connector-separate']:+.1%}). "

@@ -39,12 +39,12 @@ def test_each_tensor_parallel_size_is_compared_with_vllm_alone_at_that_size():
     assert summary["added_trimmed_rss_fraction_of_weights"]["connector-vllm"] == 0.005
     assert summary["vllm_runtime_within_target"] and not summary["shared_within_target"]
     assert summary["tp2"] == {"rss_bytes": 0.02, "peak_rss_bytes": 0.02, "trimmed_rss_bytes": 0.02,
-                              "within_target": False,
+                              "heap_in_use_bytes": 0.02, "within_target": False,
                               "over_reference": {"rss_bytes": 0.008, "peak_rss_bytes": 0.008,
-                                                 "trimmed_rss_bytes": 0.008}}
+                                                 "trimmed_rss_bytes": 0.008, "heap_in_use_bytes": 0.008}}
     assert summary["connector_vllm_over_reference"]["trimmed_rss_bytes"] == 0.003
     text = "\n".join(mem.parallel_lines({"rows": rows, "weight_bytes": weights, "summary": summary}))
-    assert "## Tensor parallel, 2 ranks" in text
+    assert "## Tensor parallel, 2 ranks" in text and "heap in use (MiB)" in text
     assert "adds +1.2% by itself" in text and "**+0.8%**" in text
     piped = [_row(name, 1, r, 5000 + extra, pp=2) for r in range(3) for name, extra in {**two, "vllm": 10}.items()]
     summary = mem.summarize({"rows": rows + piped, "weight_bytes": weights})
@@ -82,7 +82,7 @@ def test_the_readme_row_gives_cacheflows_share_over_the_reference_connector_at_e
     body["summary"] = mem.summarize(body)
     headline, target = readme_table.vllm_memory_row(readme_table.Row("vllm_memory", body))
     assert "0.300 % over vLLM with its reference connector" in headline
-    assert "a TP=2 instance (all its processes) **2.00 %**" in headline
+    assert "a TP=2 instance (all its processes) **2.00 %** (2.00 % raw, heap in use 2.00 %)" in headline
     assert "0.800 % over vLLM with its reference connector" in headline and target == "≤ 1 % of the weights"
     rows += [_row(name, 1, 0, 6000 + extra, pp=2) for name, extra in two.items()]
     body["summary"] = mem.summarize(body)
@@ -97,3 +97,12 @@ def test_a_run_spec_picks_cacheflows_connector_vllms_reference_one_or_none():
     assert reference == {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                          "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}
     assert drive.spec_transfer_config({"connector": None, "reference_connector": None}) is None
+
+
+def test_the_heap_in_use_counts_live_allocations_and_not_freed_ones():
+    before = drive.process_memory()["heap_in_use_bytes"]
+    live = bytearray(64 * MiB)  # one malloc'd block (mmapped at this size)
+    held = drive.process_memory()
+    assert held["heap_in_use_bytes"] - before >= 64 * MiB
+    del live
+    assert drive.process_memory()["heap_in_use_bytes"] < held["heap_in_use_bytes"] - 32 * MiB

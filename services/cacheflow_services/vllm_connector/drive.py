@@ -180,7 +180,11 @@ _REQUEST_IDS = itertools.count()
 
 def process_memory(worker: Any = None) -> dict[str, int]:
     """This process's resident memory from /proc/self/status, in bytes: VmRSS, its peak (VmHWM), anonymous and
-    file-backed; then VmRSS again after `malloc_trim(0)` hands the heap's freed pages back (what is live)."""
+    file-backed; then VmRSS again after `malloc_trim(0)` hands the heap's freed pages back, and the bytes the
+    heap holds for live allocations (`heap_in_use_bytes`: glibc's `mallinfo2`, its arenas' in-use bytes plus
+    its mmapped chunks; 0 where the C library has none). The trimmed RSS still holds freed memory the
+    allocator cannot hand back (pages of a thread's arena with a live chunk on them, say); the heap in use
+    does not."""
     import ctypes
 
     def status() -> dict[str, int]:
@@ -188,11 +192,28 @@ def process_memory(worker: Any = None) -> dict[str, int]:
         return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in lines if ":" in line)
                 if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
 
+    libc = ctypes.CDLL("libc.so.6")
     before = status()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    libc.malloc_trim(0)
     return {"pid": os.getpid(), "rss_bytes": before["VmRSS"], "peak_rss_bytes": before["VmHWM"],
             "anon_rss_bytes": before["RssAnon"], "file_rss_bytes": before["RssFile"],
-            "trimmed_rss_bytes": status()["VmRSS"]}
+            "trimmed_rss_bytes": status()["VmRSS"], "heap_in_use_bytes": _heap_in_use(libc)}
+
+
+def _heap_in_use(libc: Any) -> int:
+    """glibc's heap bytes in live allocations: `mallinfo2`'s uordblks (its arenas') plus hblkhd (mmapped)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    mallinfo2 = getattr(libc, "mallinfo2", None)  # glibc 2.33 and later
+    if mallinfo2 is None:
+        return 0
+    mallinfo2.restype = MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)
 
 
 def _flush_saves(worker: Any = None) -> None:
