@@ -7,19 +7,34 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import cast
 
 import pytest
 import torch
 
 from cacheflow_common.kv.keys import object_name
+from cacheflow_common.restore.boundary import (
+    BoundaryInput,
+    BoundaryMissingError,
+    boundary_name,
+    save_prefix_by_stage,
+    stage_jobs,
+)
 from cacheflow_common.restore.loader import KVLoader, staging_buffer
 from cacheflow_common.restore.save import make_job, save_prefix
 from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.paged import LAYOUTS, gather
-from cacheflow_services.vllm_connector.planned_split import front_forwards, planned_front, restore_split
+from cacheflow_services.vllm_connector.planned_split import (
+    SplitPlan,
+    front_forwards,
+    front_inputs,
+    planned_front,
+    restore_split,
+)
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
+from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 from tests.factories import TINY_COSTS, tiny_model
 
 CHUNK, BS = 16, 8
@@ -199,3 +214,76 @@ def test_readers_land_units_of_one_request_in_its_blocks_at_once(model, quant, u
     assert reasons == [""] * len(units)
     assert all(not (plain.load_chunk(i) if unit == "chunk" else plain.load_layer(i)) for i in units)
     assert torch.equal(_in_blocks(caches, "split", n), own.data)
+
+
+class _ModelSide:
+    """What a front's inputs ask of vLLM's model: the device and dtype of its rows, and its embedding (here
+    CacheFlow's tiny model's; the forwards themselves run on vLLM's ranks in `test_step_aside.py`)."""
+
+    device, dtype = torch.device("cpu"), torch.float32
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(ids)
+
+
+class _Ranks:
+    """`agree` on one rank of a tensor-parallel group: records this rank's answer, and holds only if the other
+    ranks' (`others`) hold too."""
+
+    def __init__(self, others: bool = True) -> None:
+        self.others = others
+        self.asked: list[bool] = []
+
+    def __call__(self, ok: bool) -> bool:
+        self.asked.append(ok)
+        return ok and self.others
+
+
+def _side(model) -> VllmRuntime:
+    return cast(VllmRuntime, _ModelSide(model))
+
+
+def _stage_plans(model, store, n: int, start: int, front: int) -> list[SplitPlan]:
+    """A prefix stored by two stages (the second's boundary activations too): one plan per stage."""
+    job = _job(model, n)
+    half = model.config.num_layers // 2
+    save_prefix_by_stage(model, job, [range(0, half), range(half, model.config.num_layers)], store)
+    return [SplitPlan(stage, _blocks(model, n, start)[0], start, front)
+            for stage in stage_jobs(job, [range(0, half), range(half, model.config.num_layers)])]
+
+
+def test_a_later_pipeline_ranks_front_starts_from_its_stored_boundary_activations(model):
+    """The first rank's front starts from the tokens' embeddings, a later rank's from the boundary activations
+    stored for it (a front starting inside a chunk included), read before any forward: the ranks of a stage
+    agree they all read them (once, for the step)."""
+    store, n, start, front = MemoryStore(), 6 * CHUNK, CHUNK + BS, 4 * CHUNK
+    first, later = _stage_plans(model, store, n, start, front)
+    ranks = _Ranks()
+    from_embeddings, from_boundaries = front_inputs([first, later], store, _side(model), ranks)
+    assert ranks.asked == [True] and from_embeddings is not None and from_boundaries is not None
+    ids = torch.tensor(first.job.token_ids, dtype=torch.long)
+    assert torch.equal(from_embeddings(start, front), model.embed(ids[start:front]))
+    with BoundaryInput(later.job, store, prefetch=0) as boundary:
+        stored = boundary(0, n)  # [N, hidden]
+    assert torch.equal(from_boundaries(start, 3 * CHUNK), stored[start : 3 * CHUNK])
+    assert torch.equal(from_boundaries(3 * CHUNK, front), stored[3 * CHUNK : front])
+    assert front_inputs([first], store, _side(model), ranks)[0] is not None
+    assert ranks.asked == [True]  # no boundary read, no collective
+    assert front_inputs([later._replace(front=start)], store, _side(model), _Ranks(others=False)) == [None]
+
+
+def test_a_boundary_any_rank_cannot_read_fails_the_steps_restores_on_every_rank(model):
+    """A missing boundary activation fails the step's planned restores before any forward, and a rank that read
+    all of its own fails them too when another could not (`agree` is the ranks' collective)."""
+    store, n = MemoryStore(), 6 * CHUNK
+    first, later = _stage_plans(model, store, n, 0, 3 * CHUNK)
+    failing_other, ranks = _Ranks(others=False), _Ranks()
+    with pytest.raises(BoundaryMissingError, match="another tensor-parallel rank"):
+        front_inputs([later], store, _side(model), failing_other)
+    store.delete(boundary_name(later.job.keys[1], later.job.layers.start))
+    with pytest.raises(BoundaryMissingError, match="not in the store"):
+        front_inputs([first, later], store, _side(model), ranks)
+    assert (failing_other.asked, ranks.asked) == ([True], [False])  # once each, with this rank's own answer

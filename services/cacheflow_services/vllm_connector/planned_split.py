@@ -13,6 +13,11 @@ restores runs as few forwards as their tokens need, and the same forwards on eve
 ends the restore there: vLLM recomputes from its first block on, on every rank together (vLLM takes the
 union of the ranks' failed blocks), so the forwards never depend on a load.
 
+A pipeline rank after the first starts its fronts from their stored boundary activations, read before any
+forward (and before the backs start loading): a forward must not depend on a read either. Its tensor-parallel
+ranks agree that every one of them read them all (`agree`, a collective over vLLM's tensor-parallel group);
+if one could not, the step's restores fail on every rank alike, and vLLM recomputes them.
+
 Without a profile there is no cost to plan with, and where nothing may recompute beside vLLM (LoRA:
 `connector.py` says why) the front is empty: every chunk is loaded, front to back, up to the first miss.
 """
@@ -26,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from cacheflow_common.model.transformer import Span
+from cacheflow_common.restore.boundary import BoundaryInput, BoundaryMissingError
 from cacheflow_common.restore.costs import CostModel, best_split
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.restore.loader import KVLoader
@@ -80,16 +86,19 @@ def restore_split(job: RestoreJob, store: ChunkStore, kv: BlockKV, model: VllmRu
 
 
 def start_splits(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRuntime | None, *, prefill_tokens: int,
-                 on_loaded: Callable[[], None] = lambda: None) -> list[RunningSplit]:
+                 on_loaded: Callable[[], None] = lambda: None, agree: Callable[[bool], bool] = lambda ok: ok
+                 ) -> list[RunningSplit]:
     """Start every plan's back loading on a thread of its own, recompute their fronts (positions [start, front))
     together with vLLM's `model` meanwhile, and return with the loads still running (`on_loaded`: called on a
-    load thread once its loads end). Fronts that fail stop every plan's loads (and seal its blocks) first."""
+    load thread once its loads end; `agree`: whether every tensor-parallel rank read its fronts' inputs, see
+    `front_inputs`). Fronts that fail stop every plan's loads (and seal its blocks) first."""
+    inputs = front_inputs(plans, store, model, agree)
     loads = [BackLoads(KVLoader(store=store, keys=plan.job.keys, layers=plan.job.layers, kv=plan.kv,
                                 dtype=plan.job.kv_dtype, quant=plan.job.quant, heads=plan.job.heads),
                        [unit for unit, key in enumerate(plan.job.keys) if key.token_end > max(plan.start, plan.front)],
                        on_loaded) for plan in plans]
     try:
-        _recompute(plans, model, prefill_tokens)
+        _recompute(plans, inputs, model, prefill_tokens)
     except BaseException:
         for plan, back in zip(plans, loads, strict=True):
             back.stop()
@@ -186,18 +195,62 @@ def front_forwards(fronts: Sequence[tuple[int, int]], prefill_tokens: int) -> li
     return forwards
 
 
-def _recompute(plans: Sequence[SplitPlan], model: VllmRuntime | None, prefill_tokens: int) -> None:
-    """vLLM's model over every plan's positions [start, front), in the forwards `front_forwards` gives."""
-    forwards = front_forwards([(plan.start, plan.front) for plan in plans], prefill_tokens)
-    if not forwards:
-        return
+FrontInput = Callable[[int, int], torch.Tensor]  # positions [a, b) -> the rows entering the rank's first layer
+
+
+def front_inputs(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRuntime | None,
+                 agree: Callable[[bool], bool]) -> list[FrontInput | None]:
+    """Per plan, what its front's forwards start from (None: it has no front). A later pipeline rank reads its
+    fronts' boundary activations here, and, where any plan reads some, `agree` says whether every
+    tensor-parallel rank read all of its own (the same plans on each: all call it, or none); if any rank
+    could not, the step's restores fail here, on every rank, before a forward or a load starts."""
     if model is None:
-        raise RuntimeError("a planned front needs vLLM's model")
-    for forward in forwards:
-        hidden = torch.cat([model.embed(torch.tensor(plans[i].job.token_ids[a:b], dtype=torch.long))
-                            for i, a, b in forward])  # [sum of b - a, hidden]
+        if any(plan.front > plan.start for plan in plans):
+            raise RuntimeError("a planned front needs vLLM's model")
+        return [None] * len(plans)
+    inputs: list[FrontInput | None] = []
+    error: Exception | None = None
+    for plan in plans:
+        try:
+            inputs.append(_front_input(plan, store, model))
+        except BoundaryMissingError as exc:
+            error = exc
+            inputs.append(None)
+    reads = any(plan.job.layers.start > 0 and plan.front > plan.start for plan in plans)
+    if not (agree(error is None) if reads else error is None):  # every rank calls `agree`, failed or not
+        raise error or BoundaryMissingError("another tensor-parallel rank could not read a boundary activation")
+    return inputs
+
+
+def _front_input(plan: SplitPlan, store: ChunkStore, model: VllmRuntime) -> FrontInput | None:
+    """The plan's front input: its tokens' embeddings on the first pipeline rank; on a later one, its stored
+    boundary activations (the front's chunks, read now: BoundaryMissingError if one is missing or wrong)."""
+    job = plan.job
+    if plan.front <= plan.start:
+        return None
+    if job.layers.start == 0:
+        ids = torch.tensor(job.token_ids, dtype=torch.long)  # [N]
+        return lambda a, b: model.embed(ids[a:b])  # [b - a, hidden]
+    first = max(key.token_start for key in job.keys if key.token_start <= plan.start)  # the chunk holding `start`
+    with BoundaryInput(job, store, device=model.device, prefetch=0) as boundary:
+        rows = boundary(first, plan.front).to(model.dtype)  # [front - first, hidden]
+    return lambda a, b: rows[a - first : b - first]
+
+
+def _recompute(plans: Sequence[SplitPlan], inputs: Sequence[FrontInput | None], model: VllmRuntime | None,
+               prefill_tokens: int) -> None:
+    """vLLM's model over every plan's positions [start, front), from `inputs`, in the forwards `front_forwards`
+    gives."""
+    for forward in front_forwards([(plan.start, plan.front) for plan in plans], prefill_tokens):
+        assert model is not None  # front_inputs checked it
+        hidden = torch.cat([_input(inputs[i])(a, b) for i, a, b in forward])  # [sum of b - a, hidden]
         spans = [Span(plans[i].kv, a, b - a) for i, a, b in forward]  # each slice's KV into its request's blocks
         model.forward_layers(hidden, plans[forward[0][0]].job.layers, spans)
+
+
+def _input(front_input: FrontInput | None) -> FrontInput:
+    assert front_input is not None, "a plan with a front has an input"
+    return front_input
 
 
 def _chunks_between(job: RestoreJob, start: int, front: int) -> int:

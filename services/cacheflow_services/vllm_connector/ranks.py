@@ -27,6 +27,17 @@ from cacheflow_services.vllm_connector.plan import PromptRows
 log = logging.getLogger(__name__)
 
 
+def tensor_parallel_agree(ok: bool) -> bool:
+    """Whether `ok` holds on every tensor-parallel rank of this pipeline rank (a MIN over vLLM's tensor-parallel
+    group, on its CPU side): a collective, so every rank of the group calls it, at the same point."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)  # [1]
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+    return bool(flag.item())
+
+
 def rank_layers(layer_ids: Sequence[int], num_layers: int) -> range:
     """The contiguous layer range [a, b) of the attention layers vLLM hands one rank."""
     ids = sorted(layer_ids)

@@ -68,7 +68,7 @@ from cacheflow_services.vllm_connector.planned_split import (
     planned_front,
     start_splits,
 )
-from cacheflow_services.vllm_connector.ranks import BoundaryCapture, StepSlots, rank_layers
+from cacheflow_services.vllm_connector.ranks import BoundaryCapture, StepSlots, rank_layers, tensor_parallel_agree
 from cacheflow_services.vllm_connector.restorer import PREFILL_TOKENS, engine_settings
 from cacheflow_services.vllm_connector.runtime import LoraManager, RuntimeChoice, VllmModel
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
@@ -274,10 +274,14 @@ class WorkerEngine:
                 plans.append(exc)
         try:
             running = iter(start_splits([p for p in plans if isinstance(p, SplitPlan)], self.store, model,
-                                        prefill_tokens=PREFILL_TOKENS, on_loaded=on_loaded))
+                                        prefill_tokens=PREFILL_TOKENS, on_loaded=on_loaded, agree=self._agree))
         except Exception as exc:  # the shared fronts failed: every restore that started fails with them
             return [p if isinstance(p, BaseException) else exc for p in plans]
         return [p if isinstance(p, BaseException) else next(running) for p in plans]
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether `ok` holds on every tensor-parallel rank of this pipeline rank (with none, this one's)."""
+        return ok if self.tp_rank is None else tensor_parallel_agree(ok)
 
     def split_done(self, spec: LoadSpec, done: Split, *, elapsed_s: float, asynchronous: bool) -> set[int]:
         """Log a planned restore that ended; the blocks vLLM must recompute (from its first miss on)."""
@@ -335,7 +339,8 @@ class WorkerEngine:
 
     def failed_load(self, spec: LoadSpec, exc: BaseException) -> set[int]:
         """A failed restore is a failed load: vLLM recomputes the prefix."""
-        log.error("CacheFlow restore of %s failed (%s: %s); vLLM recomputes it", spec.req_id, type(exc).__name__, exc)
+        log.error("CacheFlow restore of %s failed (%s: %s); vLLM recomputes it", spec.req_id, type(exc).__name__, exc,
+                  exc_info=exc)  # its traceback: a restore fails on a bug or a configuration it missed
         self.stats.event("load_error", req=spec.req_id, tokens=len(spec.token_ids),
                          error=f"{type(exc).__name__}: {exc}")
         return blocks_from(spec, spec.start, self.block_size)
