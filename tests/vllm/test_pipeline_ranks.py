@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+from cacheflow_bench.vllm_compat_cell import write_profile
 from cacheflow_common.kv.chunk import decode_hidden_chunk, decode_kv_chunk
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.model.transformer import Span, Transformer
@@ -398,3 +399,39 @@ def test_vllm_pipeline_ranks_restore_with_vllms_own_model(ranks: Ranks, tmp_path
         assert all(e["computed"] > 0 and e["loaded"] > 0 for e in warm)
         assert all(e["computed"] > 0 and e["loaded"] == 0 for e in everything)  # in units of up to 2,048 tokens
     assert not [e for e in events if e.get("req", "").startswith("gone") and e["event"] != "save"]
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
+def test_tensor_and_pipeline_parallel_ranks_restore_together(ranks: Ranks, tmp_path: Path):
+    """vLLM at TP 2 x PP 2 (four ranks, sharing the host's cores), with a profile, so every rank plans its
+    split: the front recomputed with vLLM's model in lockstep with its tensor-parallel peer (the second
+    pipeline rank's from its stored boundary activations), the back loaded. The warm pass gives the cold pass's
+    tokens, every one of the four ranks restores each prompt with both pointers moving, and none fails."""
+    model_dir = tmp_path / "tiny-qwen3-tp-pp"
+    save_tiny_qwen3(model_dir, seed=8)
+    rng = random.Random(12)
+    prompts = [[rng.randrange(1024) for _ in range(n)] for n in (200, 330)]
+    stats = tmp_path / "tp-pp.jsonl"
+    pod = launch_pod(tmp_path / "pod", tenants=("alpha",), tokens=ranks.tokens)
+    connector = {"pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": "alpha", "chunk_size": 64,
+                 "pod_token_file": str(ranks.token_file), "stats_file": str(stats),
+                 "profile": str(write_profile(tmp_path / "profile.json"))}
+    spec = {"model": str(model_dir), "prompts": prompts, "max_tokens": 6, "block_size": 32,
+            "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "connector": connector,
+            "passes": [{"label": "cold"}, {"label": "warm"}]}
+    try:
+        results = drive(spec, tmp_path, "tp-pp")["results"]
+    finally:
+        pod.stop()
+    cold, warm = results[: len(prompts)], results[len(prompts) :]
+    assert [r["tokens"] for r in warm] == [r["tokens"] for r in cold]
+    events = [json.loads(line) for line in stats.read_text().splitlines()]
+    assert not [e for e in events if e["event"] == "load_error"]
+    restores = [e for e in events if e["event"] == "restore" and e["req"].startswith("warm")]
+    by_rank: dict[tuple[tuple[int, ...], int], list[dict[str, Any]]] = {}
+    for e in restores:
+        by_rank.setdefault((tuple(e["layers"]), e["tp_rank"]), []).append(e)
+    assert sorted(by_rank) == [((0, 2), 0), ((0, 2), 1), ((2, 4), 0), ((2, 4), 1)]
+    for done in by_rank.values():
+        assert sorted(e["tokens"] for e in done) == [192, 320]
+        assert all(e["computed"] > 0 and e["loaded"] > 0 and not e["misses"] for e in done)
