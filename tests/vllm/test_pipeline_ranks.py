@@ -348,6 +348,21 @@ def test_vllms_own_slot_mapping_places_every_prompt_row_at_its_request_and_posit
     assert report["forwards"] >= 6 and report["generated"] == [3, 3, 3]  # chunked prefills, then decodes
 
 
+def _vllm_run(ranks: Ranks, tmp_path: Path, name: str, *, seed: int
+              ) -> tuple[Path, list[list[int]], Path, LocalPod, dict[str, Any]]:
+    """A vLLM run's pieces: a tiny Qwen3 (`seed`), two prompts (200 and 330 tokens), its stats file, a pod of
+    its own (stop it) and the connector's settings over it."""
+    model_dir = tmp_path / f"tiny-qwen3-{name}"
+    save_tiny_qwen3(model_dir, seed=seed)
+    rng = random.Random(seed + 4)
+    prompts = [[rng.randrange(1024) for _ in range(n)] for n in (200, 330)]
+    stats = tmp_path / f"{name}.jsonl"
+    pod = launch_pod(tmp_path / "pod", tenants=("alpha",), tokens=ranks.tokens)
+    connector = {"pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": "alpha",
+                 "pod_token_file": str(ranks.token_file), "chunk_size": 64, "stats_file": str(stats)}
+    return model_dir, prompts, stats, pod, connector
+
+
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
 def test_vllm_pipeline_ranks_restore_with_vllms_own_model(ranks: Ranks, tmp_path: Path):
     """vLLM at pipeline parallel size 2, with the connector over a pod of its own. A first pass prefills and
@@ -358,14 +373,7 @@ def test_vllm_pipeline_ranks_restore_with_vllms_own_model(ranks: Ranks, tmp_path
     scheduler's lookup counts a chunk only with rank 1's boundary activation (rank 1 cannot restore without
     it), so vLLM computes the prompts itself. Every run gives the first pass's tokens, and no rank loads a
     second copy of the weights."""
-    model_dir = tmp_path / "tiny-qwen3-pp"
-    save_tiny_qwen3(model_dir, seed=7)
-    rng = random.Random(11)
-    prompts = [[rng.randrange(1024) for _ in range(n)] for n in (200, 330)]
-    stats = tmp_path / "pp.jsonl"
-    pod = launch_pod(tmp_path / "pod", tenants=("alpha",), tokens=ranks.tokens)
-    connector = {"pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": "alpha",
-                 "pod_token_file": str(ranks.token_file), "chunk_size": 64, "stats_file": str(stats)}
+    model_dir, prompts, stats, pod, connector = _vllm_run(ranks, tmp_path, "pp", seed=7)
     spec = {"model": str(model_dir), "prompts": prompts, "max_tokens": 6, "block_size": 32,
             "pipeline_parallel_size": 2}
     try:
@@ -407,15 +415,8 @@ def test_tensor_and_pipeline_parallel_ranks_restore_together(ranks: Ranks, tmp_p
     split: the front recomputed with vLLM's model in lockstep with its tensor-parallel peer (the second
     pipeline rank's from its stored boundary activations), the back loaded. The warm pass gives the cold pass's
     tokens, every one of the four ranks restores each prompt with both pointers moving, and none fails."""
-    model_dir = tmp_path / "tiny-qwen3-tp-pp"
-    save_tiny_qwen3(model_dir, seed=8)
-    rng = random.Random(12)
-    prompts = [[rng.randrange(1024) for _ in range(n)] for n in (200, 330)]
-    stats = tmp_path / "tp-pp.jsonl"
-    pod = launch_pod(tmp_path / "pod", tenants=("alpha",), tokens=ranks.tokens)
-    connector = {"pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": "alpha", "chunk_size": 64,
-                 "pod_token_file": str(ranks.token_file), "stats_file": str(stats),
-                 "profile": str(write_profile(tmp_path / "profile.json"))}
+    model_dir, prompts, stats, pod, connector = _vllm_run(ranks, tmp_path, "tp-pp", seed=8)
+    connector["profile"] = str(write_profile(tmp_path / "profile.json"))
     spec = {"model": str(model_dir), "prompts": prompts, "max_tokens": 6, "block_size": 32,
             "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "connector": connector,
             "passes": [{"label": "cold"}, {"label": "warm"}]}
