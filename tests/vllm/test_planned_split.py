@@ -287,3 +287,14 @@ def test_a_boundary_any_rank_cannot_read_fails_the_steps_restores_on_every_rank(
     with pytest.raises(BoundaryMissingError, match="not in the store"):
         front_inputs([first, later], store, _side(model), ranks)
     assert (failing_other.asked, ranks.asked) == ([True], [False])  # once each, with this rank's own answer
+    unreachable = _Ranks()
+    with pytest.raises(ConnectionError):
+        front_inputs([later], _Unreachable(), _side(model), unreachable)
+    assert unreachable.asked == [False]  # a read that raised still answers the other ranks
+
+
+class _Unreachable(MemoryStore):
+    """A store whose pod cannot be reached: every read raises."""
+
+    def read(self, name: str) -> bytes | None:
+        raise ConnectionError(f"{name}: connection refused")

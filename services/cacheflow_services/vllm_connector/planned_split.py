@@ -213,7 +213,7 @@ def front_inputs(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRunti
     for plan in plans:
         try:
             inputs.append(_front_input(plan, store, model))
-        except BoundaryMissingError as exc:
+        except Exception as exc:  # missing, wrong, or its pod unreachable: this rank must still answer `agree`
             error = exc
             inputs.append(None)
     reads = any(plan.job.layers.start > 0 and plan.front > plan.start for plan in plans)
