@@ -38,14 +38,15 @@ KV_DTYPES = ("auto", "fp8")
 
 def cells_of(args: argparse.Namespace) -> list[Cell]:
     """TP 1 cells first (the ones that fit a short run), then by family; then the sharing cells; then the
-    pipeline-parallel ones (PP 2 at TP 1: two ranks, one core each)."""
+    pipeline-parallel ones at each TP size (PP 2 at TP 1: two ranks, one core each; at TP 2, four ranks
+    sharing the cores)."""
     single = 1 in args.pp
     product = itertools.product(args.tp if single else [], args.families, args.kv_dtypes, args.lora)
     cells = [Cell(family, tp, kv, lora) for tp, family, kv, lora in product]
     shared = itertools.product(args.tp, args.tp, args.families, args.kv_dtypes) if args.share and single else []
     cells += [Cell(family, tp, kv, False, stored_by=by) for tp, by, family, kv in shared if by != tp]
-    pipeline = itertools.product([pp for pp in args.pp if pp > 1], args.families, args.kv_dtypes, args.lora)
-    return cells + [Cell(family, 1, kv, lora, pp=pp) for pp, family, kv, lora in pipeline]
+    pipeline = itertools.product([pp for pp in args.pp if pp > 1], args.tp, args.families, args.kv_dtypes, args.lora)
+    return cells + [Cell(family, tp, kv, lora, pp=pp) for pp, tp, family, kv, lora in pipeline]
 
 
 def merged(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -98,7 +99,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default=",".join(FAMILIES), help="tiny checkpoints to run")
     parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes")
-    parser.add_argument("--pp", default="1,2", help="pipeline-parallel sizes (PP 2 cells run at TP 1)")
+    parser.add_argument("--pp", default="1,2", help="pipeline-parallel sizes (PP cells run at each --tp size)")
     parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPES), help="vLLM's --kv-cache-dtype values")
     parser.add_argument("--lora", default="off,on", help="LoRA off, on, or both")
     parser.add_argument("--share", default="on", help="sharing cells across the TP sizes: on or off")

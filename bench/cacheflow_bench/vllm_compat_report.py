@@ -59,7 +59,8 @@ def summarize(cells: Cells) -> dict[str, Any]:
             "lora_isolated": lora_isolated(cells), "tp_sizes_share_chunks": tp_sizes_share(cells),
             "pp2_restored": any(c.get("pp", 1) == 2 for c in restored),
             "pp2_recomputed": any(c.get("pp", 1) == 2 and c.get("computed", 0) > 0 for c in restored),
-            "pp2_families_restored": len({c["family"] for c in restored if c.get("pp", 1) == 2})}
+            "pp2_families_restored": len({c["family"] for c in restored if c.get("pp", 1) == 2}),
+            "tp_pp_families_restored": len({c["family"] for c in restored if c.get("pp", 1) > 1 and c["tp"] > 1})}
 
 
 def tp_sizes_share(cells: Cells) -> bool | None:
@@ -110,6 +111,11 @@ def tp_of(c: dict[str, Any]) -> str:
     return (f"{c['tp']} (from {c['stored_by']})" if c.get("stored_by") else str(c["tp"])) + pipeline
 
 
+def split_name(tp: int, pp: int) -> str:
+    """A column's parallel split: "TP 2", "PP 2" (at TP 1), "TP 2 × PP 2"."""
+    return f"TP {tp} × PP {pp}" if tp > 1 and pp > 1 else f"PP {pp}" if pp > 1 else f"TP {tp}"
+
+
 def short(c: dict[str, Any] | None) -> str:
     if c is None:
         return "not run"
@@ -126,7 +132,7 @@ def block(body: dict[str, Any]) -> str:
     columns = sorted({(c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]) for c in cells})
     by = {(c["family"], c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]): c for c in cells}
     families = list(dict.fromkeys(c["family"] for c in cells))
-    header = ["family", *(f"{f'PP {pp}' if pp > 1 else f'TP {tp}'}{f' from TP {by_tp}' if by_tp else ''}, KV {kv}, "
+    header = ["family", *(f"{split_name(tp, pp)}{f' from TP {by_tp}' if by_tp else ''}, KV {kv}, "
                           f"LoRA {'on' if lora else 'off'}" for pp, by_tp, tp, kv, lora in columns)]
     rows = [[f, *(short(by.get((f, *col))) for col in columns)] for f in families]
     s = body["summary"]
@@ -139,7 +145,8 @@ def block(body: dict[str, Any]) -> str:
             f"{yes_no(s.get('lora_recomputed', False))}); TP sizes share chunks: "
             f"{yes_no(s.get('tp_sizes_share_chunks'))}; PP 2 restored: {yes_no(s.get('pp2_restored', False))} "
             f"({s.get('pp2_families_restored', 0)} families; with a recomputed front: "
-            f"{yes_no(s.get('pp2_recomputed', False))}) ({commits(body)}, "
+            f"{yes_no(s.get('pp2_recomputed', False))}); TP 2 × PP 2 restored: "
+            f"{s.get('tp_pp_families_restored', 0)} families ({commits(body)}, "
             "`cacheflow bench vllm-compat`; details in bench/results/vllm_compat.md).")
     return "\n".join([BEGIN, markdown_table(header, rows), "", line, END])
 

@@ -124,9 +124,14 @@ def test_pipeline_cells_have_their_own_column_cross_check_and_summary():
     assert "| gemma2 | not run | declined | not run |" in table
     assert "PP 2 restored: yes (2 families; with a recomputed front: yes)" in table
     assert "| llama | 1, PP 2 | auto | off | ok |" in rep.report(body)
+    assert "TP 2 × PP 2 restored: 0 families" in table
+    cells.append(cell(tp=2, pp=2, name="llama-tp2-pp2-auto-base"))  # four ranks: a column of its own
+    body["summary"] = s = rep.summarize(cells)
+    assert s["tp_pp_families_restored"] == 1 and s["pp2_families_restored"] == 2
+    assert "| PP 2, KV auto, LoRA on | TP 2 × PP 2, KV auto, LoRA off |" in rep.block(body)
 
 
-def test_pipeline_cells_run_at_tp_1_after_the_others():
+def test_pipeline_cells_run_after_the_others_at_each_tp_size():
     from argparse import Namespace
 
     from cacheflow_bench.vllm_compat import cells_of
@@ -134,9 +139,9 @@ def test_pipeline_cells_run_at_tp_1_after_the_others():
     args = Namespace(tp=[1, 2], pp=[1, 2], families=["llama"], kv_dtypes=["auto"], lora=[False], share=True)
     assert [c.name for c in cells_of(args)] == [
         "llama-tp1-auto-base", "llama-tp2-auto-base", "llama-tp1-auto-base-from-tp2", "llama-tp2-auto-base-from-tp1",
-        "llama-tp1-pp2-auto-base"]
-    args.pp = [2]  # only the pipeline cells
-    assert [(c.name, c.tp, c.pp) for c in cells_of(args)] == [("llama-tp1-pp2-auto-base", 1, 2)]
+        "llama-tp1-pp2-auto-base", "llama-tp2-pp2-auto-base"]
+    args.pp, args.tp = [2], [2]  # only the pipeline cells, at TP 2
+    assert [(c.name, c.tp, c.pp) for c in cells_of(args)] == [("llama-tp2-pp2-auto-base", 2, 2)]
 
 
 def test_a_failed_runs_error_is_its_last_specific_exception_and_whether_it_then_hung():
