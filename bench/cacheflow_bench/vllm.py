@@ -47,7 +47,6 @@ from cacheflow_common.sim import ModelShape
 from cacheflow_services.storage.launch import LocalPod, launch_pod, write_tokens
 from cacheflow_services.vllm_connector.drive_process import VLLM_PYTHON, run_drive
 
-REPO = Path(__file__).resolve().parents[2]
 CHUNK, BLOCK = 256, 128  # CacheFlow chunk; vLLM's default CPU block size
 SUFFIX = 16  # prompt tokens after the cached prefix
 REPEATS = 3  # timings of each measured prompt per configuration

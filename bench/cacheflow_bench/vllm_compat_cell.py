@@ -36,7 +36,6 @@ from cacheflow_common.restore.profile import Crossover, Profile
 from cacheflow_services.storage.launch import launch_pod, write_tokens
 from cacheflow_services.vllm_connector.drive_process import TIMED_OUT, run_drive
 
-REPO = Path(__file__).resolve().parents[2]
 CHUNK, BLOCK = 64, 32  # CacheFlow chunk; vLLM block (its CPU attention needs a multiple of 32)
 PREFIXES = (256, 320, 448)  # whole chunks per prompt, then SUFFIX tokens vLLM always computes
 SUFFIX = 16
