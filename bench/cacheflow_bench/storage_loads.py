@@ -37,7 +37,7 @@ def make_kv_chunk(megabytes: float, seed: int) -> tuple[ChunkKey, str, bytes]:
     key = chunk_keys(ids, tokens, tenant_salt("bench", "alpha"))[0]
     kv = torch.randn(LAYERS, 2, HEADS, tokens, HEAD_DIM, generator=torch.Generator().manual_seed(seed))
     obj = encode_kv_chunk(key=key, token_ids=ids, model="bench", layer_start=0, kv=kv, dtype="float32")
-    return key, object_name(key, "kv", 0, LAYERS), obj
+    return key, object_name(key, "kv", 0, LAYERS), bytes(obj)
 
 
 def memcpy_cpu_s_per_gb(nbytes: int = 64 << 20, seconds: float = 1.0) -> float:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from cacheflow_common.errors import BadRequestError, ChunkFormatError
+from cacheflow_common.host_memory import host_buffer
 from cacheflow_common.kv.checksum import crc32
 from cacheflow_common.kv.keys import ChunkKey, HeadRange
 from cacheflow_common.kv.quant import (
@@ -167,8 +168,12 @@ def _check_span(key: ChunkKey, token_ids: Sequence[int], n_tokens: int, layer_st
         raise BadRequestError(f"chunk holds {n_tokens} tokens, {len(token_ids)} token ids, key covers {key.n_tokens}")
 
 
-def _flat_bytes(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().view(torch.uint8).cpu().numpy().reshape(-1)  # [nbytes]
+def _byte_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., D] as bytes [..., D * itemsize], a view where its last dimension is contiguous (no copy)."""
+    t = t.detach()
+    if t.ndim == 0 or t.stride(-1) != 1:
+        t = t.contiguous()
+    return t.view(torch.uint8)
 
 
 def _trailer_bytes(body: dict[str, Any]) -> bytes:
@@ -176,28 +181,30 @@ def _trailer_bytes(body: dict[str, Any]) -> bytes:
     return raw + TRAILER_TAIL.pack(len(raw), END_MAGIC)
 
 
-def _assemble(layout: ChunkLayout, key: ChunkKey, payloads: Sequence[Sequence[np.ndarray]], trailer: bytes) -> bytes:
-    """Sections (header + payload parts copied in place) followed by the trailer, in one buffer."""
+def _assemble(layout: ChunkLayout, key: ChunkKey, payloads: Sequence[Sequence[torch.Tensor]], trailer: bytes
+              ) -> memoryview:
+    """Sections (header + payload parts copied in place) followed by the trailer, in one read-only buffer (a
+    mapping of its own when large: `host_buffer`)."""
     size = layout.section_size
-    out = bytearray(layout.sections_size + len(trailer))
+    out = host_buffer(layout.sections_size + len(trailer))
     out[layout.sections_size :] = trailer
-    flat = np.frombuffer(out, dtype=np.uint8)  # [object bytes]
-    view = memoryview(out)
+    flat = torch.frombuffer(out, dtype=torch.uint8)  # [object bytes]
     for i, parts in enumerate(payloads):
         pos = i * size + SECTION_HEADER_SIZE
         for part in parts:
-            flat[pos : pos + part.size] = part
-            pos += part.size
-        payload = view[i * size + SECTION_HEADER_SIZE : (i + 1) * size]
+            rows = _byte_rows(part)  # [..., D * itemsize]
+            flat[pos : pos + rows.numel()].view(rows.shape).copy_(rows)
+            pos += rows.numel()
+        payload = out[i * size + SECTION_HEADER_SIZE : (i + 1) * size]
         SECTION_HEADER.pack_into(out, i * size, SECTION_MAGIC, layout.layer_start + i, key.token_start,
                                  key.token_end, crc32(payload), layout.payload_size, key.digest)
         HEAD_FIELDS.pack_into(out, i * size + SECTION_HEADER.size, *layout.head_fields)
-    return bytes(out)
+    return out.toreadonly()
 
 
 def encode_kv_chunk(*, key: ChunkKey, token_ids: Sequence[int], model: str, layer_start: int,
                     kv: np.ndarray | torch.Tensor, dtype: str, quant: str = "none", heads: HeadRange | None = None
-                    ) -> bytes:
+                    ) -> memoryview:
     """kv [n_layers, 2, Hkv, T, D] of `dtype` (or its uint8 numpy view) -> the chunk object's bytes; `heads`:
     the model's KV heads kv holds (None: all of them).
 
@@ -212,12 +219,12 @@ def encode_kv_chunk(*, key: ChunkKey, token_ids: Sequence[int], model: str, laye
         raise BadRequestError(f"unknown quantization {quant!r}: use one of {QUANTS}")
     layout = ChunkLayout(kind="kv", layer_start=layer_start, layer_end=layer_start + n_layers, n_tokens=n_tokens,
                          num_kv_heads=n_heads, head_dim=head_dim, dtype=dtype, quant=quant, heads=heads)
-    payloads: list[list[np.ndarray]]
+    payloads: list[list[torch.Tensor]]
     if quant == "int8":
         q, scales = quantize_int8(t)  # [L, 2, Hkv, T, D] int8, [L, 2, Hkv, T] float32
-        payloads = [[_flat_bytes(q[i]), _flat_bytes(scales[i])] for i in range(n_layers)]
+        payloads = [[q[i], scales[i]] for i in range(n_layers)]
     else:
-        payloads = [[_flat_bytes(t[i])] for i in range(n_layers)]
+        payloads = [[t[i]] for i in range(n_layers)]
     trailer = {"format": FORMAT_VERSION, "kind": "kv", "model": model, "key": key.hex,
                "layer_start": layer_start, "layer_end": layer_start + n_layers,
                "token_start": key.token_start, "token_end": key.token_end, "token_ids": [int(i) for i in token_ids],
@@ -228,7 +235,7 @@ def encode_kv_chunk(*, key: ChunkKey, token_ids: Sequence[int], model: str, laye
 
 
 def encode_hidden_chunk(*, key: ChunkKey, token_ids: Sequence[int], model: str, layer: int,
-                        hidden: torch.Tensor, dtype: str) -> bytes:
+                        hidden: torch.Tensor, dtype: str) -> memoryview:
     """hidden [T, hidden_size]: the state entering absolute layer `layer` -> the chunk object's bytes."""
     h = _as_tensor(hidden, dtype)  # [T, hidden]
     if h.ndim != 2:
@@ -241,7 +248,7 @@ def encode_hidden_chunk(*, key: ChunkKey, token_ids: Sequence[int], model: str, 
                "layer_start": layer, "layer_end": layer + 1, "token_start": key.token_start,
                "token_end": key.token_end, "token_ids": [int(i) for i in token_ids], "dtype": dtype,
                "hidden_size": hidden_size, "quant": "none"}
-    return _assemble(layout, key, [[_flat_bytes(h)]], _trailer_bytes(trailer))
+    return _assemble(layout, key, [[h]], _trailer_bytes(trailer))
 
 
 # ---------------------------------------------------------------------------------------------- reading

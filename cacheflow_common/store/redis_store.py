@@ -35,7 +35,7 @@ class RedisStore:
 
     def put(self, name: str, data: bytes | memoryview) -> None:
         try:
-            self.client.set(self._key(name), bytes(data))
+            self.client.set(self._key(name), memoryview(data).cast("B"))  # redis-py sends a view without a copy
         except _FAILURES as exc:
             raise StoreError(f"cannot store {name} in Redis: {exc}") from exc
 

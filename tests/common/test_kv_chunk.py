@@ -52,8 +52,8 @@ def _key() -> ChunkKey:
 
 def _encode(kv: torch.Tensor, dtype: str, quant: str = "none") -> bytes:
     key = _key()
-    return encode_kv_chunk(key=key, token_ids=IDS[key.token_start : key.token_end], model="m", layer_start=L0,
-                           kv=kv, dtype=dtype, quant=quant)
+    return bytes(encode_kv_chunk(key=key, token_ids=IDS[key.token_start : key.token_end], model="m",
+                                 layer_start=L0, kv=kv, dtype=dtype, quant=quant))
 
 
 def _dst(dtype: torch.dtype, capacity: int = 3 * T) -> tuple[torch.Tensor, np.ndarray]:

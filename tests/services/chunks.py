@@ -20,7 +20,7 @@ def make_chunks(n: int, tokens: int = 32, *, seed: int = 0, tenant: str = "alpha
         kv = torch.randn(L1 - L0, 2, H, tokens, D, generator=g)  # [L, 2, Hkv, T, D]
         obj = encode_kv_chunk(key=key, token_ids=ids[key.token_start : key.token_end], model="test-model",
                               layer_start=L0, kv=kv, dtype="float32")
-        out.append((object_name(key, "kv", L0, L1), obj))
+        out.append((object_name(key, "kv", L0, L1), bytes(obj)))
     return out
 
 
