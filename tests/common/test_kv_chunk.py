@@ -268,6 +268,16 @@ def test_numpy_byte_view_encodes_like_the_tensor():
     assert _encode(strided, "bfloat16") == _encode(kv, "bfloat16")  # type: ignore[arg-type]
 
 
+def test_strided_tensors_encode_like_their_contiguous_copies():
+    """Encoding copies a window of a KV buffer (or a tensor whose last dimension is strided) in place."""
+    kv = _kv(torch.float32)
+    padded = torch.zeros(L1 - L0, 2, H, 3 * T, D)
+    padded[..., 7:14, :] = kv
+    assert _encode(padded[..., 7:14, :], "float32") == _encode(kv, "float32")
+    transposed = kv.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, stride(-1) == T
+    assert transposed.stride(-1) != 1 and _encode(transposed, "float32") == _encode(kv, "float32")
+
+
 def test_bad_encode_arguments_are_rejected():
     kv, key = _kv(torch.float32), _key()
     ids = IDS[7:14]
