@@ -321,6 +321,23 @@ def test_capture_files_rows_by_slot_in_any_batch_order_and_never_fails_the_forwa
     capture.detach()
 
 
+def test_rows_kept_past_a_release_no_longer_hold_their_steps_tensor():
+    """The rows a request keeps past its stored chunks are its own: the step's [R, hidden] tensor is freed."""
+    from cacheflow_services.vllm_connector.ranks import BoundaryCapture
+
+    capture = BoundaryCapture(lambda layer: torch.arange(64))
+    rows = PromptRows(16)
+    rows.add("a", (0, 1, 2, 3), 0, 64, 70)  # 64 prompt rows of a 70-token prompt in this step
+    capture.record(rows, torch.arange(64), torch.randn(64, 8), None)  # [R, hidden]
+    whole = capture.take("a", 0, 64)
+    capture.release("a", 48)  # three chunks of 16 stored; rows 48..63 wait for the rest of the fourth
+    kept = capture.take("a", 48, 64)
+    assert whole is not None and kept is not None and torch.equal(kept, whole[48:])
+    bases = {row.untyped_storage().data_ptr(): row.untyped_storage().nbytes()
+             for row in capture._rows["a"].values()}
+    assert list(bases.values()) == [16 * 8 * 4]  # one tensor of the 16 kept rows, not the step's 64
+
+
 def test_a_rank_refuses_caches_of_other_layers_than_its_split_gives(ranks: Ranks):
     with pytest.raises(Exception, match="not this rank's"):
         ranks.engine(ranks.split[1], registered=range(1, ranks.n_layers))

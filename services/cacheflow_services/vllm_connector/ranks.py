@@ -128,11 +128,15 @@ class BoundaryCapture:
             return torch.stack([kept[p] for p in range(start, end)])
 
     def release(self, req_id: str, end: int) -> None:
-        """Drop a request's rows before `end` (stored)."""
+        """Drop a request's rows before `end` (stored). The rows it keeps (past its last stored chunk, until
+        the next step's complete it) are copied out of their step's tensor, which a view would keep whole."""
         with self._lock:
             kept = self._rows.get(req_id, {})
             for p in [p for p in kept if p < end]:
                 del kept[p]
+            if kept:
+                positions = sorted(kept)
+                kept.update(zip(positions, torch.stack([kept[p] for p in positions]), strict=True))  # [n, hidden]
 
     def finish(self, req_id: str) -> None:
         with self._lock:
