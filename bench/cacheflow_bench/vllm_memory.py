@@ -257,8 +257,23 @@ def parallel_lines(body: dict[str, Any]) -> list[str]:
                   f"\nConnector recomputing with vLLM's own model: **{t['rss_bytes']:+.1%}** of the weights' size "
                   f"(**{t['trimmed_rss_bytes']:+.1%}** after the trim, peak {t['peak_rss_bytes']:+.1%}, heap in use "
                   f"{t['heap_in_use_bytes']:+.1%}; target <= "
-                  f"{TARGET:.0%}: {t['within_target']}).{reference_line(body, split, t.get('over_reference'))}\n"]
+                  f"{TARGET:.0%}: {t['within_target']}).{reference_line(body, split, t.get('over_reference'))} "
+                  f"{per_process_line(body, split)}\n"]
     return lines
+
+
+def per_process_line(body: dict[str, Any], split: str) -> str:
+    """Each process's resident memory after the trim over vLLM alone's same process, per configuration (medians;
+    vLLM's driver first, then its ranks in order)."""
+    def process_medians(name: str) -> list[float]:
+        runs = [r["processes"] for r in body["rows"] if r["config"] == name and layout(r) == split]
+        return [median([run[i]["trimmed_rss_bytes"] for run in runs]) for i in range(len(runs[0]))]
+
+    alone = process_medians("vllm")
+    added = {name: ", ".join(f"{(m - a) / MiB:+.0f}" for m, a in zip(process_medians(name), alone, strict=True))
+             for name in dict.fromkeys(r["config"] for r in body["rows"] if layout(r) == split) if name != "vllm"}
+    return ("After the trim, per process over vLLM alone's (MiB; the driver, then each rank): "
+            + "; ".join(f"{name} {figures}" for name, figures in added.items()) + ".")
 
 
 def reference_line(body: dict[str, Any], split: str, over: dict[str, float] | None) -> str:
@@ -286,9 +301,10 @@ def report(body: dict[str, Any]) -> str:
             f"weights {weights / MiB:.0f} MiB; per row the median of {body['repeats']} fresh vLLM processes, each "
             f"running one {body['prompt_tokens']}-token prompt twice (the connector saves it, then restores it); "
             "resident memory read after, and again after `malloc_trim(0)` (the heap's freed pages handed back, "
-            "but for those the allocator cannot: a freed page in a thread's arena beside a live chunk stays "
-            "resident); the heap in use: glibc's bytes in live allocations (`mallinfo2`, every arena and "
-            "mmapped chunk), what the process's code holds on its heap, with none of the allocator's free pages; "
+            "but for the free top of each thread's own arena, which glibc trims only as blocks are freed, below "
+            "a threshold that grows with the largest block freed); the heap in use: glibc's bytes in live "
+            "allocations (`mallinfo2`, every arena and mmapped chunk), what the process's code holds on its heap, "
+            "with none of the allocator's free pages; "
             "spread: the largest minus the smallest of its runs.\n\n"
             f"{memory_table(body, 'tp1')}\n\n"
             f"Connector recomputing with vLLM's own model: **{added['connector-vllm']:+.1%}** of the weights' "

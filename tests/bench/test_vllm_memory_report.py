@@ -13,9 +13,13 @@ MiB = 1 << 20
 
 
 def _row(config: str, tp: int, repeat: int, live_mib: int, pp: int = 1) -> dict[str, Any]:
+    """An instance of `live_mib` in every figure: a 500 MiB driver and its ranks' equal shares of the rest."""
     figures = {key: live_mib * MiB for key in mem.MEMORY_KEYS}
-    return {"config": config, "tp": tp, "pp": pp, "repeat": repeat, **figures, "tokens": [[1]], "restores": 1,
-            "runtime": [{"runtime": config.removeprefix("connector-")}]}
+    ranks = tp * pp
+    processes = [{key: 500 * MiB for key in mem.MEMORY_KEYS}] + [
+        {key: (live_mib - 500) * MiB // ranks for key in mem.MEMORY_KEYS} for _ in range(ranks)]
+    return {"config": config, "tp": tp, "pp": pp, "repeat": repeat, **figures, "processes": processes,
+            "tokens": [[1]], "restores": 1, "runtime": [{"runtime": config.removeprefix("connector-")}]}
 
 
 def test_a_tensor_parallel_instance_runs_vllm_alone_with_the_reference_and_with_the_connectors_default():
@@ -46,6 +50,7 @@ def test_each_tensor_parallel_size_is_compared_with_vllm_alone_at_that_size():
     text = "\n".join(mem.parallel_lines({"rows": rows, "weight_bytes": weights, "summary": summary}))
     assert "## Tensor parallel, 2 ranks" in text and "heap in use (MiB)" in text
     assert "adds +1.2% by itself" in text and "**+0.8%**" in text
+    assert "(MiB; the driver, then each rank): vllm-reference +0, +6, +6; connector-vllm +0, +10, +10." in text
     piped = [_row(name, 1, r, 5000 + extra, pp=2) for r in range(3) for name, extra in {**two, "vllm": 10}.items()]
     summary = mem.summarize({"rows": rows + piped, "weight_bytes": weights})
     assert summary["pp2"]["trimmed_rss_bytes"] == 0.01 and summary["pp2"]["within_target"]

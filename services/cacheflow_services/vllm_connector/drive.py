@@ -183,8 +183,8 @@ def process_memory(worker: Any = None) -> dict[str, int]:
     file-backed; then VmRSS again after `malloc_trim(0)` hands the heap's freed pages back, and the bytes the
     heap holds for live allocations (`heap_in_use_bytes`: glibc's `mallinfo2`, its arenas' in-use bytes plus
     its mmapped chunks; 0 where the C library has none). The trimmed RSS still holds freed memory the
-    allocator cannot hand back (pages of a thread's arena with a live chunk on them, say); the heap in use
-    does not."""
+    allocator keeps (the free top of a thread's own arena, which `malloc_trim` leaves); the heap in use does
+    not."""
     import ctypes
 
     def status() -> dict[str, int]:
