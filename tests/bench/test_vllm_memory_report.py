@@ -19,7 +19,7 @@ def _row(config: str, tp: int, repeat: int, live_mib: int, pp: int = 1) -> dict[
     processes = [{key: 500 * MiB for key in mem.MEMORY_KEYS}] + [
         {key: (live_mib - 500) * MiB // ranks for key in mem.MEMORY_KEYS} for _ in range(ranks)]
     return {"config": config, "tp": tp, "pp": pp, "repeat": repeat, **figures, "processes": processes,
-            "tokens": [[1]], "restores": 1, "runtime": [{"runtime": config.removeprefix("connector-")}]}
+            "tokens": [[1]], "restores": 1, "saves": 1, "runtime": [{"runtime": config.removeprefix("connector-")}]}
 
 
 def test_a_tensor_parallel_instance_runs_vllm_alone_with_the_reference_and_with_the_connectors_default():
@@ -64,7 +64,9 @@ def test_the_reference_connectors_rows_are_not_counted_as_cacheflow_restores():
              "runtime": [] if name == "vllm-reference" else [{"runtime": name.removeprefix("connector-")}]}
             for name in mem.CONFIGS if name != "vllm"]
     summary = mem.summarize({"rows": [_row("vllm", 1, 0, 4000), *rows], "weight_bytes": 1000 * MiB})
-    assert summary["restores_ran"] and summary["runtimes_as_configured"]
+    assert summary["restores_ran"] and summary["saves_ran"] and summary["runtimes_as_configured"]
+    rows[-1]["saves"] = 0  # a connector run that found its chunks already stored
+    assert not mem.summarize({"rows": [_row("vllm", 1, 0, 4000), *rows], "weight_bytes": 1000 * MiB})["saves_ran"]
 
 
 def test_wrong_tokens_of_the_reference_connector_are_reported_apart_from_cacheflows():
