@@ -78,7 +78,8 @@ def drive(root: Path, name: str, model_dir: Path, prompt: list[int], connector: 
     reference = root / "reference-kv"
     if name == REFERENCE:
         shutil.rmtree(reference, ignore_errors=True)
-    spec = {"model": str(model_dir), "prompts": [prompt, prompt], "max_tokens": 1, "block_size": BLOCK,
+    spec = {"model": str(model_dir), "prompts": [prompt], "max_tokens": 1, "block_size": BLOCK,
+            "passes": [{"label": "save"}, {"label": "restore"}],  # the saves flushed between them
             "max_model_len": 4096, "connector": connector, "tensor_parallel_size": tp,
             "pipeline_parallel_size": pp, "memory": True,
             "reference_connector": str(reference) if name == REFERENCE else None}
