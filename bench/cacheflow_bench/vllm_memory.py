@@ -98,21 +98,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompt = [rng.randrange(hf["vocab_size"]) for _ in range(PROMPT)]  # one seeded draw (not one token repeated)
     tokens = write_tokens(root / "tokens", ["bench"])
     rows = []
-    for run_index, ((tp, pp), repeat, name) in enumerate(runs(args.tp, args.pp, args.repeats)):
+    for (tp, pp), repeat, name in runs(args.tp, args.pp, args.repeats):
         shutil.rmtree(root / "pod", ignore_errors=True)
         pod = launch_pod(root / "pod", tenants=("bench",), tokens=tokens)  # an empty store: the run saves first
         try:
             row = run_once(root, name, tp, pp, prompt, pod.data_port)
         finally:
             pod.stop()
-        rows.append({**row, "repeat": repeat, "run": run_index})
+        rows.append({**row, "repeat": repeat})
         print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("tokens", "processes")}), flush=True)
     return {"model": hf, "weight_bytes": weight_bytes, "rows": rows}
 
 
 def run_once(root: Path, name: str, tp: int, pp: int, prompt: list[int], pod_port: int) -> dict[str, Any]:
     """One configuration's vLLM process over the pod at `pod_port`: its memory (the instance's: every process
-    summed, and each one's), tokens, and the connector's runtime and restores."""
+    summed, and each one's), tokens, and the connector's runtime, restores and saves."""
     stats = root / f"{name}.stats.jsonl"
     stats.unlink(missing_ok=True)
     settings = CONFIGS[name]
