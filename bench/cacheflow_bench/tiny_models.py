@@ -73,6 +73,7 @@ FP8_BLOCK = (32, 128)
 FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_TARGETS = ("q_proj", "v_proj", "qkv_proj", "o_proj")  # the first two a model has are adapted
 LORA_RANK = 8
+EAGLE_LAYERS = 1  # an EAGLE-1 draft: one decoder layer over [token embedding, target hidden state]
 
 
 def hf_config(family: str) -> Any:
@@ -159,6 +160,26 @@ def save_lora(family: str, model_dir: Path, path: Path, seed: int = 1) -> Path:
               "lora_dropout": 0.0, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
               "modules_to_save": None, "base_model_name_or_path": str(model_dir)}
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def save_eagle(family: str, path: Path, seed: int = 2) -> Path:
+    """A random EAGLE-1 draft for the family's tiny model, as vLLM's `EagleLlamaForCausalLM` reads one: its
+    config with one layer, `fc` (2 hidden -> hidden) and that layer's weights (no input norm), named without
+    the `model.` prefix; the embedding and LM head come from the target."""
+    from safetensors.torch import save_file
+
+    draft = build(family, seed)
+    gen = torch.Generator().manual_seed(seed)
+    hidden = draft.config.hidden_size
+    tensors = {name.removeprefix("model."): w.detach().clone() for name, w in draft.state_dict().items()
+               if name.startswith("model.layers.") and int(name.split(".")[2]) < EAGLE_LAYERS
+               and not name.startswith("model.layers.0.input_layernorm")}  # EAGLE's first layer has none
+    tensors["fc.weight"] = OTHER_STD * torch.randn(hidden, 2 * hidden, generator=gen)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = {**draft.config.to_dict(), "num_hidden_layers": EAGLE_LAYERS, "architectures": ["EagleLlamaForCausalLM"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 

@@ -1,9 +1,11 @@
 """The vLLM compatibility matrix: tiny random checkpoints of the families vLLM users run (and an FP8-weight
 one), each with TP 1 / 2 and PP 2, KV cache dtype auto / fp8 and LoRA off / on, through vLLM's CPU build with
-the CacheFlow connector.
+the CacheFlow connector; and with speculative decoding (an n-gram draft, and an EAGLE draft where the family
+has one).
 
     cacheflow bench vllm-compat [--families llama,gemma2] [--tp 1,2] [--pp 1,2] [--kv-dtypes auto,fp8]
-                                [--lora off,on] [--share on] [--merge] [--out DIR] [--workdir DIR]
+                                [--lora off,on] [--share on] [--spec ngram,eagle] [--merge] [--out DIR]
+                                [--workdir DIR]
 
 Each cell is one fresh vLLM process over its own storage pod (see vllm_compat_cell.py): a cold pass (vLLM
 computes, the connector stores; the reference), then the same prompts again after the saves are flushed
@@ -11,7 +13,8 @@ and vLLM's prefix cache reset (the connector restores or declines); greedy token
 `ok`, `failed` (tokens differ, a load error, a LoRA leak, or vLLM fails to start only with the connector)
 or `vllm_cannot_run` (vLLM's CPU build fails without the connector too: its own error is kept). With two
 TP sizes, sharing cells (LoRA off) also restore at one TP size the chunks vLLM stored at the other. PP 2
-cells run vLLM with torch.compile (drive.py says why): each rank restores its own layers. Writes
+cells run vLLM with torch.compile (drive.py says why): each rank restores its own layers. Speculative cells
+(LoRA off, PP 1) run at each TP size and KV dtype. Writes
 vllm_compat.{json,md}; with --merge, cells of an earlier vllm_compat.json that this run does not redo are
 kept (each cell records the commit it ran at). Written to the committed results, the README's compatibility
 table is regenerated from them.
@@ -30,7 +33,7 @@ from typing import Any
 from cacheflow_bench.common import RESULTS_DIR, SCRATCH_DIR, provenance, write_json
 from cacheflow_bench.tiny_models import FAMILIES
 from cacheflow_bench.vllm import require_vllm
-from cacheflow_bench.vllm_compat_cell import Cell, make_models, run_cell
+from cacheflow_bench.vllm_compat_cell import EAGLE_FAMILIES, SPEC_DRAFTS, Cell, make_models, run_cell
 from cacheflow_bench.vllm_compat_report import README, cross_check, report, summarize, update_readme
 
 KV_DTYPES = ("auto", "fp8")
@@ -39,21 +42,24 @@ KV_DTYPES = ("auto", "fp8")
 def cells_of(args: argparse.Namespace) -> list[Cell]:
     """TP 1 cells first (the ones that fit a short run), then by family; then the sharing cells; then the
     pipeline-parallel ones at each TP size (PP 2 at TP 1: two ranks, one core each; at TP 2, four ranks
-    sharing the cores)."""
+    sharing the cores); the speculative ones last."""
     single = 1 in args.pp
     product = itertools.product(args.tp if single else [], args.families, args.kv_dtypes, args.lora)
     cells = [Cell(family, tp, kv, lora) for tp, family, kv, lora in product]
     shared = itertools.product(args.tp, args.tp, args.families, args.kv_dtypes) if args.share and single else []
     cells += [Cell(family, tp, kv, False, stored_by=by) for tp, by, family, kv in shared if by != tp]
     pipeline = itertools.product([pp for pp in args.pp if pp > 1], args.tp, args.families, args.kv_dtypes, args.lora)
-    return cells + [Cell(family, tp, kv, lora, pp=pp) for pp, tp, family, kv, lora in pipeline]
+    cells += [Cell(family, tp, kv, lora, pp=pp) for pp, tp, family, kv, lora in pipeline]
+    drafted = itertools.product(args.spec, args.tp if single else [], args.families, args.kv_dtypes)
+    return cells + [Cell(family, tp, kv, False, spec=spec) for spec, tp, family, kv in drafted
+                    if spec != "eagle" or family in EAGLE_FAMILIES]
 
 
 def merged(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`old` cells that `new` does not redo, then `new`'s, in the order of every family, TP, KV dtype, LoRA."""
     by_name = {c["name"]: c for c in old} | {c["name"]: c for c in new}
     order = {f: i for i, f in enumerate(FAMILIES)}
-    return sorted(by_name.values(), key=lambda c: (c.get("pp", 1), c.get("stored_by", 0), c["tp"],
+    return sorted(by_name.values(), key=lambda c: (c.get("spec", ""), c.get("pp", 1), c.get("stored_by", 0), c["tp"],
                                                    order.get(c["family"], len(order)), c["kv_dtype"], c["lora"]))
 
 
@@ -103,6 +109,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPES), help="vLLM's --kv-cache-dtype values")
     parser.add_argument("--lora", default="off,on", help="LoRA off, on, or both")
     parser.add_argument("--share", default="on", help="sharing cells across the TP sizes: on or off")
+    parser.add_argument("--spec", default=",".join(SPEC_DRAFTS),
+                        help="speculative cells' drafts (ngram, eagle), or off")
     parser.add_argument("--merge", action="store_true", help="keep the cells of an earlier result this run skips")
     parser.add_argument("--out", default=None, help=f"output directory (default: {RESULTS_DIR})")
     parser.add_argument("--workdir", default=str(SCRATCH_DIR / "vllm_compat"), help="working folder")
@@ -113,6 +121,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.kv_dtypes = choices(args.kv_dtypes, KV_DTYPES, "--kv-dtypes", parser)
     args.lora = [x == "on" for x in choices(args.lora, ["off", "on"], "--lora", parser)]
     args.share = choices(args.share, ["on", "off"], "--share", parser) == ["on"]
+    args.spec = [] if args.spec == "off" else choices(args.spec, SPEC_DRAFTS, "--spec", parser)
     require_vllm(parser)
     return args
 

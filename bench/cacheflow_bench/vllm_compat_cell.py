@@ -16,6 +16,11 @@ A sharing cell (`stored_by`: another tensor-parallel size) runs two processes ov
 `stored_by` makes the cold pass (its ranks store the chunks, each its own KV heads), then vLLM at the cell's TP
 makes the "shared" pass, which restores from those chunks (its ranks take their heads out of the other split's
 objects): its tokens must equal the cold pass's.
+
+A speculative-decoding cell (`spec`) runs vLLM with a draft: n-gram lookup (no KV of its own: the connector
+serves it) or an EAGLE head (KV of its own that chunks do not hold: the connector steps aside). Its prompts
+repeat a random stretch, so the n-gram lookup finds matches and drafts; vLLM's draft counters for the last
+pass are kept (a draft's tokens are verified by the target model: greedy tokens must still be equal).
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ LORA_PASSES = (("lora-cold", True), ("base-after-lora", False), ("lora-warm", Tr
 REFERENCE = {"warm": "cold", "lora-warm": "lora-cold", "base-warm": "base-after-lora",
              "shared": "cold"}  # pass -> its reference
 LEAK_PASS = "base-after-lora"
+SPEC_DRAFTS = ("ngram", "eagle")  # a draft without KV of its own, and one with
+EAGLE_FAMILIES = ("llama",)  # families with a tiny EAGLE draft (vLLM's EagleLlamaForCausalLM reads it)
+SPEC_TOKENS = 3  # draft tokens per step
+PERIOD = 24  # a speculative cell's prompts repeat a stretch of this many tokens
+SPEC_MAX_TOKENS = 32  # a speculative cell's greedy tokens per prompt: enough for a draft to find matches
 
 
 # Per layer, a 64-token chunk's recompute takes about 0.3 ms; a chunk's load 1 ms, whatever its bytes: on 2-4
@@ -75,12 +85,14 @@ class Cell:
     lora: bool
     stored_by: int = 0  # the TP size whose process stored the chunks this cell restores (0: this cell's own)
     pp: int = 1  # pipeline-parallel size
+    spec: str = ""  # speculative decoding's draft (SPEC_DRAFTS), or none
 
     @property
     def name(self) -> str:
         shared = f"-from-tp{self.stored_by}" if self.stored_by else ""
         pipeline = f"-pp{self.pp}" if self.pp > 1 else ""
-        return f"{self.family}-tp{self.tp}{pipeline}-{self.kv_dtype}-{'lora' if self.lora else 'base'}{shared}"
+        draft = f"-{self.spec}" if self.spec else ""
+        return f"{self.family}-tp{self.tp}{pipeline}-{self.kv_dtype}-{'lora' if self.lora else 'base'}{shared}{draft}"
 
     @property
     def passes(self) -> tuple[tuple[str, bool], ...]:
@@ -88,9 +100,13 @@ class Cell:
         return SHARE_PASSES if self.stored_by else LORA_PASSES if self.lora else BASE_PASSES
 
 
-def prompts() -> list[list[int]]:
+def prompts(repeating: bool = False) -> list[list[int]]:
+    """One random prompt per prefix length; `repeating`: each a random stretch of PERIOD tokens over and over."""
     rng = random.Random(0)
-    return [[rng.randrange(tiny_models.VOCAB) for _ in range(n + SUFFIX)] for n in PREFIXES]
+    if not repeating:
+        return [[rng.randrange(tiny_models.VOCAB) for _ in range(n + SUFFIX)] for n in PREFIXES]
+    stretches = [[rng.randrange(tiny_models.VOCAB) for _ in range(PERIOD)] for _ in PREFIXES]
+    return [[stretch[i % PERIOD] for i in range(n + SUFFIX)] for n, stretch in zip(PREFIXES, stretches, strict=True)]
 
 
 def model_dirs(root: Path, family: str) -> tuple[Path, Path]:
@@ -98,12 +114,30 @@ def model_dirs(root: Path, family: str) -> tuple[Path, Path]:
     return root / "models" / family, root / "models" / f"{family}-lora"
 
 
+def draft_dir(model: Path) -> Path:
+    """Where the EAGLE draft of the tiny checkpoint at `model` is (EAGLE_FAMILIES only)."""
+    return model.with_name(f"{model.name}-eagle")
+
+
 def make_models(root: Path, families: list[str]) -> None:
-    """Each family's tiny checkpoint and LoRA adapter under root/models, made afresh."""
+    """Each family's tiny checkpoint, LoRA adapter and (EAGLE_FAMILIES) EAGLE draft under root/models, made
+    afresh."""
     for family in families:
         model, adapter = model_dirs(root, family)
         tiny_models.save(family, model)
         tiny_models.save_lora(family, model, adapter)
+        if family in EAGLE_FAMILIES:
+            tiny_models.save_eagle(family, draft_dir(model))
+
+
+def speculative_config(cell: Cell, model: Path) -> dict[str, Any] | None:
+    """vLLM's speculative decoding settings for the cell, or None."""
+    if cell.spec == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": SPEC_TOKENS, "prompt_lookup_min": 1,
+                "prompt_lookup_max": 4}
+    if cell.spec == "eagle":
+        return {"method": "eagle", "model": str(draft_dir(model)), "num_speculative_tokens": SPEC_TOKENS}
+    return None
 
 
 def drive(spec: dict[str, Any], root: Path, name: str) -> tuple[dict[str, Any] | None, str]:
@@ -115,8 +149,9 @@ def drive(spec: dict[str, Any], root: Path, name: str) -> tuple[dict[str, Any] |
 def spec_for(cell: Cell, model: Path, adapter: Path, connector: dict[str, Any] | None) -> dict[str, Any]:
     """The cell's vLLM run (a sharing cell's second process: its first runs with `storing_spec`)."""
     passes = cell.passes[1:] if cell.stored_by else cell.passes
-    return {"model": str(model), "dtype": tiny_models.RUN_DTYPE.get(cell.family, "float32"), "prompts": prompts(),
-            "max_tokens": MAX_TOKENS, "ignore_eos": True,
+    return {"model": str(model), "dtype": tiny_models.RUN_DTYPE.get(cell.family, "float32"),
+            "prompts": prompts(repeating=bool(cell.spec)), "speculative_config": speculative_config(cell, model),
+            "max_tokens": SPEC_MAX_TOKENS if cell.spec else MAX_TOKENS, "ignore_eos": True,
             "block_size": BLOCK, "max_model_len": 1024, "tensor_parallel_size": cell.tp,
             "pipeline_parallel_size": cell.pp,
             "kv_cache_dtype": cell.kv_dtype, "enable_lora": cell.lora, "connector": connector,
@@ -222,6 +257,13 @@ def outcome(events: list[dict[str, Any]]) -> dict[str, Any]:
     return {"outcome": "declined", "reasons": reasons} if reasons else {"outcome": "none"}
 
 
+def last_pass_drafts(counts: list[dict[str, int]]) -> dict[str, int]:
+    """vLLM's draft counters over the last pass (`counts`: as they stood after each pass)."""
+    before = counts[-2] if len(counts) > 1 else {}
+    return {name: value - before.get(name, 0) for name, value in counts[-1].items()
+            if name in ("drafts", "draft_tokens", "accepted_tokens")}
+
+
 def judge(cell: Cell, result: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
     """Per pass its tokens and the connector's outcome; the cell's status from them."""
     labels = [label for label, _ in cell.passes]
@@ -235,6 +277,8 @@ def judge(cell: Cell, result: dict[str, Any], events: list[dict[str, Any]]) -> d
     record: dict[str, Any] = {"start_ok": True, "startup_s": round(result["startup_s"], 1), "tokens_equal": equal,
                               **per_pass[labels[-1]], "passes": per_pass, "load_errors": len(errors),
                               "saved_chunks": sum(e.get("chunks", 0) for e in events if e["event"] == "save")}
+    if cell.spec:
+        record |= last_pass_drafts(result["spec_decode"])
     if cell.lora:
         record["lora_leak"] = per_pass[LEAK_PASS]["outcome"] == "restored"
         record["adapter_changes_tokens"] = tokens["lora-cold"] != tokens[LEAK_PASS]

@@ -16,8 +16,8 @@ END = "<!-- vllm-compat-table:end -->"
 Cells = list[dict[str, Any]]
 
 
-def variant_key(c: dict[str, Any]) -> tuple[str, int, str, int]:
-    return c["family"], c["tp"], c["kv_dtype"], c.get("pp", 1)
+def variant_key(c: dict[str, Any]) -> tuple[str, int, str, int, str]:
+    return c["family"], c["tp"], c["kv_dtype"], c.get("pp", 1), c.get("spec", "")
 
 
 def cross_check(cells: Cells) -> None:
@@ -60,7 +60,18 @@ def summarize(cells: Cells) -> dict[str, Any]:
             "pp2_restored": any(c.get("pp", 1) == 2 for c in restored),
             "pp2_recomputed": any(c.get("pp", 1) == 2 and c.get("computed", 0) > 0 for c in restored),
             "pp2_families_restored": len({c["family"] for c in restored if c.get("pp", 1) == 2}),
-            "tp_pp_families_restored": len({c["family"] for c in restored if c.get("pp", 1) > 1 and c["tp"] > 1})}
+            "tp_pp_families_restored": len({c["family"] for c in restored if c.get("pp", 1) > 1 and c["tp"] > 1}),
+            **spec_summary(cells, restored)}
+
+
+def spec_summary(cells: Cells, restored: Cells) -> dict[str, Any]:
+    """Speculative decoding: the families restored under an n-gram draft (vLLM drafting in the restored pass),
+    and the outcomes of the cells whose draft has KV of its own (EAGLE)."""
+    drafted = [c for c in restored if c.get("spec") == "ngram" and c.get("drafts", 0) > 0]
+    return {"ngram_families_restored": len({c["family"] for c in drafted}),
+            "ngram_tp2_restored": any(c["tp"] == 2 for c in drafted),
+            "eagle_outcomes": sorted({c["status"] if c["status"] != "ok" else c.get("outcome", "none")
+                                      for c in cells if c.get("spec") == "eagle"})}
 
 
 def tp_sizes_share(cells: Cells) -> bool | None:
@@ -69,7 +80,7 @@ def tp_sizes_share(cells: Cells) -> bool | None:
     alone = {variant_key(c) for c in cells if not c.get("stored_by") and not c["lora"] and c["status"] == "ok"
              and c.get("outcome") == "restored"}
     due = [c for c in cells if c.get("stored_by") and c["status"] != "vllm_cannot_run" and variant_key(c) in alone
-           and (c["family"], c["stored_by"], c["kv_dtype"], 1) in alone]
+           and (c["family"], c["stored_by"], c["kv_dtype"], 1, "") in alone]
     if not due:
         return None
     return all(c["status"] == "ok" and c.get("outcome") == "restored" for c in due)
@@ -81,10 +92,11 @@ def one_line(text: str | None, limit: int = 200) -> str:
 
 
 def detail(c: dict[str, Any]) -> str:
+    drafts = f"; vLLM drafted {c['draft_tokens']} tokens, {c['accepted_tokens']} accepted" if "drafts" in c else ""
     if c.get("outcome") == "restored":
-        return f"computed {c['computed']}, loaded {c['loaded']}"
+        return f"computed {c['computed']}, loaded {c['loaded']}{drafts}"
     if c.get("outcome") == "declined":
-        return "; ".join(c["reasons"]).replace("|", "/")
+        return "; ".join(c["reasons"]).replace("|", "/") + drafts
     return one_line(c.get("error"))
 
 
@@ -95,10 +107,10 @@ def yes_no(value: Any) -> str:
 def report(body: dict[str, Any]) -> str:
     """bench/results/vllm_compat.md: the summary, then one row per cell."""
     cells = body["cells"]
-    rows = [[c["family"], tp_of(c), c["kv_dtype"], "on" if c["lora"] else "off", c["status"], yes_no(c["start_ok"]),
-             yes_no(c.get("tokens_equal")), c.get("outcome", "—"), detail(c), c["wall_s"],
+    rows = [[c["family"], tp_of(c), c["kv_dtype"], "on" if c["lora"] else "off", c.get("spec") or "—", c["status"],
+             yes_no(c["start_ok"]), yes_no(c.get("tokens_equal")), c.get("outcome", "—"), detail(c), c["wall_s"],
              c.get("commit") or body["machine"]["git"]] for c in cells]
-    table = markdown_table(["family", "TP", "KV dtype", "LoRA", "status", "vLLM starts", "tokens equal",
+    table = markdown_table(["family", "TP", "KV dtype", "LoRA", "draft", "status", "vLLM starts", "tokens equal",
                             "connector", "detail", "wall s", "commit"], rows)
     summary = "\n".join(f"- {k}: {v}" for k, v in body["summary"].items())
     return (f"# vLLM compatibility matrix (`cacheflow bench vllm-compat`)\n\n{body['command']}\n\n{summary}\n\n"
@@ -129,11 +141,14 @@ def short(c: dict[str, Any] | None) -> str:
 def block(body: dict[str, Any]) -> str:
     """The README's compatibility table: one row per family, one column per (TP, KV dtype, LoRA)."""
     cells = body["cells"]
-    columns = sorted({(c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]) for c in cells})
-    by = {(c["family"], c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]): c for c in cells}
+    columns = sorted({(c.get("spec", ""), c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"])
+                      for c in cells})
+    by = {(c["family"], c.get("spec", ""), c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]): c
+          for c in cells}
     families = list(dict.fromkeys(c["family"] for c in cells))
     header = ["family", *(f"{split_name(tp, pp)}{f' from TP {by_tp}' if by_tp else ''}, KV {kv}, "
-                          f"LoRA {'on' if lora else 'off'}" for pp, by_tp, tp, kv, lora in columns)]
+                          f"LoRA {'on' if lora else 'off'}{f', {spec} draft' if spec else ''}"
+                          for spec, pp, by_tp, tp, kv, lora in columns)]
     rows = [[f, *(short(by.get((f, *col))) for col in columns)] for f in families]
     s = body["summary"]
     line = (f"{s['cells']} cells: {s['restored_cells']} restored, {s['declined_cells']} declined, "
@@ -146,7 +161,9 @@ def block(body: dict[str, Any]) -> str:
             f"{yes_no(s.get('tp_sizes_share_chunks'))}; PP 2 restored: {yes_no(s.get('pp2_restored', False))} "
             f"({s.get('pp2_families_restored', 0)} families; with a recomputed front: "
             f"{yes_no(s.get('pp2_recomputed', False))}); TP 2 × PP 2 restored: "
-            f"{s.get('tp_pp_families_restored', 0)} families ({commits(body)}, "
+            f"{s.get('tp_pp_families_restored', 0)} families; with an n-gram draft restored: "
+            f"{s.get('ngram_families_restored', 0)} families (TP 2: {yes_no(s.get('ngram_tp2_restored', False))}); "
+            f"with an EAGLE draft: {', '.join(s.get('eagle_outcomes', [])) or 'not run'} ({commits(body)}, "
             "`cacheflow bench vllm-compat`; details in bench/results/vllm_compat.md).")
     return "\n".join([BEGIN, markdown_table(header, rows), "", line, END])
 

@@ -101,7 +101,7 @@ def test_sharing_cells_count_where_their_family_restores_at_both_tp_sizes():
     assert rep.summarize([*alone, shared(status="failed")])["tp_sizes_share_chunks"] is False
     body = {"cells": cells, "summary": rep.summarize(cells), "machine": {"git": "abc1234"}, "command": "c"}
     assert "| TP 2 from TP 1, KV auto, LoRA off |" in rep.block(body)
-    assert "| llama | 2 (from 1) | auto | off | ok |" in rep.report(body)
+    assert "| llama | 2 (from 1) | auto | off | — | ok |" in rep.report(body)
     rep.cross_check([shared(base_tokens=[[9]]), lora_cell := cell(tp=2, lora=True, base_tokens=[[1]])])
     assert "base_equals_lora_off_cell" not in lora_cell  # a sharing cell's tokens are the storing TP size's
 
@@ -123,7 +123,7 @@ def test_pipeline_cells_have_their_own_column_cross_check_and_summary():
     assert "| family | TP 1, KV auto, LoRA off | PP 2, KV auto, LoRA off | PP 2, KV auto, LoRA on |" in table
     assert "| gemma2 | not run | declined | not run |" in table
     assert "PP 2 restored: yes (2 families; with a recomputed front: yes)" in table
-    assert "| llama | 1, PP 2 | auto | off | ok |" in rep.report(body)
+    assert "| llama | 1, PP 2 | auto | off | — | ok |" in rep.report(body)
     assert "TP 2 × PP 2 restored: 0 families" in table
     cells.append(cell(tp=2, pp=2, name="llama-tp2-pp2-auto-base"))  # four ranks: a column of its own
     body["summary"] = s = rep.summarize(cells)
@@ -136,12 +136,46 @@ def test_pipeline_cells_run_after_the_others_at_each_tp_size():
 
     from cacheflow_bench.vllm_compat import cells_of
 
-    args = Namespace(tp=[1, 2], pp=[1, 2], families=["llama"], kv_dtypes=["auto"], lora=[False], share=True)
+    args = Namespace(tp=[1, 2], pp=[1, 2], families=["llama"], kv_dtypes=["auto"], lora=[False], share=True,
+                     spec=[])
     assert [c.name for c in cells_of(args)] == [
         "llama-tp1-auto-base", "llama-tp2-auto-base", "llama-tp1-auto-base-from-tp2", "llama-tp2-auto-base-from-tp1",
         "llama-tp1-pp2-auto-base", "llama-tp2-pp2-auto-base"]
     args.pp, args.tp = [2], [2]  # only the pipeline cells, at TP 2
     assert [(c.name, c.tp, c.pp) for c in cells_of(args)] == [("llama-tp2-pp2-auto-base", 2, 2)]
+
+
+def test_speculative_cells_come_last_and_eagle_only_where_the_family_has_a_draft():
+    from argparse import Namespace
+
+    from cacheflow_bench.vllm_compat import cells_of
+
+    args = Namespace(tp=[1], pp=[1, 2], families=["llama", "qwen2"], kv_dtypes=["auto"], lora=[False], share=False,
+                     spec=["ngram", "eagle"])
+    assert [c.name for c in cells_of(args)][-3:] == [
+        "llama-tp1-auto-base-ngram", "qwen2-tp1-auto-base-ngram", "llama-tp1-auto-base-eagle"]
+    args.pp = [2]  # speculative cells run without pipeline parallelism only
+    assert not any(c.spec for c in cells_of(args))
+
+
+def test_speculative_cells_have_their_own_columns_drafts_and_summary():
+    def drafted(family="llama", spec="ngram", **extra):
+        counts = {"drafts": 3, "draft_tokens": 9, "accepted_tokens": 2, **extra}
+        return cell(family, spec=spec, name=f"{family}-tp1-auto-base-{spec}", **counts)
+
+    cells = [cell(base_tokens=[[1]]), drafted(base_tokens=[[5]]), drafted("qwen2", tp=2, drafts=0),
+             drafted(spec="eagle", out="declined", reasons=["speculative decoding with eagle"])]
+    rep.cross_check(cells)  # a speculative cell's prompts differ: it is no base for the others, nor checked
+    s = rep.summarize(cells)
+    assert s["ngram_families_restored"] == 1 and not s["ngram_tp2_restored"]  # qwen2 restored, but vLLM never drafted
+    assert s["eagle_outcomes"] == ["declined"]
+    body = {"cells": cells, "summary": s, "machine": {"git": "abc1234"}, "command": "c"}
+    table = rep.block(body)
+    assert "| TP 1, KV auto, LoRA off | TP 1, KV auto, LoRA off, eagle draft | TP 1, KV auto, LoRA off, ngram draft |" \
+        in table
+    assert "with an n-gram draft restored: 1 families (TP 2: **no**); with an EAGLE draft: declined" in table
+    assert "| llama | 1 | auto | off | ngram | ok | yes | yes | restored | computed 1, loaded 2; vLLM drafted 9 " \
+        "tokens, 2 accepted |" in rep.report(body)
 
 
 def test_a_failed_runs_error_is_its_last_specific_exception_and_whether_it_then_hung():

@@ -9,7 +9,7 @@ run.json: {"model": dir, "prompts": [[token ids], ...], "max_tokens": 8, "out": 
            "batches": [[prompt indices submitted together], ...] (default: each prompt alone, in order),
            "cache_salts": [a prompt's cache_salt or null, ...] (default: none),
            "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enable_lora": false, "max_loras": 1,
-           "ignore_eos": false,
+           "ignore_eos": false, "speculative_config": vLLM's speculative decoding settings or null,
            "passes": [{"label": "cold", "lora": adapter dir or null, "loras": [per prompt: adapter dir or null]},
                       ...] (default: one pass, no adapter; "loras" overrides "lora"),
            "late": [prompt indices] (default: none), "late_after_tokens": 4, "memory": false}
@@ -26,6 +26,8 @@ passes (so a later pass goes to the connector); `results` then holds every pass'
 each with its `request_id` (`{label}-{n}`: the connector's stats name requests by it). `reference_connector`
 (instead of `connector`) runs vLLM's own reference connector, `ExampleConnector`, storing KV under that
 folder: what any KV connector costs vLLM, for comparison.
+With `speculative_config`, `spec_decode` holds vLLM's draft counters (drafts, draft_tokens, accepted_tokens)
+as they stood after each pass.
 Run it with vLLM's Python (its own virtual environment); it waits for the connector's saves before exiting.
 """
 
@@ -76,7 +78,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
               enable_prefix_caching=spec.get("prefix_caching", False), block_size=spec.get("block_size", 128),
               **budget, tensor_parallel_size=spec.get("tensor_parallel_size", 1), pipeline_parallel_size=pipeline,
               kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), enable_lora=spec.get("enable_lora", False), **slots,
-              kv_transfer_config=spec_transfer_config(spec))
+              kv_transfer_config=spec_transfer_config(spec), speculative_config=spec.get("speculative_config"),
+              disable_log_stats=not spec.get("speculative_config"))
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1,
                             ignore_eos=spec.get("ignore_eos", False))
@@ -85,6 +88,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                for ids, salt in zip(spec["prompts"], salts, strict=True)]
     results: list[dict[str, Any]] = []
     adapters: dict[str, int] = {}  # adapter dir -> its LoRA id, the same in every pass
+    drafts: list[dict[str, int]] = []  # with speculative decoding: its counters after each pass
     for n, one in enumerate(spec.get("passes") or [{"label": "drive"}]):
         if n:
             _between_passes(llm, extra is not None)
@@ -93,9 +97,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                  for path in paths]
         late = Late(set(spec.get("late", ())), spec.get("late_after_tokens", LATE_AFTER_TOKENS))
         results += _one_pass(llm.llm_engine, prompts, params, spec.get("batches"), one["label"], loras, late)
+        if spec.get("speculative_config"):
+            drafts.append(_draft_counts(llm))
     if extra is not None:
         llm.collective_rpc(_flush_saves)
     out: dict[str, Any] = {"startup_s": startup_s, "results": results}
+    if drafts:
+        out["spec_decode"] = drafts
     if spec.get("memory"):
         ranks = llm.collective_rpc(process_memory)
         out["memory"] = list({m["pid"]: m for m in [process_memory(), *ranks]}.values())  # a rank may be this process
@@ -107,6 +115,13 @@ def _execution(pipeline: int) -> dict[str, Any]:
     after the first then has no buffer for what the rank before sends (`assert self.intermediate_tensors is
     not None` at its first step); torch.compile's warm-up allocates it."""
     return {"enforce_eager": True} if pipeline == 1 else {"compilation_config": {"mode": 1}}  # STOCK_TORCH_COMPILE
+
+
+def _draft_counts(llm: Any) -> dict[str, int]:
+    """vLLM's speculative-decoding counters so far: drafts, draft tokens and accepted tokens."""
+    prefix = "vllm:spec_decode_num_"
+    return {m.name.removeprefix(prefix): int(m.value) for m in llm.get_metrics()
+            if m.name.startswith(prefix) and hasattr(m, "value")}
 
 
 class Late(NamedTuple):

@@ -9,7 +9,9 @@ agree without talking. Refused, whatever recomputes the restore's front:
   layers left out of its quantization (`kv_cache_dtype_skip_layers`);
 * decode- or prefill-context parallelism (a rank's cache holds a slice of the tokens); tensor parallelism
   with CacheFlow's runtime (with vLLM's model a rank restores its slice of the heads: `planned_split.py`);
-* speculative decoding (the draft's layers have KV of their own that chunks do not hold);
+* speculative decoding with a draft that has KV of its own (EAGLE, MTP, a draft model: chunks hold the target
+  model's layers only); drafts without attention layers are served (`KV_FREE_DRAFTS`: n-gram and suffix
+  lookups over the tokens, Medusa and MLP heads over the target's last hidden state);
 * a cache of other than full-attention blocks: several groups (hybrid models: one block table per group),
   sliding-window blocks (dropped outside the window), state caches.
 
@@ -39,6 +41,8 @@ from cacheflow_services.vllm_connector.plan import Adapter, Keying
 
 log = logging.getLogger(__name__)
 ATTENTION_SPECS = ("FullAttentionSpec",)  # caches of every position's K and V in blocks
+# Speculative methods whose drafts have no KV cache: the target's cache, which chunks hold, is the whole of it.
+KV_FREE_DRAFTS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
 
 
 def model_dir(model: str, revision: str | None = None) -> Path:
@@ -71,8 +75,8 @@ def unsupported(vllm_config: Any, model: str, runtime: str) -> str:
         return f"KV cache dtype {cache.cache_dtype}: chunks hold the model's dtype or (with vLLM's model) fp8"
     if cache.cache_dtype != "auto" and getattr(cache, "kv_cache_dtype_skip_layers", None):
         return "layers left out of the KV cache's quantization: chunks hold one dtype"
-    if vllm_config.speculative_config is not None:
-        return "speculative decoding: the draft model's KV is not in the chunks"
+    if (draft := vllm_config.speculative_config) is not None and draft.method not in KV_FREE_DRAFTS:
+        return f"speculative decoding with {draft.method}: the draft's own KV is not in the chunks"
     if runtime == "vllm":
         return _unsupported_by_vllm_runtime(model_config)
     if model_config.quantization:
