@@ -4,8 +4,8 @@ the CacheFlow connector; and with speculative decoding (an n-gram draft, and an 
 has one).
 
     cacheflow bench vllm-compat [--families llama,gemma2] [--tp 1,2] [--pp 1,2] [--kv-dtypes auto,fp8]
-                                [--lora off,on] [--share on] [--spec ngram,eagle] [--merge] [--out DIR]
-                                [--workdir DIR]
+                                [--lora off,on] [--share on] [--spec ngram,eagle] [--only-spec] [--merge]
+                                [--out DIR] [--workdir DIR]
 
 Each cell is one fresh vLLM process over its own storage pod (see vllm_compat_cell.py): a cold pass (vLLM
 computes, the connector stores; the reference), then the same prompts again after the saves are flushed
@@ -42,17 +42,19 @@ KV_DTYPES = ("auto", "fp8")
 def cells_of(args: argparse.Namespace) -> list[Cell]:
     """TP 1 cells first (the ones that fit a short run), then by family; then the sharing cells; then the
     pipeline-parallel ones at each TP size (PP 2 at TP 1: two ranks, one core each; at TP 2, four ranks
-    sharing the cores); the speculative ones last."""
+    sharing the cores); the speculative ones last (`only_spec`: those alone)."""
     single = 1 in args.pp
+    drafted = itertools.product(args.spec, args.tp if single else [], args.families, args.kv_dtypes)
+    spec = [Cell(family, tp, kv, False, spec=spec) for spec, tp, family, kv in drafted
+            if spec != "eagle" or family in EAGLE_FAMILIES]
+    if getattr(args, "only_spec", False):
+        return spec
     product = itertools.product(args.tp if single else [], args.families, args.kv_dtypes, args.lora)
     cells = [Cell(family, tp, kv, lora) for tp, family, kv, lora in product]
     shared = itertools.product(args.tp, args.tp, args.families, args.kv_dtypes) if args.share and single else []
     cells += [Cell(family, tp, kv, False, stored_by=by) for tp, by, family, kv in shared if by != tp]
     pipeline = itertools.product([pp for pp in args.pp if pp > 1], args.tp, args.families, args.kv_dtypes, args.lora)
-    cells += [Cell(family, tp, kv, lora, pp=pp) for pp, tp, family, kv, lora in pipeline]
-    drafted = itertools.product(args.spec, args.tp if single else [], args.families, args.kv_dtypes)
-    return cells + [Cell(family, tp, kv, False, spec=spec) for spec, tp, family, kv in drafted
-                    if spec != "eagle" or family in EAGLE_FAMILIES]
+    return cells + [Cell(family, tp, kv, lora, pp=pp) for pp, tp, family, kv, lora in pipeline] + spec
 
 
 def merged(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -111,6 +113,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--share", default="on", help="sharing cells across the TP sizes: on or off")
     parser.add_argument("--spec", default=",".join(SPEC_DRAFTS),
                         help="speculative cells' drafts (ngram, eagle), or off")
+    parser.add_argument("--only-spec", action="store_true", help="only the speculative cells")
     parser.add_argument("--merge", action="store_true", help="keep the cells of an earlier result this run skips")
     parser.add_argument("--out", default=None, help=f"output directory (default: {RESULTS_DIR})")
     parser.add_argument("--workdir", default=str(SCRATCH_DIR / "vllm_compat"), help="working folder")

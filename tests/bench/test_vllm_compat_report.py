@@ -156,6 +156,8 @@ def test_speculative_cells_come_last_and_eagle_only_where_the_family_has_a_draft
         "llama-tp1-auto-base-ngram", "qwen2-tp1-auto-base-ngram", "llama-tp1-auto-base-eagle"]
     args.pp = [2]  # speculative cells run without pipeline parallelism only
     assert not any(c.spec for c in cells_of(args))
+    args.pp, args.only_spec = [1], True
+    assert [c.spec for c in cells_of(args)] == ["ngram", "ngram", "eagle"]
 
 
 def test_speculative_cells_have_their_own_columns_drafts_and_summary():
