@@ -139,17 +139,11 @@ def short(c: dict[str, Any] | None) -> str:
 
 
 def block(body: dict[str, Any]) -> str:
-    """The README's compatibility table: one row per family, one column per (TP, KV dtype, LoRA)."""
-    cells = body["cells"]
-    columns = sorted({(c.get("spec", ""), c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"])
-                      for c in cells})
-    by = {(c["family"], c.get("spec", ""), c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]): c
-          for c in cells}
-    families = list(dict.fromkeys(c["family"] for c in cells))
-    header = ["family", *(f"{split_name(tp, pp)}{f' from TP {by_tp}' if by_tp else ''}, KV {kv}, "
-                          f"LoRA {'on' if lora else 'off'}{f', {spec} draft' if spec else ''}"
-                          for spec, pp, by_tp, tp, kv, lora in columns)]
-    rows = [[f, *(short(by.get((f, *col))) for col in columns)] for f in families]
+    """The README's compatibility table: one row per family, one column per (TP, KV dtype, LoRA); the
+    speculative cells in a table of their own, one column per (draft, TP, KV dtype)."""
+    cells = [c for c in body["cells"] if not c.get("spec")]
+    drafted = [c for c in body["cells"] if c.get("spec")]
+    tables = [grid(cells)] + ([f"With speculative decoding:\n\n{grid(drafted)}"] if drafted else [])
     s = body["summary"]
     line = (f"{s['cells']} cells: {s['restored_cells']} restored, {s['declined_cells']} declined, "
             f"{s['failed_cells']} failed, {s['vllm_cannot_run_cells']} that vLLM's CPU build cannot run; "
@@ -165,7 +159,25 @@ def block(body: dict[str, Any]) -> str:
             f"{s.get('ngram_families_restored', 0)} families (TP 2: {yes_no(s.get('ngram_tp2_restored', False))}); "
             f"with an EAGLE draft: {', '.join(s.get('eagle_outcomes', [])) or 'not run'} ({commits(body)}, "
             "`cacheflow bench vllm-compat`; details in bench/results/vllm_compat.md).")
-    return "\n".join([BEGIN, markdown_table(header, rows), "", line, END])
+    return "\n".join([BEGIN, "\n\n".join(tables), "", line, END])
+
+
+def grid(cells: Cells) -> str:
+    """One row per family, one column per configuration the cells ran."""
+    columns = sorted({(c.get("spec", ""), c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"])
+                      for c in cells})
+    by = {(c["family"], c.get("spec", ""), c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]): c
+          for c in cells}
+    families = list(dict.fromkeys(c["family"] for c in cells))
+    header = ["family", *(f"{f'{spec} draft, ' if spec else ''}{split_name(tp, pp)}"
+                          f"{f' from TP {by_tp}' if by_tp else ''}, KV {kv}{'' if spec else f', LoRA {on_off(lora)}'}"
+                          for spec, pp, by_tp, tp, kv, lora in columns)]
+    rows = [[f, *(short(by.get((f, *col))) for col in columns)] for f in families]
+    return markdown_table(header, rows)
+
+
+def on_off(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 def commits(body: dict[str, Any]) -> str:

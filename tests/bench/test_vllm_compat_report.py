@@ -173,8 +173,10 @@ def test_speculative_cells_have_their_own_columns_drafts_and_summary():
     assert s["eagle_outcomes"] == ["declined"]
     body = {"cells": cells, "summary": s, "machine": {"git": "abc1234"}, "command": "c"}
     table = rep.block(body)
-    assert "| TP 1, KV auto, LoRA off | TP 1, KV auto, LoRA off, eagle draft | TP 1, KV auto, LoRA off, ngram draft |" \
-        in table
+    assert "| family | TP 1, KV auto, LoRA off |\n" in table  # the plain cells' table, then the speculative ones'
+    assert "With speculative decoding:\n\n| family | eagle draft, TP 1, KV auto | ngram draft, TP 1, KV auto | " \
+        "ngram draft, TP 2, KV auto |" in table
+    assert "| llama | declined | restored | not run |" in table
     assert "with an n-gram draft restored: 1 families (TP 2: **no**); with an EAGLE draft: declined" in table
     assert "| llama | 1 | auto | off | ngram | ok | yes | yes | restored | computed 1, loaded 2; vLLM drafted 9 " \
         "tokens, 2 accepted |" in rep.report(body)
