@@ -1,0 +1,39 @@
+"""Which speculative decoding methods the connector serves, decided from vLLM's config alone: a draft without
+KV of its own (n-gram or suffix lookups, Medusa or MLP heads) leaves the target's cache the whole of the KV,
+so the connector serves it; a draft with KV of its own (EAGLE, MTP, a draft model) makes it step aside, naming
+the method. The config here is a stand-in with the fields `unsupported` reads (vLLM's `VllmConfig` needs
+vLLM, which this environment does not have); the real vLLM runs both kinds in
+tests/bench/test_vllm_compat_smoke.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from cacheflow_services.vllm_connector.support import KV_FREE_DRAFTS, unsupported
+
+
+def vllm_config(method: str | None) -> Any:
+    parallel = SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1,
+                               tensor_parallel_size=1)
+    model = SimpleNamespace(use_mla=False, uses_mrope=False, is_encoder_decoder=False, quantization=None)
+    return SimpleNamespace(parallel_config=parallel, cache_config=SimpleNamespace(cache_dtype="auto"),
+                           model_config=model,
+                           speculative_config=None if method is None else SimpleNamespace(method=method))
+
+
+@pytest.mark.parametrize("method", KV_FREE_DRAFTS)
+def test_drafts_without_kv_of_their_own_are_served(method: str) -> None:
+    assert unsupported(vllm_config(method), "unused", "vllm") == ""
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "deepseek_mtp", "mtp", "draft_model", "custom_class"])
+def test_drafts_with_kv_of_their_own_or_unknown_make_the_connector_step_aside(method: str) -> None:
+    reason = unsupported(vllm_config(method), "unused", "vllm")
+    assert reason == f"speculative decoding with {method}: the draft's own KV is not in the chunks"
+
+
+def test_no_speculative_decoding_is_served() -> None:
+    assert unsupported(vllm_config(None), "unused", "vllm") == ""
