@@ -74,6 +74,7 @@ FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 LORA_TARGETS = ("q_proj", "v_proj", "qkv_proj", "o_proj")  # the first two a model has are adapted
 LORA_RANK = 8
 EAGLE_LAYERS = 1  # an EAGLE-1 draft: one decoder layer over [token embedding, target hidden state]
+MEDUSA_HEADS = 3  # a Medusa draft: one residual block and LM head per drafted position
 
 
 def hf_config(family: str) -> Any:
@@ -180,6 +181,26 @@ def save_eagle(family: str, path: Path, seed: int = 2) -> Path:
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     config = {**draft.config.to_dict(), "num_hidden_layers": EAGLE_LAYERS, "architectures": ["EagleLlamaForCausalLM"]}
     (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def save_medusa(family: str, path: Path, seed: int = 3) -> Path:
+    """A random Medusa draft for the family's tiny model, as vLLM's `Medusa` reads one: MEDUSA_HEADS heads, each
+    a one-layer residual block over the target's last hidden state and an LM head (no attention, no KV)."""
+    from safetensors.torch import save_file
+
+    config = hf_config(family)
+    hidden, vocab = config.hidden_size, config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for head in range(MEDUSA_HEADS):
+        tensors[f"blocks.{head}.layers.0.weight"] = OTHER_STD * torch.randn(hidden, hidden, generator=gen)
+        tensors[f"lm_heads.{head}.weight"] = STD["lm_head"] * torch.randn(vocab, hidden, generator=gen)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    medusa = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": hidden, "vocab_size": vocab,
+              "num_heads": MEDUSA_HEADS, "num_hidden_layers": 1, "truncated_vocab_size": vocab}
+    (path / "config.json").write_text(json.dumps(medusa, indent=2))
     return path
 
 

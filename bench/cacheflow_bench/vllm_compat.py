@@ -1,10 +1,10 @@
 """The vLLM compatibility matrix: tiny random checkpoints of the families vLLM users run (and an FP8-weight
 one), each with TP 1 / 2 and PP 2, KV cache dtype auto / fp8 and LoRA off / on, through vLLM's CPU build with
-the CacheFlow connector; and with speculative decoding (an n-gram draft, and an EAGLE draft where the family
-has one).
+the CacheFlow connector; and with speculative decoding (an n-gram draft, and Medusa and EAGLE drafts where the
+family has one).
 
     cacheflow bench vllm-compat [--families llama,gemma2] [--tp 1,2] [--pp 1,2] [--kv-dtypes auto,fp8]
-                                [--lora off,on] [--share on] [--spec ngram,eagle] [--only-spec] [--merge]
+                                [--lora off,on] [--share on] [--spec ngram,medusa,eagle] [--only-spec] [--merge]
                                 [--out DIR] [--workdir DIR]
 
 Each cell is one fresh vLLM process over its own storage pod (see vllm_compat_cell.py): a cold pass (vLLM
@@ -33,7 +33,7 @@ from typing import Any
 from cacheflow_bench.common import RESULTS_DIR, SCRATCH_DIR, provenance, write_json
 from cacheflow_bench.tiny_models import FAMILIES
 from cacheflow_bench.vllm import require_vllm
-from cacheflow_bench.vllm_compat_cell import EAGLE_FAMILIES, SPEC_DRAFTS, Cell, make_models, run_cell
+from cacheflow_bench.vllm_compat_cell import SPEC_DRAFTS, Cell, has_draft, make_models, run_cell
 from cacheflow_bench.vllm_compat_report import README, cross_check, report, summarize, update_readme
 
 KV_DTYPES = ("auto", "fp8")
@@ -46,7 +46,7 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
     single = 1 in args.pp
     drafted = itertools.product(args.spec, args.tp if single else [], args.families, args.kv_dtypes)
     spec = [Cell(family, tp, kv, False, spec=spec) for spec, tp, family, kv in drafted
-            if spec != "eagle" or family in EAGLE_FAMILIES]
+            if has_draft(family, spec)]
     if getattr(args, "only_spec", False):
         return spec
     product = itertools.product(args.tp if single else [], args.families, args.kv_dtypes, args.lora)
@@ -112,7 +112,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lora", default="off,on", help="LoRA off, on, or both")
     parser.add_argument("--share", default="on", help="sharing cells across the TP sizes: on or off")
     parser.add_argument("--spec", default=",".join(SPEC_DRAFTS),
-                        help="speculative cells' drafts (ngram, eagle), or off")
+                        help="speculative cells' drafts (ngram, medusa, eagle), or off")
     parser.add_argument("--only-spec", action="store_true", help="only the speculative cells")
     parser.add_argument("--merge", action="store_true", help="keep the cells of an earlier result this run skips")
     parser.add_argument("--out", default=None, help=f"output directory (default: {RESULTS_DIR})")

@@ -17,10 +17,11 @@ A sharing cell (`stored_by`: another tensor-parallel size) runs two processes ov
 makes the "shared" pass, which restores from those chunks (its ranks take their heads out of the other split's
 objects): its tokens must equal the cold pass's.
 
-A speculative-decoding cell (`spec`) runs vLLM with a draft: n-gram lookup (no KV of its own: the connector
-serves it) or an EAGLE head (KV of its own that chunks do not hold: the connector steps aside). Its prompts
-repeat a random stretch, so the n-gram lookup finds matches and drafts; vLLM's draft counters for the last
-pass are kept (a draft's tokens are verified by the target model: greedy tokens must still be equal).
+A speculative-decoding cell (`spec`) runs vLLM with a draft: n-gram lookup or Medusa heads (no KV of their own:
+the connector serves them) or an EAGLE head (KV of its own that chunks do not hold: the connector steps
+aside). Its prompts repeat a random stretch, so the n-gram lookup finds matches and drafts; vLLM's draft
+counters for the last pass are kept (a draft's tokens are verified by the target model: greedy tokens must
+still be equal).
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ LORA_PASSES = (("lora-cold", True), ("base-after-lora", False), ("lora-warm", Tr
 REFERENCE = {"warm": "cold", "lora-warm": "lora-cold", "base-warm": "base-after-lora",
              "shared": "cold"}  # pass -> its reference
 LEAK_PASS = "base-after-lora"
-SPEC_DRAFTS = ("ngram", "eagle")  # a draft without KV of its own, and one with
-EAGLE_FAMILIES = ("llama",)  # families with a tiny EAGLE draft (vLLM's EagleLlamaForCausalLM reads it)
+SPEC_DRAFTS = ("ngram", "medusa", "eagle")  # two drafts without KV of their own, and one with
+# the families with tiny draft checkpoints, per draft that has one (vLLM's EagleLlamaForCausalLM reads an EAGLE
+# draft of a Llama; Medusa heads fit any family, run on one)
+DRAFT_FAMILIES = {"medusa": ("llama",), "eagle": ("llama",)}
 SPEC_TOKENS = 3  # draft tokens per step
 PERIOD = 24  # a speculative cell's prompts repeat a stretch of this many tokens
 SPEC_MAX_TOKENS = 32  # a speculative cell's greedy tokens per prompt: enough for a draft to find matches
@@ -114,20 +117,27 @@ def model_dirs(root: Path, family: str) -> tuple[Path, Path]:
     return root / "models" / family, root / "models" / f"{family}-lora"
 
 
-def draft_dir(model: Path) -> Path:
-    """Where the EAGLE draft of the tiny checkpoint at `model` is (EAGLE_FAMILIES only)."""
-    return model.with_name(f"{model.name}-eagle")
+def draft_dir(model: Path, draft: str) -> Path:
+    """Where the `draft` checkpoint (DRAFT_FAMILIES) of the tiny checkpoint at `model` is."""
+    return model.with_name(f"{model.name}-{draft}")
+
+
+def has_draft(family: str, spec: str) -> bool:
+    """Whether a speculative cell can run: its draft needs no checkpoint, or the family has one."""
+    return family in DRAFT_FAMILIES.get(spec, (family,))
 
 
 def make_models(root: Path, families: list[str]) -> None:
-    """Each family's tiny checkpoint, LoRA adapter and (EAGLE_FAMILIES) EAGLE draft under root/models, made
-    afresh."""
+    """Each family's tiny checkpoint, LoRA adapter and draft checkpoints (DRAFT_FAMILIES) under root/models,
+    made afresh."""
+    savers = {"medusa": tiny_models.save_medusa, "eagle": tiny_models.save_eagle}
     for family in families:
         model, adapter = model_dirs(root, family)
         tiny_models.save(family, model)
         tiny_models.save_lora(family, model, adapter)
-        if family in EAGLE_FAMILIES:
-            tiny_models.save_eagle(family, draft_dir(model))
+        for draft, save in savers.items():
+            if family in DRAFT_FAMILIES[draft]:
+                save(family, draft_dir(model, draft))
 
 
 def speculative_config(cell: Cell, model: Path) -> dict[str, Any] | None:
@@ -135,8 +145,8 @@ def speculative_config(cell: Cell, model: Path) -> dict[str, Any] | None:
     if cell.spec == "ngram":
         return {"method": "ngram", "num_speculative_tokens": SPEC_TOKENS, "prompt_lookup_min": 1,
                 "prompt_lookup_max": 4}
-    if cell.spec == "eagle":
-        return {"method": "eagle", "model": str(draft_dir(model)), "num_speculative_tokens": SPEC_TOKENS}
+    if cell.spec in DRAFT_FAMILIES:
+        return {"method": cell.spec, "model": str(draft_dir(model, cell.spec)), "num_speculative_tokens": SPEC_TOKENS}
     return None
 
 

@@ -152,12 +152,14 @@ def test_speculative_cells_come_last_and_eagle_only_where_the_family_has_a_draft
 
     args = Namespace(tp=[1], pp=[1, 2], families=["llama", "qwen2"], kv_dtypes=["auto"], lora=[False], share=False,
                      spec=["ngram", "eagle"])
-    assert [c.name for c in cells_of(args)][-3:] == [
-        "llama-tp1-auto-base-ngram", "qwen2-tp1-auto-base-ngram", "llama-tp1-auto-base-eagle"]
+    args.spec = ["ngram", "medusa", "eagle"]
+    assert [c.name for c in cells_of(args)][-4:] == [
+        "llama-tp1-auto-base-ngram", "qwen2-tp1-auto-base-ngram", "llama-tp1-auto-base-medusa",
+        "llama-tp1-auto-base-eagle"]
     args.pp = [2]  # speculative cells run without pipeline parallelism only
     assert not any(c.spec for c in cells_of(args))
     args.pp, args.only_spec = [1], True
-    assert [c.spec for c in cells_of(args)] == ["ngram", "ngram", "eagle"]
+    assert [c.spec for c in cells_of(args)] == ["ngram", "ngram", "medusa", "eagle"]
 
 
 def test_speculative_cells_have_their_own_columns_drafts_and_summary():
@@ -166,18 +168,20 @@ def test_speculative_cells_have_their_own_columns_drafts_and_summary():
         return cell(family, spec=spec, name=f"{family}-tp1-auto-base-{spec}", **counts)
 
     cells = [cell(base_tokens=[[1]]), drafted(base_tokens=[[5]]), drafted("qwen2", tp=2, drafts=0),
-             drafted(spec="eagle", out="declined", reasons=["speculative decoding with eagle"])]
+             drafted(spec="eagle", out="declined", reasons=["speculative decoding with eagle"]),
+             drafted(spec="medusa", drafts=0)]
     rep.cross_check(cells)  # a speculative cell's prompts differ: it is no base for the others, nor checked
     s = rep.summarize(cells)
     assert s["ngram_families_restored"] == 1 and not s["ngram_tp2_restored"]  # qwen2 restored, but vLLM never drafted
-    assert s["eagle_outcomes"] == ["declined"]
+    assert s["eagle_outcomes"] == ["declined"] and not s["medusa_restored"]  # restored, but vLLM never drafted
     body = {"cells": cells, "summary": s, "machine": {"git": "abc1234"}, "command": "c"}
     table = rep.block(body)
     assert "| family | TP 1, KV auto, LoRA off |\n" in table  # the plain cells' table, then the speculative ones'
-    assert "With speculative decoding:\n\n| family | eagle draft, TP 1, KV auto | ngram draft, TP 1, KV auto | " \
-        "ngram draft, TP 2, KV auto |" in table
-    assert "| llama | declined | restored | not run |" in table
-    assert "with an n-gram draft restored: 1 families (TP 2: **no**); with an EAGLE draft: declined" in table
+    assert "With speculative decoding:\n\n| family | eagle draft, TP 1, KV auto | medusa draft, TP 1, KV auto | " \
+        "ngram draft, TP 1, KV auto | ngram draft, TP 2, KV auto |" in table
+    assert "| llama | declined | restored | restored | not run |" in table
+    assert "with an n-gram draft restored: 1 families (TP 2: **no**); with Medusa heads restored: **no**; " \
+        "with an EAGLE draft: declined" in table
     assert "| llama | 1 | auto | off | ngram | ok | yes | yes | restored | computed 1, loaded 2; vLLM drafted 9 " \
         "tokens, 2 accepted |" in rep.report(body)
 

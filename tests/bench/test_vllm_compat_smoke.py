@@ -1,8 +1,8 @@
 """A CI-sized slice of the vLLM compatibility matrix on real vLLM (CPU) processes: a Llama that the
 connector restores with vLLM's own greedy tokens, and a Gemma 2 (sliding window) that vLLM must serve with
 the connector in place, restored or declined, with the same tokens either way; and both under speculative
-decoding: with an n-gram draft (no KV of its own) the connector restores while vLLM drafts and verifies, with
-an EAGLE draft (KV of its own) it steps aside."""
+decoding: with an n-gram draft and Medusa heads (no KV of their own) the connector restores while vLLM drafts
+and verifies, with an EAGLE draft (KV of its own) it steps aside."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vll
 
 def test_llama_restores_and_gemma2_serves_with_the_connector_with_and_without_drafts(tmp_path):
     assert vllm_compat.main(["--families", "llama,gemma2", "--tp", "1", "--pp", "1", "--kv-dtypes", "auto",
-                             "--lora", "off", "--spec", "ngram,eagle", "--out", str(tmp_path),
+                             "--lora", "off", "--spec", "ngram,medusa,eagle", "--out", str(tmp_path),
                              "--workdir", str(tmp_path / "work")]) == 0
     body = json.loads((tmp_path / "vllm_compat.json").read_text())
-    llama, gemma2, llama_ngram, gemma2_ngram, llama_eagle = body["cells"]
+    llama, gemma2, llama_ngram, gemma2_ngram, llama_medusa, llama_eagle = body["cells"]
     assert (llama["name"], gemma2["name"]) == ("llama-tp1-auto-base", "gemma2-tp1-auto-base")
     assert llama["status"] == "ok" and llama["tokens_equal"] and llama["outcome"] == "restored", llama
     assert llama["computed"] + llama["loaded"] == sum(n // CHUNK for n in PREFIXES)  # every whole chunk
@@ -31,6 +31,7 @@ def test_llama_restores_and_gemma2_serves_with_the_connector_with_and_without_dr
     assert llama_ngram["name"] == "llama-tp1-auto-base-ngram" and llama_ngram["outcome"] == "restored", llama_ngram
     assert llama_ngram["tokens_equal"] and llama_ngram["drafts"] > 0  # vLLM drafted after the restore
     assert gemma2_ngram["status"] == "ok" and gemma2_ngram["tokens_equal"], gemma2_ngram
+    assert llama_medusa["outcome"] == "restored" and llama_medusa["tokens_equal"] and llama_medusa["drafts"] > 0
     assert llama_eagle["status"] == "ok" and llama_eagle["tokens_equal"] and llama_eagle["drafts"] > 0, llama_eagle
     assert llama_eagle["outcome"] == "declined" and "eagle" in llama_eagle["reasons"][0]
     assert body["summary"]["failed_cells"] == 0 and body["summary"]["eagle_outcomes"] == ["declined"]
