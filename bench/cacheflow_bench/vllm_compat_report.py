@@ -145,7 +145,8 @@ def block(body: dict[str, Any]) -> str:
     speculative cells in a table of their own, one column per (draft, TP, KV dtype)."""
     cells = [c for c in body["cells"] if not c.get("spec")]
     drafted = [c for c in body["cells"] if c.get("spec")]
-    tables = [grid(cells)] + ([f"With speculative decoding:\n\n{grid(drafted)}"] if drafted else [])
+    tables = [grid(cells)] + ([f"With speculative decoding (LoRA off):\n\n{grid(drafted, lora=False)}"] if drafted
+                              else [])
     s = body["summary"]
     line = (f"{s['cells']} cells: {s['restored_cells']} restored, {s['declined_cells']} declined, "
             f"{s['failed_cells']} failed, {s['vllm_cannot_run_cells']} that vLLM's CPU build cannot run; "
@@ -165,17 +166,20 @@ def block(body: dict[str, Any]) -> str:
     return "\n".join([BEGIN, "\n\n".join(tables), "", line, END])
 
 
-def grid(cells: Cells) -> str:
-    """One row per family, one column per configuration the cells ran."""
-    columns = sorted({(c.get("spec", ""), c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"])
-                      for c in cells})
-    by = {(c["family"], c.get("spec", ""), c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]): c
-          for c in cells}
-    families = list(dict.fromkeys(c["family"] for c in cells))
-    header = ["family", *(f"{f'{spec} draft, ' if spec else ''}{split_name(tp, pp)}"
-                          f"{f' from TP {by_tp}' if by_tp else ''}, KV {kv}{'' if spec else f', LoRA {on_off(lora)}'}"
-                          for spec, pp, by_tp, tp, kv, lora in columns)]
-    rows = [[f, *(short(by.get((f, *col))) for col in columns)] for f in families]
+def grid(cells: Cells, lora: bool = True) -> str:
+    """One row per family (with a draft: per family and draft), one column per configuration the cells ran
+    (`lora`: naming LoRA off or on; the speculative cells run without)."""
+    def row(c: dict[str, Any]) -> str:
+        return f"{c['family']}, {c['spec']} draft" if c.get("spec") else c["family"]
+
+    def column(c: dict[str, Any]) -> tuple[int, int, int, str, bool]:
+        return c.get("pp", 1), c.get("stored_by", 0), c["tp"], c["kv_dtype"], c["lora"]
+
+    columns = sorted({column(c) for c in cells})
+    by = {(row(c), *column(c)): c for c in cells}
+    header = ["family", *(f"{split_name(tp, pp)}{f' from TP {by_tp}' if by_tp else ''}, KV {kv}"
+                          f"{f', LoRA {on_off(on)}' if lora else ''}" for pp, by_tp, tp, kv, on in columns)]
+    rows = [[r, *(short(by.get((r, *col))) for col in columns)] for r in dict.fromkeys(map(row, cells))]
     return markdown_table(header, rows)
 
 

@@ -177,9 +177,9 @@ def test_speculative_cells_have_their_own_columns_drafts_and_summary():
     body = {"cells": cells, "summary": s, "machine": {"git": "abc1234"}, "command": "c"}
     table = rep.block(body)
     assert "| family | TP 1, KV auto, LoRA off |\n" in table  # the plain cells' table, then the speculative ones'
-    assert "With speculative decoding:\n\n| family | eagle draft, TP 1, KV auto | medusa draft, TP 1, KV auto | " \
-        "ngram draft, TP 1, KV auto | ngram draft, TP 2, KV auto |" in table
-    assert "| llama | declined | restored | restored | not run |" in table
+    assert "With speculative decoding (LoRA off):\n\n| family | TP 1, KV auto | TP 2, KV auto |\n" in table
+    assert "| llama, ngram draft | restored | not run |\n| qwen2, ngram draft | not run | restored |\n" \
+        "| llama, eagle draft | declined | not run |\n| llama, medusa draft | restored | not run |" in table
     assert "with an n-gram draft restored: 1 families (TP 2: **no**); with Medusa heads restored: **no**; " \
         "with an EAGLE draft: declined" in table
     assert "| llama | 1 | auto | off | ngram | ok | yes | yes | restored | computed 1, loaded 2; vLLM drafted 9 " \
