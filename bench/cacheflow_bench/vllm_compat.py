@@ -47,7 +47,7 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
     drafted = itertools.product(args.spec, args.tp if single else [], args.families, args.kv_dtypes)
     spec = [Cell(family, tp, kv, False, spec=spec) for spec, tp, family, kv in drafted
             if has_draft(family, spec)]
-    if getattr(args, "only_spec", False):
+    if args.only_spec:
         return spec
     product = itertools.product(args.tp if single else [], args.families, args.kv_dtypes, args.lora)
     cells = [Cell(family, tp, kv, lora) for tp, family, kv, lora in product]

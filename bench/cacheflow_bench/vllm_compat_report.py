@@ -109,7 +109,7 @@ def yes_no(value: Any) -> str:
 def report(body: dict[str, Any]) -> str:
     """bench/results/vllm_compat.md: the summary, then one row per cell."""
     cells = body["cells"]
-    rows = [[c["family"], tp_of(c), c["kv_dtype"], "on" if c["lora"] else "off", c.get("spec") or "—", c["status"],
+    rows = [[c["family"], tp_of(c), c["kv_dtype"], on_off(c["lora"]), c.get("spec") or "—", c["status"],
              yes_no(c["start_ok"]), yes_no(c.get("tokens_equal")), c.get("outcome", "—"), detail(c), c["wall_s"],
              c.get("commit") or body["machine"]["git"]] for c in cells]
     table = markdown_table(["family", "TP", "KV dtype", "LoRA", "draft", "status", "vLLM starts", "tokens equal",

@@ -137,7 +137,7 @@ def test_pipeline_cells_run_after_the_others_at_each_tp_size():
     from cacheflow_bench.vllm_compat import cells_of
 
     args = Namespace(tp=[1, 2], pp=[1, 2], families=["llama"], kv_dtypes=["auto"], lora=[False], share=True,
-                     spec=[])
+                     spec=[], only_spec=False)
     assert [c.name for c in cells_of(args)] == [
         "llama-tp1-auto-base", "llama-tp2-auto-base", "llama-tp1-auto-base-from-tp2", "llama-tp2-auto-base-from-tp1",
         "llama-tp1-pp2-auto-base", "llama-tp2-pp2-auto-base"]
@@ -151,8 +151,7 @@ def test_speculative_cells_come_last_and_eagle_only_where_the_family_has_a_draft
     from cacheflow_bench.vllm_compat import cells_of
 
     args = Namespace(tp=[1], pp=[1, 2], families=["llama", "qwen2"], kv_dtypes=["auto"], lora=[False], share=False,
-                     spec=["ngram", "eagle"])
-    args.spec = ["ngram", "medusa", "eagle"]
+                     spec=["ngram", "medusa", "eagle"], only_spec=False)
     assert [c.name for c in cells_of(args)][-4:] == [
         "llama-tp1-auto-base-ngram", "qwen2-tp1-auto-base-ngram", "llama-tp1-auto-base-medusa",
         "llama-tp1-auto-base-eagle"]
