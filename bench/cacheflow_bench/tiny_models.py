@@ -77,22 +77,23 @@ EAGLE_LAYERS = 1  # an EAGLE-1 draft: one decoder layer over [token embedding, t
 MEDUSA_HEADS = 3  # a Medusa draft: one residual block and LM head per drafted position
 
 
-def hf_config(family: str) -> Any:
+def hf_config(family: str, **overrides: Any) -> Any:
     from transformers import AutoConfig
 
     model_type, settings = FAMILIES[family]
-    kwargs = {k: v for k, v in {**BASE, **settings}.items() if v is not None or k == "sliding_window"}
+    kwargs = {k: v for k, v in {**BASE, **settings, **overrides}.items() if v is not None or k == "sliding_window"}
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def build(family: str, seed: int = 0) -> Any:
-    """The family's transformers model with seeded random weights at `STD`."""
+def build(family: str, seed: int = 0, **overrides: Any) -> Any:
+    """The family's transformers model with seeded random weights at `STD` (`overrides`: settings of its
+    config)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.disable_progress_bar()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config(family, **overrides), dtype=torch.float32)
     stds = {**STD, **FAMILY_STD.get(family, {})}
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -182,6 +183,34 @@ def save_eagle(family: str, path: Path, seed: int = 2) -> Path:
     config = {**draft.config.to_dict(), "num_hidden_layers": EAGLE_LAYERS, "architectures": ["EagleLlamaForCausalLM"]}
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def save_copying_eagle(target: Path, draft: Path, seed: int = 0) -> tuple[Path, Path]:
+    """A one-layer tiny Llama and an EAGLE-1 draft that copies it, so the draft's tokens are the target's
+    and vLLM accepts nearly all of them — if, and only if, the draft's KV is right.
+
+    The draft's layer is the target's (without the input norm EAGLE's first layer lacks); its `fc` passes the
+    token embedding through and drops the target's hidden state. The target's embedding rows have an RMS of 1
+    and its norms weigh 1, so its input norm leaves an embedding as it is, and its final norm only scales the
+    output (the argmax is the draft's, which has none). The draft at position i reads token i + 1, as the
+    target does at i + 1, and RoPE sees the same distances: both attend alike, but for the prompt's first
+    token, which the draft never reads."""
+    from safetensors.torch import save_file
+
+    model = build("llama", seed, num_hidden_layers=1)
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight  # [vocab, hidden]
+        embed /= embed.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    model.save_pretrained(target, safe_serialization=True)
+    hidden = model.config.hidden_size
+    tensors = {name.removeprefix("model."): w.detach().clone() for name, w in model.state_dict().items()
+               if name.startswith("model.layers.0.") and "input_layernorm" not in name}
+    tensors["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)  # [hidden, 2 hidden]
+    draft.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, draft / "model.safetensors", metadata={"format": "pt"})
+    config = {**model.config.to_dict(), "architectures": ["EagleLlamaForCausalLM"]}
+    (draft / "config.json").write_text(json.dumps(config, indent=2))
+    return target, draft
 
 
 def save_medusa(family: str, path: Path, seed: int = 3) -> Path:

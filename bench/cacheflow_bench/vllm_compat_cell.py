@@ -18,10 +18,10 @@ makes the "shared" pass, which restores from those chunks (its ranks take their 
 objects): its tokens must equal the cold pass's.
 
 A speculative-decoding cell (`spec`) runs vLLM with a draft: n-gram lookup or Medusa heads (no KV of their own:
-the connector serves them) or an EAGLE head (KV of its own that chunks do not hold: the connector steps
-aside). Its prompts repeat a random stretch, so the n-gram lookup finds matches and drafts; vLLM's draft
-counters for the last pass are kept (a draft's tokens are verified by the target model: greedy tokens must
-still be equal).
+the connector serves them) or an EAGLE head (KV of its own, which the connector restores on one rank by rerunning
+the draft, and steps aside for under tensor parallelism). Its prompts repeat a random stretch, so the n-gram
+lookup finds matches and drafts; vLLM's draft counters for the last pass are kept (a draft's tokens are
+verified by the target model: greedy tokens must still be equal).
 """
 
 from __future__ import annotations

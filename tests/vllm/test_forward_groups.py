@@ -79,3 +79,36 @@ def test_a_ranks_output_is_its_residual_stream_or_the_last_ranks_hidden_states()
     assert torch.equal(residual_stream(Sent({"hidden_states": hidden, "residual": residual})), hidden + residual)
     assert torch.equal(residual_stream(Sent({"hidden_states": hidden})), hidden)
     assert residual_stream(hidden) is hidden
+
+
+class _Doubling:
+    """Stands in for vLLM's model where only the rows' bookkeeping is tested: returns its input rows doubled."""
+
+    def forward(self, *, input_ids: Any, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        return 2 * inputs_embeds
+
+
+def test_each_forward_keeps_a_requests_output_rows_by_position_for_its_draft(monkeypatch: Any) -> None:
+    """An EAGLE draft restores from the rows vLLM's model returned at each position: `_forward` hands each
+    request its own rows, in a forward whose packing starts past row 0 (the second of a cut step) too."""
+    from contextlib import contextmanager
+
+    from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
+
+    runtime = VllmRuntime.__new__(VllmRuntime)
+    runtime.module, runtime._sent = _Doubling(), ()
+
+    @contextmanager
+    def no_context(spans: list[Span]) -> Any:
+        yield torch.cat([torch.arange(s.start, s.start + s.length) for s in spans])
+
+    monkeypatch.setattr(runtime, "forward_context", no_context)
+    first, second = _kv(), _kv()
+    first.keep_outputs()
+    second.keep_outputs()
+    rows = torch.arange(54.0).unsqueeze(1)  # [54, 1]: row r holds r
+    for group in forward_groups([Span(first, 16, 24), Span(second, 0, 30)], 20):
+        runtime._forward(rows[group[0].row : group[-1].row + group[-1].length], group)
+    assert torch.equal(first.outputs(16, 40), 2 * rows[:24])
+    assert torch.equal(second.outputs(0, 30), 2 * rows[24:])
+    assert second.outputs(0, 31) is None and first.outputs(8, 20) is None  # rows it never computed

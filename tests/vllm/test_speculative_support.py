@@ -1,9 +1,10 @@
 """Which speculative decoding methods the connector serves, decided from vLLM's config alone: a draft without
 KV of its own (n-gram or suffix lookups, Medusa or MLP heads) leaves the target's cache the whole of the KV,
-so the connector serves it; a draft with KV of its own (EAGLE, MTP, a draft model) makes it step aside, naming
-the method. The config here is a stand-in with the fields `unsupported` reads (vLLM's `VllmConfig` needs
-vLLM, which this environment does not have); the real vLLM runs both kinds in
-tests/bench/test_vllm_compat_smoke.py."""
+so the connector serves it; an EAGLE draft's KV it restores by rerunning the draft (with vLLM's model, on one
+rank, without LoRA: tests/bench/test_eagle_restore.py runs it); any other draft with KV of its own (EAGLE-3,
+MTP, a draft model) makes it step aside, naming the method. The config here is a stand-in with the fields
+`unsupported` reads (vLLM's `VllmConfig` needs vLLM, which this environment does not have); the real vLLM
+runs both kinds in tests/bench/test_vllm_compat_smoke.py."""
 
 from __future__ import annotations
 
@@ -12,15 +13,15 @@ from typing import Any
 
 import pytest
 
-from cacheflow_services.vllm_connector.support import KV_FREE_DRAFTS, unsupported
+from cacheflow_services.vllm_connector.support import KV_FREE_DRAFTS, restores_draft, unsupported
 
 
-def vllm_config(method: str | None) -> Any:
+def vllm_config(method: str | None, *, tp: int = 1, pp: int = 1, lora: bool = False) -> Any:
     parallel = SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1,
-                               tensor_parallel_size=1)
+                               tensor_parallel_size=tp, pipeline_parallel_size=pp)
     model = SimpleNamespace(use_mla=False, uses_mrope=False, is_encoder_decoder=False, quantization=None)
     return SimpleNamespace(parallel_config=parallel, cache_config=SimpleNamespace(cache_dtype="auto"),
-                           model_config=model,
+                           model_config=model, lora_config=SimpleNamespace() if lora else None,
                            speculative_config=None if method is None else SimpleNamespace(method=method))
 
 
@@ -29,7 +30,22 @@ def test_drafts_without_kv_of_their_own_are_served(method: str) -> None:
     assert unsupported(vllm_config(method), "unused", "vllm") == ""
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "deepseek_mtp", "mtp", "draft_model", "custom_class"])
+def test_an_eagle_draft_is_served_on_one_rank_with_vllms_model_and_its_kv_restored() -> None:
+    config = vllm_config("eagle")
+    assert unsupported(config, "unused", "vllm") == "" and restores_draft(config)
+    assert not restores_draft(vllm_config("ngram")) and not restores_draft(vllm_config(None))
+
+
+@pytest.mark.parametrize(("settings", "runtime", "where"), [
+    ({"tp": 2}, "vllm", "tensor parallelism"), ({"pp": 2}, "vllm", "pipeline parallelism"),
+    ({"lora": True}, "vllm", "LoRA"), ({}, "cacheflow", "CacheFlow's runtime")])
+def test_an_eagle_draft_elsewhere_makes_the_connector_step_aside_saying_where(settings: dict[str, Any], runtime: str,
+                                                                              where: str) -> None:
+    reason = unsupported(vllm_config("eagle", **settings), "unused", runtime)
+    assert reason.startswith(f"speculative decoding with eagle under {where}: ")
+
+
+@pytest.mark.parametrize("method", ["eagle3", "deepseek_mtp", "mtp", "draft_model", "custom_class"])
 def test_drafts_with_kv_of_their_own_or_unknown_make_the_connector_step_aside(method: str) -> None:
     reason = unsupported(vllm_config(method), "unused", "vllm")
     assert reason == f"speculative decoding with {method}: the draft's own KV is not in the chunks"

@@ -44,6 +44,28 @@ class BlockKV(KVBuffer):
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._lock = threading.Lock()  # one write at a time, and none after `seal`
         self._sealed = False
+        self._outputs: dict[int, torch.Tensor] | None = None  # first position -> rows vLLM's model returned there
+
+    def keep_outputs(self) -> None:
+        """Keep the output rows of the forwards that compute this request's positions (`keep`): an EAGLE draft
+        restores from them (draft.py)."""
+        self._outputs = {}
+
+    def keep(self, start: int, rows: torch.Tensor) -> None:
+        """vLLM's model returned `rows` [T, hidden] for positions [start, start + T); kept if asked for."""
+        if self._outputs is not None:
+            self._outputs[start] = rows.clone()
+
+    def outputs(self, start: int, end: int) -> torch.Tensor | None:
+        """The kept output rows of positions [start, end), [end - start, hidden], or None unless all were kept."""
+        parts, at = [], start
+        for first, rows in sorted((self._outputs or {}).items()):
+            if first <= at < first + len(rows):
+                parts.append(rows[at - first : min(len(rows), end - first)])
+                at += len(parts[-1])
+            if at >= end:
+                return torch.cat(parts)
+        return None
 
     def landing(self) -> BlockLanding:
         return BlockLanding(self)

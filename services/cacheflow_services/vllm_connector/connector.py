@@ -57,6 +57,7 @@ from cacheflow_services.vllm_connector.support import (
     declined,
     model_dir,
     request_keying,
+    restores_draft,
     unsupported,
     unsupported_cache,
 )
@@ -105,7 +106,8 @@ class CacheFlowConnector(KVConnectorBase_V1):
         self._refused: set[str] = set()  # worker side: background loads refused, reported by the next get_finished
         self._declined: set[str] = set()  # scheduler side: requests the connector neither restores nor stores
         pipeline = vllm_config.parallel_config.pipeline_parallel_size > 1
-        self._captured = pipeline and self.cfg.save  # ranks after the first capture boundary activations
+        # ranks after the first capture boundary activations; with an EAGLE draft, the model's output rows
+        self._captured = (pipeline or restores_draft(vllm_config)) and self.cfg.save
         # Restores have their meeting point planned before they start under tensor parallelism (a rank's forward
         # needs every other rank's in lockstep: planned_split.py).
         if vllm_config.parallel_config.tensor_parallel_size > 1:
@@ -132,7 +134,8 @@ class CacheFlowConnector(KVConnectorBase_V1):
                                         layers=_rank_layers(vllm_config), attention_isa=isa,
                                         vllm_config=vllm_config, tp_rank=_tp_rank(vllm_config),
                                         step_slots=forward_context_slots,
-                                        lora_manager=lambda model: find_lora_manager(vllm_config, model))
+                                        lora_manager=lambda model: find_lora_manager(vllm_config, model),
+                                        drafter=find_drafter)
 
     def _resolve_model(self, revision: str | None) -> str:
         """Point `cfg.model` at the checkpoint's directory (a Hub id resolved in the local cache); the reason
@@ -220,7 +223,8 @@ class CacheFlowConnector(KVConnectorBase_V1):
         return meta
 
     def _add_rows(self, meta: CacheFlowMetadata, req_id: str, computed: int, rows: int) -> None:
-        """Where the request's rows this step go, when pipeline ranks capture boundary activations."""
+        """Where the request's rows this step go, when pipeline ranks capture boundary activations (or the worker
+        an EAGLE draft's input rows)."""
         if meta.prompt_rows is not None and self._plan is not None:
             self._plan.add_prompt_rows(meta.prompt_rows, req_id, computed, computed + rows)
 
@@ -366,6 +370,17 @@ def find_lora_manager(vllm_config: VllmConfig, model: Any) -> Any:
             manager = getattr(runner, "lora_manager", None)
             if manager is not None and _model_of(runner) is model:
                 return manager
+    return None
+
+
+def find_drafter(model: Any) -> Any:
+    """The draft model (an EAGLE draft's) of the model runner holding `model`, or None where that runner is
+    not on the call stack or has no draft model."""
+    for owner in _vllm_owners():
+        for runner in (owner, getattr(owner, "model_runner", None)):  # a model runner, or a worker's
+            drafter = getattr(getattr(runner, "drafter", None), "model", None)
+            if drafter is not None and _model_of(runner) is model:
+                return drafter
     return None
 
 

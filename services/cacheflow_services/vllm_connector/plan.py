@@ -33,6 +33,7 @@ class LoadSpec:
     salt: str = ""  # what else its chunk keys are salted with (a LoRA adapter, a cache_salt: support.py)
     load_only: bool = False  # restored by loads alone (nothing may recompute it: support.py, adapters.py)
     adapter: Adapter | None = None  # its LoRA adapter (None: the base model), active while it recomputes
+    next_token: int | None = None  # the prompt's token after the prefix (an EAGLE draft's last input: draft.py)
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,11 @@ class Keying:
     load_only: bool = False
     adapter: Adapter | None = None
 
-    def load_spec(self, req_id: str, token_ids: tuple[int, ...], block_ids: tuple[int, ...], start: int) -> LoadSpec:
-        """A load of the request's cached prefix `token_ids`, keyed and restored this way."""
-        return LoadSpec(req_id, token_ids, block_ids, start, salt=self.salt, load_only=self.load_only,
-                        adapter=self.adapter)
+    def load_spec(self, req_id: str, prompt: tuple[int, ...], cached: int, block_ids: tuple[int, ...], start: int
+                  ) -> LoadSpec:
+        """A load of the `cached` prefix of `prompt`, keyed and restored this way."""
+        return LoadSpec(req_id, prompt[:cached], block_ids, start, salt=self.salt, load_only=self.load_only,
+                        adapter=self.adapter, next_token=prompt[cached] if cached < len(prompt) else None)
 
 
 @dataclass
@@ -138,7 +140,7 @@ class SchedulerPlan:
         self._loaded_in_background.add(req_id)
         tracked = _Tracked(tuple(prompt), list(block_ids), saved=cached, keying=self.keying(req_id))
         self._tracked[req_id] = tracked
-        self._background.append(tracked.keying.load_spec(req_id, tracked.prompt[:cached], tuple(block_ids),
+        self._background.append(tracked.keying.load_spec(req_id, tracked.prompt, cached, tuple(block_ids),
                                                          cached - num_external))
 
     def take_background_loads(self) -> list[LoadSpec]:
@@ -196,7 +198,7 @@ class SchedulerPlan:
         start = self._loads.pop(req_id, None)
         if start is None:
             return None
-        return tracked.keying.load_spec(req_id, tracked.prompt[:cached], tuple(tracked.block_ids), start)
+        return tracked.keying.load_spec(req_id, tracked.prompt, cached, tuple(tracked.block_ids), start)
 
     def _save(self, req_id: str, tracked: _Tracked, computed_after: int) -> SaveSpec | None:
         end = min(computed_after, len(tracked.prompt)) // self.chunk_size * self.chunk_size

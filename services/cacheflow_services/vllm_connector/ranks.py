@@ -52,9 +52,10 @@ StepSlots = Callable[[str], torch.Tensor]
 
 
 class BoundaryCapture:
-    """The residual stream entering a rank's first layer, per request, by prompt position.
+    """The residual stream entering a rank's first layer (or, attached with `output`, the rows the model returns),
+    per request, by prompt position.
 
-    Each step: `begin_step` says where its prompt rows go (`PromptRows`); `record` (the pre-hook) files the
+    Each step: `begin_step` says where its prompt rows go (`PromptRows`); `record` (the hook) files the
     rows by their slots; `take` returns a request's rows [start, end) once all are there; `release` /
     `finish` drop them.
     """
@@ -67,12 +68,14 @@ class BoundaryCapture:
         self._lock = threading.Lock()
         self._handle: Any = None
 
-    def attach(self, model: torch.nn.Module, layer: str) -> None:
+    def attach(self, model: torch.nn.Module, layer: str, *, output: bool = False) -> None:
         """Hook vLLM's top-level model: its forward takes (input_ids, positions, intermediate_tensors, ...);
-        `layer`: one of the rank's attention layers."""
+        `layer`: one of the rank's attention layers. `output`: capture what the model returns (the last rank's
+        output rows, an EAGLE draft's input) instead of what it receives."""
         self._layer = layer
         if self._handle is None:
-            self._handle = model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+            self._handle = model.register_forward_hook(self._post_hook, with_kwargs=True) if output else \
+                model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
 
     @property
     def attached(self) -> bool:
@@ -84,17 +87,28 @@ class BoundaryCapture:
             self._handle = None
 
     def _pre_hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Never fails vLLM's forward: a step it cannot read leaves its chunks without a boundary."""
+        """What the rank before sent (hidden_states, residual). Never fails vLLM's forward."""
         inter = kwargs.get("intermediate_tensors", args[2] if len(args) > 2 else None)
-        if inter is None or self._slots is None:  # rank 0 (no boundary), or a call not made by the runner
+        if inter is not None:  # None on rank 0 (no boundary)
+            tensors = getattr(inter, "tensors", inter)  # vLLM's IntermediateTensors, or a plain dict
+            self._record_step(lambda: (tensors["hidden_states"], tensors.get("residual")))
+
+    def _post_hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """The model's output rows [R, hidden] (a tensor on the last rank). Never fails vLLM's forward."""
+        if isinstance(output, torch.Tensor):
+            self._record_step(lambda: (output, None))
+
+    def _record_step(self, rows: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """File the step's prompt rows (hidden, residual) by their slots; a step it cannot read leaves its chunks
+        without them."""
+        if self._slots is None:  # a call not made by the runner
             return
         with self._lock:
             step, self._step = self._step, None
         if step is None or not step.blocks:  # nothing of a prompt this step (decodes only)
             return
         try:
-            tensors = getattr(inter, "tensors", inter)  # vLLM's IntermediateTensors, or a plain dict
-            self.record(step, self._slots(self._layer), tensors["hidden_states"], tensors.get("residual"))
+            self.record(step, self._slots(self._layer), *rows())
         except Exception as exc:
             log.warning("no boundary activation captured this step (%s: %s)", type(exc).__name__, exc)
 

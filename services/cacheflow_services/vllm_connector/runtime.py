@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 VllmModel = Callable[[], Any]  # vLLM's loaded model module, or None while it cannot be reached
 LoraManager = Callable[[Any], Any]  # vLLM's model -> its runner's LoRA manager, or None (LoRA off, or out of reach)
+Drafter = Callable[[Any], Any]  # vLLM's model -> its runner's draft model, or None (no draft, or out of reach)
 Event = Callable[..., None]  # the connector's stats log: event(kind, **fields)
 
 

@@ -9,9 +9,11 @@ agree without talking. Refused, whatever recomputes the restore's front:
   layers left out of its quantization (`kv_cache_dtype_skip_layers`);
 * decode- or prefill-context parallelism (a rank's cache holds a slice of the tokens); tensor parallelism
   with CacheFlow's runtime (with vLLM's model a rank restores its slice of the heads: `planned_split.py`);
-* speculative decoding with a draft that has KV of its own (EAGLE, MTP, a draft model: chunks hold the target
+* speculative decoding with a draft that has KV of its own (EAGLE-3, MTP, a draft model: chunks hold the target
   model's layers only); drafts without attention layers are served (`KV_FREE_DRAFTS`: n-gram and suffix
-  lookups over the tokens, Medusa and MLP heads over the target's last hidden state);
+  lookups over the tokens, Medusa and MLP heads over the target's last hidden state), and so is an EAGLE(-1)
+  draft with vLLM's model on one rank (`restores_draft`: its KV is recomputed from the target's stored
+  output, `draft.py`);
 * a cache of other than full-attention blocks: several groups (hybrid models: one block table per group),
   sliding-window blocks (dropped outside the window), state caches.
 
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 ATTENTION_SPECS = ("FullAttentionSpec",)  # caches of every position's K and V in blocks
 # Speculative methods whose drafts have no KV cache: the target's cache, which chunks hold, is the whole of it.
 KV_FREE_DRAFTS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
+# Drafts whose KV a restore recomputes: EAGLE's layers over the target's output rows, stored with the chunks.
+RESTORED_DRAFTS = ("eagle",)
 
 
 def model_dir(model: str, revision: str | None = None) -> Path:
@@ -75,8 +79,8 @@ def unsupported(vllm_config: Any, model: str, runtime: str) -> str:
         return f"KV cache dtype {cache.cache_dtype}: chunks hold the model's dtype or (with vLLM's model) fp8"
     if cache.cache_dtype != "auto" and getattr(cache, "kv_cache_dtype_skip_layers", None):
         return "layers left out of the KV cache's quantization: chunks hold one dtype"
-    if (draft := vllm_config.speculative_config) is not None and draft.method not in KV_FREE_DRAFTS:
-        return f"speculative decoding with {draft.method}: the draft's own KV is not in the chunks"
+    if (reason := _unsupported_draft(vllm_config, runtime)):
+        return reason
     if runtime == "vllm":
         return _unsupported_by_vllm_runtime(model_config)
     if model_config.quantization:
@@ -85,6 +89,31 @@ def unsupported(vllm_config: Any, model: str, runtime: str) -> str:
         ModelConfig.from_dir(model)
     except (ConfigError, OSError, ValueError, KeyError) as exc:
         return f"CacheFlow's runtime cannot read this model: {exc}"
+    return ""
+
+
+def restores_draft(vllm_config: Any) -> bool:
+    """Whether restores also recompute a draft's KV (an EAGLE draft): its rows are captured and stored."""
+    draft = vllm_config.speculative_config
+    return draft is not None and draft.method in RESTORED_DRAFTS
+
+
+def _unsupported_draft(vllm_config: Any, runtime: str) -> str:
+    """Why the connector cannot serve `vllm_config`'s speculative decoding ("" if it can): a draft's KV is
+    either none (`KV_FREE_DRAFTS`) or an EAGLE draft's, which vLLM's model recomputes on one rank."""
+    draft = vllm_config.speculative_config
+    if draft is None or draft.method in KV_FREE_DRAFTS:
+        return ""
+    if draft.method not in RESTORED_DRAFTS:
+        return f"speculative decoding with {draft.method}: the draft's own KV is not in the chunks"
+    parallel = vllm_config.parallel_config
+    where = {"CacheFlow's runtime": runtime != "vllm", "LoRA": vllm_config.lora_config is not None,
+             "tensor parallelism": parallel.tensor_parallel_size > 1,
+             "pipeline parallelism": parallel.pipeline_parallel_size > 1}
+    for name, on in where.items():
+        if on:
+            return f"speculative decoding with {draft.method} under {name}: its draft's KV is recomputed on one " \
+                   "rank, with vLLM's model and no adapter"
     return ""
 
 

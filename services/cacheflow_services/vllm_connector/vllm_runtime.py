@@ -29,8 +29,8 @@ part of one the restore engine calls (`embed`, `forward_layers`, `new_kv`, `fing
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, cast
 
 import torch
@@ -109,7 +109,19 @@ class VllmRuntime:
         return torch.cat(outs) if len(outs) != 1 else outs[0]
 
     def _forward(self, hidden: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
-        """One forward of vLLM's model over rows `hidden` [r, hidden], packed in the order of `spans`."""
+        """One forward of vLLM's model over rows `hidden` [r, hidden], packed in the order of `spans`; a request
+        that keeps its output rows (an EAGLE draft's input: `BlockKV.keep_outputs`) gets its own."""
+        with self.forward_context(spans) as positions:
+            out = residual_stream(self.module.forward(input_ids=None, positions=positions, **self._inputs(hidden)))
+        for span in spans:
+            _block_kv(span).keep(span.start, out[span.row - spans[0].row : span.row - spans[0].row + span.length])
+        return out
+
+    @contextmanager
+    def forward_context(self, spans: Sequence[Span]) -> Iterator[torch.Tensor]:
+        """vLLM's forward context for one forward over `spans` (one batch of chunked prefills into their blocks,
+        under their adapters): the attention metadata of every attention layer vLLM registered (the target's
+        and a draft's). Yields the rows' positions [r]."""
         from vllm.forward_context import set_forward_context
 
         blocks = [_block_kv(span) for span in spans]  # loaded chunks are in them as soon as they land
@@ -121,9 +133,8 @@ class VllmRuntime:
             slots.update(dict.fromkeys(names, common.slot_mapping))
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans]).to(self.device)  # [r]
         with self._mapped([(kv.adapter, s.length) for kv, s in zip(blocks, spans, strict=True)]), \
-                set_forward_context(metadata, self.vllm_config, num_tokens=hidden.shape[0], slot_mapping=slots):
-            out = self.module.forward(input_ids=None, positions=positions, **self._inputs(hidden))
-        return residual_stream(out)
+                set_forward_context(metadata, self.vllm_config, num_tokens=len(positions), slot_mapping=slots):
+            yield positions
 
     def _inputs(self, hidden: torch.Tensor) -> dict[str, Any]:
         """vLLM's model's input for rows `hidden` [r, hidden]: embedded tokens on the first rank; on a later

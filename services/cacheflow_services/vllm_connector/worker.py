@@ -49,6 +49,7 @@ from cacheflow_services.vllm_connector.async_loads import AsyncLoads
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.both_sides import StatsLog, blocks_from, open_store
 from cacheflow_services.vllm_connector.config import ConnectorConfig
+from cacheflow_services.vllm_connector.draft import DraftPass
 from cacheflow_services.vllm_connector.model_identity import (
     KVGeometry,
     chunk_fingerprint,
@@ -70,9 +71,9 @@ from cacheflow_services.vllm_connector.planned_split import (
 )
 from cacheflow_services.vllm_connector.ranks import BoundaryCapture, StepSlots, rank_layers, tensor_parallel_agree
 from cacheflow_services.vllm_connector.restorer import PREFILL_TOKENS, engine_settings
-from cacheflow_services.vllm_connector.runtime import LoraManager, RuntimeChoice, VllmModel
+from cacheflow_services.vllm_connector.runtime import Drafter, LoraManager, RuntimeChoice, VllmModel
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
-from cacheflow_services.vllm_connector.support import OnceLog
+from cacheflow_services.vllm_connector.support import OnceLog, restores_draft
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ class WorkerEngine:
     def __init__(self, cfg: ConnectorConfig, *, dtype: torch.dtype, block_size: int, device: str,
                  layout: str, vllm_model: VllmModel | None = None, layers: range | None = None,
                  attention_isa: str = "", vllm_config: Any = None, tp_rank: int | None = None,
-                 step_slots: StepSlots | None = None, lora_manager: LoraManager = lambda model: None) -> None:
+                 step_slots: StepSlots | None = None, lora_manager: LoraManager = lambda model: None,
+                 drafter: Drafter = lambda model: None) -> None:
         """`vllm_model` finds vLLM's loaded model module (None while it cannot); it is asked now, and if it
         has no answer yet, again at `register` and at the first load, before falling back to a copy.
         `layers`: this pipeline rank's layers, where known before `register` (its copy then loads only them).
@@ -91,7 +93,7 @@ class WorkerEngine:
         rank's, under tensor parallelism (its chunks hold its KV heads). `step_slots`: the slot mapping of the forward
         running now (vLLM's forward context), which files a pipeline rank's boundary rows by request.
         `lora_manager` finds, for vLLM's model, its runner's LoRA manager (LoRA on: vLLM's model recomputes under
-        each request's adapter)."""
+        each request's adapter); `drafter`, its runner's draft model (an EAGLE draft: restores rerun it, draft.py)."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown paged KV layout {layout!r}; known: {LAYOUTS}")
         self.cfg = cfg
@@ -115,6 +117,9 @@ class WorkerEngine:
                                       fingerprint=self.fingerprint, event=self.stats.event,
                                       lora_manager=lora_manager)
         self._lora_on = vllm_config is not None and vllm_config.lora_config is not None
+        self.drafts = vllm_config is not None and restores_draft(vllm_config)  # restores rerun an EAGLE draft
+        self._drafter = drafter
+        self._draft: DraftPass | None = None  # at the first restore that reruns the draft
         self._once = OnceLog()
         self.saves = ConnectorSaves(self.store, self.stats.event, fingerprint=self.fingerprint, dtype=dtype,
                                     kv_dtype=self.kv_dtype, heads=self.heads,
@@ -147,6 +152,8 @@ class WorkerEngine:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._runtime.choose(self.layers, final=False)
         c = self.config
+        # an EAGLE draft's layers follow the target's (draft.py reruns them; chunks hold the target's)
+        kv_caches = {name: cache for name, cache in kv_caches.items() if layer_index(name) < c.num_layers}
         self.caches = sorted((layer_index(name), cache) for name, cache in kv_caches.items())
         self._first_layer = min(kv_caches, key=layer_index)
         self.layers = rank_layers([layer for layer, _ in self.caches], c.num_layers)
@@ -162,8 +169,14 @@ class WorkerEngine:
     # ------------------------------------------------------------------------------------ pipeline ranks
     @property
     def captures(self) -> bool:
-        """Whether this rank stores boundary activations (a rank after the first that saves)."""
-        return self.layers.start > 0 and self.cfg.save
+        """Whether this rank stores boundary activations (a rank after the first that saves), or the model's
+        output rows (an EAGLE draft's input, draft.py)."""
+        return (self.layers.start > 0 or self.drafts) and self.cfg.save
+
+    @property
+    def captured_layer(self) -> int:
+        """The layer whose input the stored rows are: the rank's first, or (drafts) the LM head's, past the last."""
+        return self.config.num_layers if self.drafts else self.layers.start
 
     def begin_step(self, rows: PromptRows) -> None:
         """Where the step's prompt rows go, before its forward."""
@@ -174,7 +187,7 @@ class WorkerEngine:
     def _attach_capture(self) -> None:
         """Hook the boundary capture into vLLM's model once it can be reached (ranks that store boundaries)."""
         if self.captures and not self.capture.attached and (module := self._vllm_model()) is not None:
-            self.capture.attach(module, self._first_layer)
+            self.capture.attach(module, self._first_layer, output=self.drafts)
 
     def finished(self, req_ids: Sequence[str]) -> None:
         for req_id in req_ids:
@@ -332,10 +345,13 @@ class WorkerEngine:
         self.stats.event(kind, **fields)
 
     def _block_kv(self, spec: LoadSpec, job: RestoreJob) -> BlockKV:
-        return BlockKV(layers=job.layers, num_kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim,
-                       capacity=max(1, len(job.token_ids)), dtype=TORCH_DTYPES[self.kv_dtype],
-                       caches=dict(self.caches), layout=self.layout, block_ids=spec.block_ids,
-                       block_size=self.block_size, first_writable=spec.start, adapter=spec.adapter)
+        kv = BlockKV(layers=job.layers, num_kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim,
+                     capacity=max(1, len(job.token_ids)), dtype=TORCH_DTYPES[self.kv_dtype],
+                     caches=dict(self.caches), layout=self.layout, block_ids=spec.block_ids,
+                     block_size=self.block_size, first_writable=spec.start, adapter=spec.adapter)
+        if self.drafts:
+            kv.keep_outputs()  # the draft reruns over what vLLM's model computes
+        return kv
 
     def failed_load(self, spec: LoadSpec, exc: BaseException) -> set[int]:
         """A failed restore is a failed load: vLLM recomputes the prefix."""
@@ -363,7 +379,37 @@ class WorkerEngine:
                          runtime=self.runtime, asynchronous=self._async is not None,
                          attention="vllm" if isinstance(result.kv, PagedKV | BlockKV) else "cacheflow",
                          layers=[self.layers.start, self.layers.stop])
-        return self._after_misses(spec, job, result)
+        failed = self._after_misses(spec, job, result)
+        if self.drafts and isinstance(result.kv, BlockKV):
+            failed = self._restore_draft(spec, job, result.kv, failed)
+        return failed
+
+    def _restore_draft(self, spec: LoadSpec, job: RestoreJob, kv: BlockKV, failed: set[int]) -> set[int]:
+        """Rerun the EAGLE draft over what the restore wrote (up to vLLM's first failed block); the blocks vLLM
+        must recompute (from the first chunk without output rows on; all of them if the draft cannot run)."""
+        end = restored_end(spec, failed, self.block_size)
+        started = time.perf_counter()
+        try:
+            draft = self._draft_pass()
+            rows, reached = draft.rows(spec, job, kv, self.store, end)
+            draft.run(spec, kv, rows, reached)
+        except Exception as exc:
+            return failed | self.failed_load(spec, exc)
+        self.stats.event("draft", req=spec.req_id, tokens=reached - spec.start, short=end - reached,
+                         elapsed_s=time.perf_counter() - started)
+        return failed | blocks_from(spec, reached, self.block_size) if reached < end else failed
+
+    def _draft_pass(self) -> DraftPass:
+        """vLLM's draft model over vLLM's model's forward contexts (found at the first restore)."""
+        if self._draft is None:
+            model = self.model
+            if not isinstance(model, VllmRuntime):
+                raise ConfigError("an EAGLE draft's KV is restored with vLLM's own model only")
+            drafter = self._drafter(model.module)
+            if drafter is None:
+                raise RuntimeError("vLLM's draft model could not be reached from the connector")
+            self._draft = DraftPass(model, drafter, num_layers=self.config.num_layers, dtype=dtype_name(self.dtype))
+        return self._draft
 
     def engine(self) -> Engine:
         """The engine every restore runs in, started at the first; its compute loop runs on vLLM's thread
@@ -401,9 +447,10 @@ class WorkerEngine:
                            spec.start, end)  # [b - a, 2, Hkv, T, D]
         hidden = None
         if self.captures:
-            hidden = self.capture.take(spec.req_id, spec.start, end)  # [T, hidden] entering layer a, or None
+            hidden = self.capture.take(spec.req_id, spec.start, end)  # [T, hidden] entering that layer, or None
             self.capture.release(spec.req_id, end)
-        self.saves.store_new(spec, kv.cpu(), hidden, self.layers, captures=self.captures)
+        self.saves.store_new(spec, kv.cpu(), hidden, self.layers,
+                             captured_layer=self.captured_layer if self.captures else None)
 
     def flush(self) -> None:
         """Wait for every queued save."""
@@ -423,6 +470,12 @@ class WorkerEngine:
             if close is not None:
                 close()
         self.store.close()
+
+
+def restored_end(spec: LoadSpec, failed: set[int], block_size: int) -> int:
+    """Where what a restore wrote ends: the first of its blocks vLLM must recompute, or its prefix's end."""
+    starts = [i * block_size for i, block in enumerate(spec.block_ids) if block in failed]
+    return max(spec.start, min(starts, default=len(spec.token_ids)))
 
 
 def connector_policy(cfg: ConnectorConfig, profile: Profile | None) -> tuple[str, float | None]:

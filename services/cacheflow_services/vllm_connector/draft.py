@@ -1,0 +1,101 @@
+"""Restoring an EAGLE draft's KV with the target's: vLLM's draft layers rerun over the restored positions.
+
+With `--speculative-config '{"method": "eagle", ...}'` vLLM keeps a KV cache for the draft's own layers
+(`model.layers.<L>...`, after the target's L), in the same blocks as the target's. When vLLM computes a prompt
+chunk [s, e), its drafter runs once over the same positions: at position i its input is the next token
+(token i + 1; at e - 1 the prompt's token e, or the sampled one) and the target's output row at i (the last
+layer's hidden state after the final norm: what enters the LM head), and its layers write their KV at i.
+
+A restore gives the target's KV for [start, N) without running vLLM's step over them, so the connector runs
+the drafter's first pass over them itself, as vLLM would have (`DraftPass`): its inputs are the prompt's
+tokens [start + 1, N] (token N is the one after the prefix, `LoadSpec.next_token`) and the target's output
+rows — for positions vLLM's model recomputed, those it returned (`BlockKV.keep_outputs`); for loaded chunks,
+the rows stored with them: `hidden` objects at layer L ("entering the LM head", `output_rows`), which the
+saving side captures from vLLM's own forward (a forward hook on its model, `ranks.BoundaryCapture`).
+
+A chunk stored without its output rows (by an instance without the draft) cannot give the draft its KV: the
+restore ends before it, and vLLM computes the rest (target and draft). Draft KV is a function of the tokens
+and the target's rows, so a restored draft drafts exactly what it would have after vLLM's own prefill; its
+drafts never change the output (the target verifies them), only how many are accepted.
+
+One rank only (support.py): the draft's layers are tensor-parallel like the target's, and every rank would have
+to run the same forwards in lockstep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from cacheflow_common.model.transformer import Span
+from cacheflow_common.restore.boundary import BoundaryInput, BoundaryMissingError
+from cacheflow_common.restore.job import RestoreJob
+from cacheflow_services.vllm_connector.block_kv import BlockKV
+from cacheflow_services.vllm_connector.plan import LoadSpec
+from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime, forward_groups
+
+
+def output_job(job: RestoreJob, num_layers: int) -> RestoreJob:
+    """`job` as the store names its chunks' output rows: `hidden` objects at layer `num_layers` (the LM head's
+    input), in the model's dtype."""
+    return replace(job, layers=range(num_layers, num_layers + 1))
+
+
+class DraftPass:
+    def __init__(self, runtime: VllmRuntime, drafter: Any, *, num_layers: int, dtype: str) -> None:
+        """`drafter`: vLLM's loaded draft model (its runner's `drafter.model`); `num_layers`: the target's;
+        `dtype`: the output rows' as stored (the model's)."""
+        self.runtime = runtime
+        self.drafter = drafter
+        self.num_layers = num_layers
+        self.dtype = dtype
+
+    def rows(self, spec: LoadSpec, job: RestoreJob, kv: BlockKV, store: Any, end: int) -> tuple[torch.Tensor, int]:
+        """The target's output rows for positions [spec.start, end'), [end' - start, hidden], and end' (<= end):
+        the rows vLLM's model returned, else those stored with the chunk, up to the first chunk with neither."""
+        stored = BoundaryInput(replace(output_job(job, self.num_layers), kv_dtype=self.dtype), store, prefetch=0)
+        parts, reached = [], spec.start
+        for key in job.keys:
+            if key.token_end <= spec.start or key.token_start >= end:
+                continue
+            first, last = max(key.token_start, spec.start), min(key.token_end, end)
+            rows = kv.outputs(first, last)
+            if rows is None:
+                try:
+                    rows = stored(key.token_start, key.token_end)[first - key.token_start : last - key.token_start]
+                except BoundaryMissingError:
+                    break
+            parts.append(rows.to(self.runtime.device, self.runtime.dtype))
+            reached = last
+        hidden = torch.cat(parts) if parts else torch.empty(0, 0)
+        return hidden, reached
+
+    @torch.inference_mode()
+    def run(self, spec: LoadSpec, kv: BlockKV, rows: torch.Tensor, end: int) -> None:
+        """The drafter's first pass over positions [spec.start, end), writing its KV into the request's blocks:
+        rows [end - start, hidden] the target's output there."""
+        if end <= spec.start:
+            return
+        following = (*spec.token_ids[spec.start + 1 : end], *_next(spec, end))
+        ids = torch.tensor(following, dtype=torch.long, device=self.runtime.device)  # [end - start]
+        for group in forward_groups([Span(kv, spec.start, end - spec.start)], self.runtime.max_rows):
+            self._forward(group, ids, rows)
+
+    def _forward(self, spans: Sequence[Span], ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """One drafter forward over `spans` (pieces of one request's run, rows from `spans[0].row`)."""
+        first, last = spans[0].row, spans[-1].row + spans[-1].length
+        with self.runtime.forward_context(spans) as positions:
+            self.drafter(input_ids=ids[first:last], positions=positions, hidden_states=rows[first:last],
+                         inputs_embeds=None)
+
+
+def _next(spec: LoadSpec, end: int) -> tuple[int, ...]:
+    """The token after position end - 1: the prefix's own, or the prompt's next (`next_token`)."""
+    if end < len(spec.token_ids):
+        return (spec.token_ids[end],)
+    if spec.next_token is None:
+        raise ValueError(f"restore of {spec.req_id}: no token after its prefix, which the draft's last input needs")
+    return (spec.next_token,)

@@ -1,0 +1,114 @@
+"""An EAGLE draft's KV restored with the target's, on real vLLM (CPU) processes over a real storage pod.
+
+The draft copies its one-layer target (`tiny_models.save_copying_eagle`): vLLM accepts nearly every token it
+drafts after its own prefill, and fewer where the draft's KV is wrong (measured with the connector's draft pass
+left out: 69 of 87 drafted tokens accepted against 72 of 72). A cold process computes the prompts and stores
+their chunks (and the target's output rows); a warm one, started fresh (nothing of the prompts in its cache),
+restores them: its greedy tokens and vLLM's draft counters must equal the cold process's, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cacheflow_bench import tiny_models, vllm
+from cacheflow_bench.vllm_compat_cell import BLOCK, CHUNK, PREFIXES, SPEC_TOKENS, drive, prompts, write_profile
+from cacheflow_common.kv.chunk import decode_hidden_chunk
+from cacheflow_services.storage.launch import launch_pod, write_tokens
+
+pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
+
+TENANT = "eagle"
+
+
+def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool) -> dict[str, Any]:
+    """One fresh vLLM process over the pod in `root` (its prompts once, `draft`: with the EAGLE draft)."""
+    target, eagle = models
+    connector = {"pods": [f"pod-0=127.0.0.1:{(root / 'port').read_text()}"], "tenant": TENANT,
+                 "pod_token_file": str(root / "tokens"), "chunk_size": CHUNK, "stats_file": str(root / f"{name}.jsonl"),
+                 "profile": str(write_profile(root / "profile.json"))}
+    spec = {"model": str(target), "dtype": "float32", "prompts": prompts(), "max_tokens": 32, "ignore_eos": True,
+            "speculative_config": {"method": "eagle", "model": str(eagle), "num_speculative_tokens": SPEC_TOKENS}
+            if draft else None,
+            "block_size": BLOCK, "max_model_len": 1024, "connector": connector, "passes": [{"label": name}]}
+    result, log = drive(spec, root, name)
+    assert result is not None, log[-3000:]
+    events = [json.loads(line) for line in (root / f"{name}.jsonl").read_text().splitlines()]
+    return {"tokens": [r["tokens"] for r in result["results"]], "drafts": result["spec_decode"][-1] if draft else {},
+            "events": events}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """cold (stores, with the draft) and warm (restores) over one pod; plain-cold (stores, without the draft:
+    no output rows) and plain-warm (restores with the draft) over another."""
+    root = tmp_path_factory.mktemp("eagle")
+    models = tiny_models.save_copying_eagle(root / "target", root / "draft")
+    out: dict[str, Any] = {"models": models}
+    for pod_name, passes in (("pod", (("cold", True), ("warm", True))),
+                             ("plain-pod", (("plain-cold", False), ("plain-warm", True)))):
+        work = root / pod_name
+        work.mkdir()
+        pod = launch_pod(work / "pod", tenants=(TENANT,), tokens=write_tokens(work / "tokens", [TENANT]))
+        (work / "port").write_text(str(pod.data_port))
+        try:
+            for name, draft in passes:
+                out[name] = run(work, name, models, draft=draft)
+        finally:
+            pod.stop()
+        out[f"{pod_name}-dir"] = work / "pod"
+    return out
+
+
+def test_a_restored_draft_drafts_and_is_accepted_as_after_vllms_own_prefill(runs: dict[str, Any]) -> None:
+    cold, warm = runs["cold"], runs["warm"]
+    drafted, accepted = cold["drafts"]["draft_tokens"], cold["drafts"]["accepted_tokens"]
+    assert accepted >= 0.9 * drafted > 0  # the copying draft is good: a wrong draft KV shows in its counters
+    restores = [e for e in warm["events"] if e["event"] == "restore"]
+    assert len(restores) == len(PREFIXES) and all(e["loaded"] > 0 for e in restores), restores
+    assert sum(e["computed"] for e in restores) > 0  # the profile's plan recomputes the front of some
+    assert sum(e["computed"] + e["loaded"] for e in restores) == sum(n // CHUNK for n in PREFIXES)
+    draft_passes = [e for e in warm["events"] if e["event"] == "draft"]
+    assert [(e["tokens"], e["short"]) for e in draft_passes] == [(n, 0) for n in PREFIXES]
+    assert warm["tokens"] == cold["tokens"]
+    assert warm["drafts"] == cold["drafts"]  # drafted, draft tokens, accepted: all equal
+
+
+def test_the_stored_output_rows_are_the_targets_output(runs: dict[str, Any]) -> None:
+    """Each chunk's `hidden` object past the last layer holds what the target returns there (after its final
+    norm), as transformers computes it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(runs["models"][0], dtype=torch.float32)
+    objects = sorted(Path(runs["pod-dir"]).rglob("*.hidden.L1-2.*"))
+    assert len(objects) == sum(n // CHUNK for n in PREFIXES)
+    outputs = {}
+    with torch.no_grad():
+        for prompt in prompts():
+            outputs[tuple(prompt)] = model.model(torch.tensor([prompt])).last_hidden_state[0]  # [T, hidden]
+    for path in objects:
+        trailer, rows = decode_hidden_chunk(path.read_bytes())  # [C, hidden]
+        start, end = trailer["token_start"], trailer["token_end"]
+        expected = next(out[start:end] for prompt, out in outputs.items() if list(prompt[start:end]) ==
+                        trailer["token_ids"])
+        torch.testing.assert_close(rows, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_chunks_stored_without_output_rows_leave_the_draft_to_vllm(runs: dict[str, Any]) -> None:
+    """Chunks an instance without the draft stored: the restore reruns the draft over the front it recomputed
+    (vLLM's model returned its rows) and hands the blocks from the first loaded chunk on back to vLLM, which
+    computes target and draft there; the tokens and the draft's counters are vLLM's own."""
+    warm, cold = runs["plain-warm"], runs["cold"]
+    computed = [e["computed"] * CHUNK for e in warm["events"] if e["event"] == "restore"]
+    draft_passes = [e for e in warm["events"] if e["event"] == "draft"]
+    expected = [(c, n - c) for c, n in zip(computed, PREFIXES, strict=True)]  # drafted over the computed front
+    assert [(e["tokens"], e["short"]) for e in draft_passes] == expected
+    assert any(e["short"] for e in draft_passes)
+    assert sum(1 for e in warm["events"] if e["event"] == "load_error") == 0  # a short draft is no restore error
+    assert warm["tokens"] == runs["plain-cold"]["tokens"] == cold["tokens"]
+    assert warm["drafts"] == cold["drafts"]
