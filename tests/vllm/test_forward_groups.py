@@ -109,6 +109,7 @@ def test_each_forward_keeps_a_requests_output_rows_by_position_for_its_draft(mon
     rows = torch.arange(54.0).unsqueeze(1)  # [54, 1]: row r holds r
     for group in forward_groups([Span(first, 16, 24), Span(second, 0, 30)], 20):
         runtime._forward(rows[group[0].row : group[-1].row + group[-1].length], group)
-    assert torch.equal(first.outputs(16, 40), 2 * rows[:24])
-    assert torch.equal(second.outputs(0, 30), 2 * rows[24:])
+    kept_first, kept_second = first.outputs(16, 40), second.outputs(0, 30)
+    assert kept_first is not None and torch.equal(kept_first, 2 * rows[:24])
+    assert kept_second is not None and torch.equal(kept_second, 2 * rows[24:])
     assert second.outputs(0, 31) is None and first.outputs(8, 20) is None  # rows it never computed
