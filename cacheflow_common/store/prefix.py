@@ -32,18 +32,19 @@ _LOOKUPS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="prefix-lookup"
 
 def cached_prefix_tokens(token_ids: Sequence[int], *, fingerprint: str, tenant: str, chunk_size: int,
                          stage_layers: Sequence[range], store: ChunkStore, limit: int, kv_heads: int = 0,
-                         head_split: int = 1, boundaries: bool = False) -> int:
+                         head_split: int = 1, boundaries: bool = False, hidden_at: Sequence[int] = ()) -> int:
     """Tokens [0, n) of `token_ids` whose KV is stored for every stage, n a multiple of the chunk size <= limit.
 
     `head_split`: how many runs the instance splits the model's `kv_heads` into (its tensor-parallel ranks'
     objects); a chunk not stored that way counts if every stage's heads are stored split some other way
     (0 `kv_heads`: not looked for). `boundaries`: the stages after the first need their boundary activations
-    too."""
+    too; `hidden_at`: layers whose `hidden` objects a chunk needs besides (an EAGLE draft's input: the model's
+    output rows, at its layer count)."""
     keys = [k for k in chunk_keys(token_ids[: max(0, limit)], chunk_size, tenant_salt(fingerprint, tenant))
             if k.n_tokens == chunk_size]
     own = _split(kv_heads, head_split)
     others = [n for n in head_splits(kv_heads) if n != head_split] if kv_heads else []
-    later = [layers.start for layers in stage_layers[1:]] if boundaries else []
+    later = [*([layers.start for layers in stage_layers[1:]] if boundaries else []), *hidden_at]
     cached = 0
     for first in range(0, len(keys), WINDOW):
         window = keys[first : first + WINDOW]

@@ -99,16 +99,11 @@ def test_the_stored_output_rows_are_the_targets_output(runs: dict[str, Any]) -> 
         torch.testing.assert_close(rows, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_chunks_stored_without_output_rows_leave_the_draft_to_vllm(runs: dict[str, Any]) -> None:
-    """Chunks an instance without the draft stored: the restore reruns the draft over the front it recomputed
-    (vLLM's model returned its rows) and hands the blocks from the first loaded chunk on back to vLLM, which
-    computes target and draft there; the tokens and the draft's counters are vLLM's own."""
+def test_chunks_stored_without_output_rows_are_left_to_vllm(runs: dict[str, Any]) -> None:
+    """Chunks an instance without the draft stored have no output rows, which the draft cannot restore without:
+    the scheduler's lookup does not count them, and vLLM computes the prompts (target and draft) itself."""
     warm, cold = runs["plain-warm"], runs["cold"]
-    computed = [e["computed"] * CHUNK for e in warm["events"] if e["event"] == "restore"]
-    draft_passes = [e for e in warm["events"] if e["event"] == "draft"]
-    expected = [(c, n - c) for c, n in zip(computed, PREFIXES, strict=True)]  # drafted over the computed front
-    assert [(e["tokens"], e["short"]) for e in draft_passes] == expected
-    assert any(e["short"] for e in draft_passes)
-    assert sum(1 for e in warm["events"] if e["event"] == "load_error") == 0  # a short draft is no restore error
+    assert sum(1 for e in runs["plain-cold"]["events"] if e["event"] == "save") == len(PREFIXES)  # chunks stored
+    assert not [e for e in warm["events"] if e["event"] in ("restore", "draft", "load_error")]
     assert warm["tokens"] == runs["plain-cold"]["tokens"] == cold["tokens"]
     assert warm["drafts"] == cold["drafts"]

@@ -66,3 +66,15 @@ def test_with_boundaries_a_chunk_counts_only_if_each_later_stage_has_its_boundar
     single = cached_prefix_tokens(PROMPT, fingerprint="fp", tenant="t", chunk_size=CHUNK, stage_layers=STAGES[:1],
                                   store=store, limit=len(PROMPT), boundaries=True)
     assert single == WHOLE * CHUNK  # one stage: no boundary to look for
+
+
+def test_a_chunk_counts_only_with_the_hidden_rows_asked_for():
+    """An EAGLE draft's restore needs each chunk's output rows (a `hidden` object past the last layer)."""
+    from cacheflow_common.restore.boundary import boundary_name
+
+    store = _store({(i, s) for i in range(WHOLE + 1) for s in range(len(STAGES))})
+    for key in chunk_keys(PROMPT, CHUNK, tenant_salt("fp", "t"))[:3]:
+        store.put(boundary_name(key, STAGES[-1].stop), b"h")
+    found = cached_prefix_tokens(PROMPT, fingerprint="fp", tenant="t", chunk_size=CHUNK, stage_layers=STAGES,
+                                 store=store, limit=len(PROMPT), hidden_at=(STAGES[-1].stop,))
+    assert found == 3 * CHUNK

@@ -461,13 +461,14 @@ def _scheduler_plan(cfg: ConnectorConfig, vllm_config: VllmConfig, layout: str) 
     kv_heads, split = vllm_config.model_config.get_total_num_kv_heads(), head_split(vllm_config)
     store = open_store(cfg)
     layers = [range(*get_pp_indices(num_layers, r, pp_size)) for r in range(pp_size)]
+    outputs = (num_layers,) if restores_draft(vllm_config) else ()  # an EAGLE draft's input rows (draft.py)
 
     def lookup(prompt: Any, limit: int, salt: str) -> int:
         """Tokens whose chunks every rank finds: the heads of each tensor-parallel rank, stored split as this
-        instance's ranks split them or any other way, and each later pipeline rank's boundary activations
-        (without them that rank's restore fails)."""
+        instance's ranks split them or any other way, each later pipeline rank's boundary activations
+        (without them that rank's restore fails) and, for an EAGLE draft, the model's output rows."""
         return cached_prefix_tokens(prompt, fingerprint=salted(fingerprint, salt), tenant=cfg.tenant,
                                     chunk_size=cfg.chunk_size, stage_layers=layers, store=store, limit=limit,
-                                    kv_heads=kv_heads, head_split=split, boundaries=True)
+                                    kv_heads=kv_heads, head_split=split, boundaries=True, hidden_at=outputs)
 
     return SchedulerPlan(chunk_size=cfg.chunk_size, block_size=block_size, lookup=lookup, save=cfg.save)
