@@ -4,7 +4,8 @@ The draft copies its one-layer target (`tiny_models.save_copying_eagle`): vLLM a
 drafts after its own prefill, and fewer where the draft's KV is wrong (measured with the connector's draft pass
 left out: 69 of 87 drafted tokens accepted against 72 of 72). A cold process computes the prompts and stores
 their chunks (and the target's output rows); a warm one, started fresh (nothing of the prompts in its cache),
-restores them: its greedy tokens and vLLM's draft counters must equal the cold process's, token for token.
+restores them: its greedy tokens and vLLM's draft counters must equal the cold process's, token for token;
+at TP 1 and at TP 2 (each rank reruns its half of the draft's heads, in lockstep).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vll
 TENANT = "eagle"
 
 
-def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool) -> dict[str, Any]:
-    """One fresh vLLM process over the pod in `root` (its prompts once, `draft`: with the EAGLE draft)."""
+def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool, tp: int) -> dict[str, Any]:
+    """One fresh vLLM process over the pod in `root` (its prompts once, `draft`: with the EAGLE draft; `tp`
+    tensor-parallel ranks)."""
     target, eagle = models
     connector = {"pods": [f"pod-0=127.0.0.1:{(root / 'port').read_text()}"], "tenant": TENANT,
                  "pod_token_file": str(root / "tokens"), "chunk_size": CHUNK, "stats_file": str(root / f"{name}.jsonl"),
@@ -35,7 +37,8 @@ def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool) -> dic
     spec = {"model": str(target), "dtype": "float32", "prompts": prompts(), "max_tokens": 32, "ignore_eos": True,
             "speculative_config": {"method": "eagle", "model": str(eagle), "num_speculative_tokens": SPEC_TOKENS}
             if draft else None,
-            "block_size": BLOCK, "max_model_len": 1024, "connector": connector, "passes": [{"label": name}]}
+            "block_size": BLOCK, "max_model_len": 1024, "tensor_parallel_size": tp, "connector": connector,
+            "passes": [{"label": name}]}
     result, log = drive(spec, root, name)
     assert result is not None, log[-3000:]
     events = [json.loads(line) for line in (root / f"{name}.jsonl").read_text().splitlines()]
@@ -45,36 +48,40 @@ def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool) -> dic
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """cold (stores, with the draft) and warm (restores) over one pod; plain-cold (stores, without the draft:
-    no output rows) and plain-warm (restores with the draft) over another."""
+    """cold (stores, with the draft) and warm (restores) over one pod; the same at TP 2 over another; plain-cold
+    (stores, without the draft: no output rows) and plain-warm (restores with the draft) over a third."""
     root = tmp_path_factory.mktemp("eagle")
     models = tiny_models.save_copying_eagle(root / "target", root / "draft")
     out: dict[str, Any] = {"models": models}
-    for pod_name, passes in (("pod", (("cold", True), ("warm", True))),
-                             ("plain-pod", (("plain-cold", False), ("plain-warm", True)))):
+    for pod_name, passes in (("pod", (("cold", True, 1), ("warm", True, 1))),
+                             ("tp2-pod", (("tp2-cold", True, 2), ("tp2-warm", True, 2))),
+                             ("plain-pod", (("plain-cold", False, 1), ("plain-warm", True, 1)))):
         work = root / pod_name
         work.mkdir()
         pod = launch_pod(work / "pod", tenants=(TENANT,), tokens=write_tokens(work / "tokens", [TENANT]))
         (work / "port").write_text(str(pod.data_port))
         try:
-            for name, draft in passes:
-                out[name] = run(work, name, models, draft=draft)
+            for name, draft, tp in passes:
+                out[name] = run(work, name, models, draft=draft, tp=tp)
         finally:
             pod.stop()
         out[f"{pod_name}-dir"] = work / "pod"
     return out
 
 
-def test_a_restored_draft_drafts_and_is_accepted_as_after_vllms_own_prefill(runs: dict[str, Any]) -> None:
-    cold, warm = runs["cold"], runs["warm"]
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_restored_draft_drafts_and_is_accepted_as_after_vllms_own_prefill(runs: dict[str, Any], tp: int) -> None:
+    """At TP 2 each rank reruns its half of the draft's heads, the ranks in lockstep."""
+    prefix = "tp2-" if tp == 2 else ""
+    cold, warm = runs[f"{prefix}cold"], runs[f"{prefix}warm"]
     drafted, accepted = cold["drafts"]["draft_tokens"], cold["drafts"]["accepted_tokens"]
     assert accepted >= 0.9 * drafted > 0  # the copying draft is good: a wrong draft KV shows in its counters
     restores = [e for e in warm["events"] if e["event"] == "restore"]
-    assert len(restores) == len(PREFIXES) and all(e["loaded"] > 0 for e in restores), restores
+    assert len(restores) == len(PREFIXES) * tp and all(e["loaded"] > 0 for e in restores), restores
     assert sum(e["computed"] for e in restores) > 0  # the profile's plan recomputes the front of some
-    assert sum(e["computed"] + e["loaded"] for e in restores) == sum(n // CHUNK for n in PREFIXES)
-    draft_passes = [e for e in warm["events"] if e["event"] == "draft"]
-    assert [(e["tokens"], e["short"]) for e in draft_passes] == [(n, 0) for n in PREFIXES]
+    assert sum(e["computed"] + e["loaded"] for e in restores) == sum(n // CHUNK for n in PREFIXES) * tp
+    draft_passes = [e for e in warm["events"] if e["event"] == "draft"]  # one per rank
+    assert sorted((e["tokens"], e["short"]) for e in draft_passes) == sorted([(n, 0) for n in PREFIXES] * tp)
     assert warm["tokens"] == cold["tokens"]
     assert warm["drafts"] == cold["drafts"]  # drafted, draft tokens, accepted: all equal
 

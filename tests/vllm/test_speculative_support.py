@@ -1,7 +1,7 @@
 """Which speculative decoding methods the connector serves, decided from vLLM's config alone: a draft without
 KV of its own (n-gram or suffix lookups, Medusa or MLP heads) leaves the target's cache the whole of the KV,
-so the connector serves it; an EAGLE draft's KV it restores by rerunning the draft (with vLLM's model, on one
-rank, without LoRA: tests/bench/test_eagle_restore.py runs it); any other draft with KV of its own (EAGLE-3,
+so the connector serves it; an EAGLE draft's KV it restores by rerunning the draft (with vLLM's model, without
+LoRA or pipeline parallelism: tests/bench/test_eagle_restore.py runs it); any other draft with KV of its own (EAGLE-3,
 MTP, a draft model) makes it step aside, naming the method. The config here is a stand-in with the fields
 `unsupported` reads (vLLM's `VllmConfig` needs vLLM, which this environment does not have); the real vLLM
 runs both kinds in tests/bench/test_vllm_compat_smoke.py."""
@@ -30,14 +30,15 @@ def test_drafts_without_kv_of_their_own_are_served(method: str) -> None:
     assert unsupported(vllm_config(method), "unused", "vllm") == ""
 
 
-def test_an_eagle_draft_is_served_on_one_rank_with_vllms_model_and_its_kv_restored() -> None:
-    config = vllm_config("eagle")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_eagle_draft_is_served_with_vllms_model_and_its_kv_restored(tp: int) -> None:
+    config = vllm_config("eagle", tp=tp)
     assert unsupported(config, "unused", "vllm") == "" and restores_draft(config)
     assert not restores_draft(vllm_config("ngram")) and not restores_draft(vllm_config(None))
 
 
 @pytest.mark.parametrize(("settings", "runtime", "where"), [
-    ({"tp": 2}, "vllm", "tensor parallelism"), ({"pp": 2}, "vllm", "pipeline parallelism"),
+    ({"pp": 2}, "vllm", "pipeline parallelism"),
     ({"lora": True}, "vllm", "LoRA"), ({}, "cacheflow", "CacheFlow's runtime")])
 def test_an_eagle_draft_elsewhere_makes_the_connector_step_aside_saying_where(settings: dict[str, Any], runtime: str,
                                                                               where: str) -> None:

@@ -110,8 +110,12 @@ class CacheFlowConnector(KVConnectorBase_V1):
         self._captured = (pipeline or restores_draft(vllm_config)) and self.cfg.save
         # Restores have their meeting point planned before they start under tensor parallelism (a rank's forward
         # needs every other rank's in lockstep: planned_split.py).
-        if vllm_config.parallel_config.tensor_parallel_size > 1:
+        tensor_parallel = vllm_config.parallel_config.tensor_parallel_size > 1
+        if tensor_parallel:
             log.info("CacheFlow restores with a meeting point planned up front (tensor parallelism)")
+        # An EAGLE draft rerun on tensor-parallel ranks runs its forwards in lockstep: restores run in the step
+        # (in the background each rank's loads end when they do: draft.py).
+        self._in_background = self.cfg.async_loads and not (tensor_parallel and restores_draft(vllm_config))
         self.inactive = self._resolve_model(model_config.revision) \
             or unsupported(vllm_config, self.cfg.model, self.cfg.runtime) or unsupported_cache(kv_cache_config)
         try:
@@ -163,7 +167,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
             return 0, False
         matched = self._plan.matched(request.request_id, list(request.prompt_token_ids or ()), num_computed_tokens,
                                      keying)
-        return matched, matched > 0 and self.cfg.async_loads
+        return matched, matched > 0 and self._in_background
 
     def _keying(self, request: Request) -> Keying | None:
         """How the request's chunks are keyed, or None where the connector leaves it to vLLM (said once per
@@ -186,7 +190,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._plan is None or request.request_id in self._declined:
             return
-        if self.cfg.async_loads:
+        if self._in_background:
             self._plan.allocated_in_background(request.request_id, list(request.prompt_token_ids or ()),
                                                blocks.get_block_ids()[0], num_external_tokens)
         else:

@@ -18,14 +18,17 @@ restore ends before it, and vLLM computes the rest (target and draft). Draft KV 
 and the target's rows, so a restored draft drafts exactly what it would have after vLLM's own prefill; its
 drafts never change the output (the target verifies them), only how many are accepted.
 
-One rank only (support.py): the draft's layers are tensor-parallel like the target's, and every rank would have
-to run the same forwards in lockstep.
+Under tensor parallelism the draft's layers are split like the target's, so every rank runs the same draft
+forwards, in lockstep: the restores run in vLLM's step (not in the background, where each rank's loads end
+when they do), and the ranks agree on how far each restore's draft goes (the least any rank reached:
+`restore_drafts`) before any of them runs it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import replace
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -90,6 +93,38 @@ class DraftPass:
         with self.runtime.forward_context(spans) as positions:
             self.drafter(input_ids=ids[first:last], positions=positions, hidden_states=rows[first:last],
                          inputs_embeds=None)
+
+
+@dataclass
+class Restored:
+    """One restore whose draft is to be rerun: what it wrote into `kv`'s blocks ends at `end` (None: it failed)."""
+
+    spec: LoadSpec
+    job: RestoreJob | None
+    kv: BlockKV | None
+    end: int
+
+
+def restore_drafts(restored: Sequence[Restored], draft: Callable[[], DraftPass], store: Any, *,
+                   agree: Callable[[list[int]], list[int]], event: Callable[..., None]) -> list[int]:
+    """Rerun the draft over each restore, every tensor-parallel rank the same forwards (`agree`: the least of each
+    value over the ranks). Returns where each restore's draft ended (its start: not run); vLLM computes the
+    rest."""
+    found: list[tuple[torch.Tensor | None, int]] = []
+    for r in restored:
+        try:
+            found.append(draft().rows(r.spec, r.job, r.kv, store, r.end) if r.job and r.kv else (None, r.spec.start))
+        except Exception as exc:  # a rank without the draft model, say: no rank reruns this one's draft
+            event("draft_error", req=r.spec.req_id, error=f"{type(exc).__name__}: {exc}")
+            found.append((None, r.spec.start))
+    reached = agree([end for _, end in found])
+    for r, (rows, _), end in zip(restored, found, reached, strict=True):
+        started = time.perf_counter()
+        if rows is not None and r.kv is not None and end > r.spec.start:
+            draft().run(r.spec, r.kv, rows[: end - r.spec.start], end)
+        event("draft", req=r.spec.req_id, tokens=end - r.spec.start, short=r.end - end,
+              elapsed_s=time.perf_counter() - started)
+    return reached
 
 
 def _next(spec: LoadSpec, end: int) -> tuple[int, ...]:

@@ -28,14 +28,21 @@ log = logging.getLogger(__name__)
 
 
 def tensor_parallel_agree(ok: bool) -> bool:
-    """Whether `ok` holds on every tensor-parallel rank of this pipeline rank (a MIN over vLLM's tensor-parallel
-    group, on its CPU side): a collective, so every rank of the group calls it, at the same point."""
+    """Whether `ok` holds on every tensor-parallel rank of this pipeline rank: a collective, so every rank of the
+    group calls it, at the same point."""
+    return bool(tensor_parallel_min([1 if ok else 0])[0])
+
+
+def tensor_parallel_min(values: list[int]) -> list[int]:
+    """Each of `values` at its least over this pipeline rank's tensor-parallel ranks (a MIN over vLLM's
+    tensor-parallel group, on its CPU side): a collective, every rank of the group calls it at the same point
+    with as many values."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
 
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)  # [1]
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
-    return bool(flag.item())
+    least = torch.tensor(values, dtype=torch.int64)  # [n]
+    dist.all_reduce(least, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+    return [int(v) for v in least.tolist()]
 
 
 def rank_layers(layer_ids: Sequence[int], num_layers: int) -> range:

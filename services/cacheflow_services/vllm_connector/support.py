@@ -12,8 +12,8 @@ agree without talking. Refused, whatever recomputes the restore's front:
 * speculative decoding with a draft that has KV of its own (EAGLE-3, MTP, a draft model: chunks hold the target
   model's layers only); drafts without attention layers are served (`KV_FREE_DRAFTS`: n-gram and suffix
   lookups over the tokens, Medusa and MLP heads over the target's last hidden state), and so is an EAGLE(-1)
-  draft with vLLM's model on one rank (`restores_draft`: its KV is recomputed from the target's stored
-  output, `draft.py`);
+  draft with vLLM's model, without pipeline parallelism or LoRA (`restores_draft`: its KV is recomputed from
+  the target's stored output, `draft.py`);
 * a cache of other than full-attention blocks: several groups (hybrid models: one block table per group),
   sliding-window blocks (dropped outside the window), state caches.
 
@@ -100,7 +100,8 @@ def restores_draft(vllm_config: Any) -> bool:
 
 def _unsupported_draft(vllm_config: Any, runtime: str) -> str:
     """Why the connector cannot serve `vllm_config`'s speculative decoding ("" if it can): a draft's KV is
-    either none (`KV_FREE_DRAFTS`) or an EAGLE draft's, which vLLM's model recomputes on one rank."""
+    either none (`KV_FREE_DRAFTS`) or an EAGLE draft's, which vLLM's model recomputes (one pipeline rank, no
+    LoRA)."""
     draft = vllm_config.speculative_config
     if draft is None or draft.method in KV_FREE_DRAFTS:
         return ""
@@ -108,12 +109,11 @@ def _unsupported_draft(vllm_config: Any, runtime: str) -> str:
         return f"speculative decoding with {draft.method}: the draft's own KV is not in the chunks"
     parallel = vllm_config.parallel_config
     where = {"CacheFlow's runtime": runtime != "vllm", "LoRA": vllm_config.lora_config is not None,
-             "tensor parallelism": parallel.tensor_parallel_size > 1,
              "pipeline parallelism": parallel.pipeline_parallel_size > 1}
     for name, on in where.items():
         if on:
-            return f"speculative decoding with {draft.method} under {name}: its draft's KV is recomputed on one " \
-                   "rank, with vLLM's model and no adapter"
+            return f"speculative decoding with {draft.method} under {name}: its draft's KV is recomputed with " \
+                   "vLLM's model, on one pipeline rank, with no adapter"
     return ""
 
 

@@ -49,7 +49,7 @@ from cacheflow_services.vllm_connector.async_loads import AsyncLoads
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.both_sides import StatsLog, blocks_from, open_store
 from cacheflow_services.vllm_connector.config import ConnectorConfig
-from cacheflow_services.vllm_connector.draft import DraftPass
+from cacheflow_services.vllm_connector.draft import DraftPass, Restored, restore_drafts
 from cacheflow_services.vllm_connector.model_identity import (
     KVGeometry,
     chunk_fingerprint,
@@ -69,7 +69,13 @@ from cacheflow_services.vllm_connector.planned_split import (
     planned_front,
     start_splits,
 )
-from cacheflow_services.vllm_connector.ranks import BoundaryCapture, StepSlots, rank_layers, tensor_parallel_agree
+from cacheflow_services.vllm_connector.ranks import (
+    BoundaryCapture,
+    StepSlots,
+    rank_layers,
+    tensor_parallel_agree,
+    tensor_parallel_min,
+)
 from cacheflow_services.vllm_connector.restorer import PREFILL_TOKENS, engine_settings
 from cacheflow_services.vllm_connector.runtime import Drafter, LoraManager, RuntimeChoice, VllmModel
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
@@ -259,14 +265,17 @@ class WorkerEngine:
         rest."""
         started = time.perf_counter()
         failed: set[int] = set()
+        restored = []
         for spec, running in zip(specs, self.start_splits(specs), strict=True):
             if isinstance(running, BaseException):
                 failed |= self.failed_load(spec, running)
+                restored.append(Restored(spec, None, None, spec.start))
                 continue
             running.join()
-            failed |= self.split_done(spec, running.result(), elapsed_s=time.perf_counter() - started,
-                                      asynchronous=False)
-        return failed
+            done = running.result()
+            failed |= self.split_done(spec, done, elapsed_s=time.perf_counter() - started, asynchronous=False)
+            restored.append(Restored(spec, running.job, running.kv, done.end))
+        return failed | self._restore_drafts(restored) if self.drafts else failed
 
     def start_splits(self, specs: Sequence[LoadSpec], *, on_loaded: Callable[[], None] = lambda: None
                      ) -> list[RunningSplit | BaseException]:
@@ -295,6 +304,10 @@ class WorkerEngine:
     def _agree(self, ok: bool) -> bool:
         """Whether `ok` holds on every tensor-parallel rank of this pipeline rank (with none, this one's)."""
         return ok if self.tp_rank is None else tensor_parallel_agree(ok)
+
+    def _agree_min(self, values: list[int]) -> list[int]:
+        """Each of `values` at its least over the tensor-parallel ranks (with none, this one's)."""
+        return values if self.tp_rank is None else tensor_parallel_min(values)
 
     def split_done(self, spec: LoadSpec, done: Split, *, elapsed_s: float, asynchronous: bool) -> set[int]:
         """Log a planned restore that ended; the blocks vLLM must recompute (from its first miss on)."""
@@ -381,23 +394,20 @@ class WorkerEngine:
                          layers=[self.layers.start, self.layers.stop])
         failed = self._after_misses(spec, job, result)
         if self.drafts and isinstance(result.kv, BlockKV):
-            failed = self._restore_draft(spec, job, result.kv, failed)
+            end = restored_end(spec, failed, self.block_size)
+            failed |= self._restore_drafts([Restored(spec, job, result.kv, end)])
         return failed
 
-    def _restore_draft(self, spec: LoadSpec, job: RestoreJob, kv: BlockKV, failed: set[int]) -> set[int]:
-        """Rerun the EAGLE draft over what the restore wrote (up to vLLM's first failed block); the blocks vLLM
-        must recompute (from the first chunk without output rows on; all of them if the draft cannot run)."""
-        end = restored_end(spec, failed, self.block_size)
-        started = time.perf_counter()
+    def _restore_drafts(self, restored: Sequence[Restored]) -> set[int]:
+        """Rerun the EAGLE draft over what each restore wrote (draft.py); the blocks vLLM must recompute (from
+        where a draft stopped: a chunk without output rows, or a draft that could not run)."""
         try:
-            draft = self._draft_pass()
-            rows, reached = draft.rows(spec, job, kv, self.store, end)
-            draft.run(spec, kv, rows, reached)
-        except Exception as exc:
-            return failed | self.failed_load(spec, exc)
-        self.stats.event("draft", req=spec.req_id, tokens=reached - spec.start, short=end - reached,
-                         elapsed_s=time.perf_counter() - started)
-        return failed | blocks_from(spec, reached, self.block_size) if reached < end else failed
+            reached = restore_drafts(restored, self._draft_pass, self.store, agree=self._agree_min,
+                                     event=self.stats.event)
+        except Exception as exc:  # a forward that failed: vLLM recomputes all of it
+            return set().union(*(self.failed_load(r.spec, exc) for r in restored))
+        return set().union(*(blocks_from(r.spec, end, self.block_size) for r, end in zip(restored, reached, strict=True)
+                             if end < r.end))
 
     def _draft_pass(self) -> DraftPass:
         """vLLM's draft model over vLLM's model's forward contexts (found at the first restore)."""
