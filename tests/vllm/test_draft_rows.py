@@ -1,0 +1,84 @@
+"""What an EAGLE draft's rerun starts from (`draft.py`): the target's output rows per restored position — those
+vLLM's model returned for the recomputed front, those stored with each loaded chunk — up to the first chunk with
+neither; and how far each restore's draft goes when the tensor-parallel ranks agree. The draft's forwards need
+vLLM: tests/bench/test_eagle_restore.py runs them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from cacheflow_common.kv.keys import chunk_keys, tenant_salt
+from cacheflow_common.restore.boundary import save_boundaries
+from cacheflow_common.restore.job import RestoreJob
+from cacheflow_common.store.memory import MemoryStore
+from cacheflow_services.vllm_connector.block_kv import BlockKV
+from cacheflow_services.vllm_connector.draft import DraftPass, Restored, output_job, restore_drafts
+from cacheflow_services.vllm_connector.plan import LoadSpec
+
+CHUNK, LAYERS, HIDDEN = 8, 2, 4
+TOKENS = tuple(range(100, 100 + 4 * CHUNK))
+ROWS = torch.arange(len(TOKENS) * HIDDEN, dtype=torch.float32).view(len(TOKENS), HIDDEN)  # [N, hidden]
+
+
+def _job() -> RestoreJob:
+    keys = tuple(chunk_keys(TOKENS, CHUNK, tenant_salt("fp", "t")))
+    return RestoreJob(token_ids=TOKENS, keys=keys, layers=range(LAYERS), kv_dtype="float32")
+
+
+def _kv() -> BlockKV:
+    caches = {layer: torch.zeros(8, 1, CHUNK, 4) for layer in range(LAYERS)}  # [blocks, Hkv, block, 2D]
+    kv = BlockKV(layers=range(LAYERS), num_kv_heads=1, head_dim=2, capacity=len(TOKENS), dtype=torch.float32,
+                 caches=caches, layout="split", block_ids=range(4), block_size=CHUNK, first_writable=0)
+    kv.keep_outputs()
+    return kv
+
+
+def _draft() -> DraftPass:
+    runtime: Any = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
+    return DraftPass(runtime, drafter=None, num_layers=LAYERS, dtype="float32")
+
+
+def test_rows_come_from_the_recomputed_front_then_the_stored_chunks_up_to_the_first_without() -> None:
+    job, store, kv = _job(), MemoryStore(), _kv()
+    kv.keep(0, 2 * ROWS[: CHUNK + 3])  # vLLM's model computed chunk 0 and part of chunk 1 (a cut forward)
+    kv.keep(CHUNK + 3, 2 * ROWS[CHUNK + 3 : 2 * CHUNK])
+    save_boundaries(output_job(job, LAYERS), ROWS, store, model_fingerprint="fp", keys=job.keys[1:3])  # chunks 1, 2
+    spec = LoadSpec("r", TOKENS, tuple(range(4)), start=4)
+    rows, reached = _draft().rows(spec, job, kv, store, len(TOKENS))
+    assert reached == 3 * CHUNK  # chunk 3 has neither
+    assert torch.equal(rows, torch.cat([2 * ROWS[4 : 2 * CHUNK], ROWS[2 * CHUNK : 3 * CHUNK]]))
+
+
+class _Stub:
+    """Stands in for a `DraftPass` where only the agreement is tested: rows found up to `reach`, runs recorded."""
+
+    def __init__(self, reach: dict[str, int], fails: set[str]) -> None:
+        self.reach, self.fails = reach, fails
+        self.ran: list[tuple[str, int, int]] = []
+
+    def rows(self, spec: LoadSpec, job: Any, kv: Any, store: Any, end: int) -> tuple[torch.Tensor, int]:
+        if spec.req_id in self.fails:
+            raise RuntimeError("no draft model")
+        return ROWS[spec.start : self.reach[spec.req_id]], self.reach[spec.req_id]
+
+    def run(self, spec: LoadSpec, kv: Any, rows: torch.Tensor, end: int) -> None:
+        self.ran.append((spec.req_id, end, len(rows)))
+
+
+def test_the_ranks_rerun_each_draft_as_far_as_every_rank_reached_and_log_each() -> None:
+    stub = _Stub({"a": 32, "b": 24, "c": 32}, fails={"c"})
+    events: list[tuple[str, dict[str, Any]]] = []
+    restored = [Restored(LoadSpec(name, TOKENS, (), start=8), _job(), _kv(), 32) for name in "abc"]
+    restored.append(Restored(LoadSpec("d", TOKENS, (), start=8), None, None, 8))  # a restore that failed
+    other_rank = [16, 24, 32, 8]  # what the other rank reached, per restore
+    reached = restore_drafts(restored, lambda: stub, MemoryStore(),  # type: ignore[arg-type, return-value]
+                             agree=lambda mine: [min(a, b) for a, b in zip(mine, other_rank, strict=True)],
+                             event=lambda kind, **fields: events.append((kind, fields)))
+    assert reached == [16, 24, 8, 8]
+    assert stub.ran == [("a", 16, 8), ("b", 24, 16)]  # "c" could not find its rows: not run on any rank
+    assert [(f["req"], f["tokens"], f["short"]) for kind, f in events if kind == "draft"] == [
+        ("a", 8, 16), ("b", 16, 8), ("c", 0, 24), ("d", 0, 0)]
+    assert [f["req"] for kind, f in events if kind == "draft_error"] == ["c"]
