@@ -166,12 +166,16 @@ def save_lora(family: str, model_dir: Path, path: Path, seed: int = 1) -> Path:
 
 
 def save_eagle(family: str, path: Path, seed: int = 2) -> Path:
-    """A random EAGLE-1 draft for the family's tiny model, as vLLM's `EagleLlamaForCausalLM` reads one: its
-    config with one layer, `fc` (2 hidden -> hidden) and that layer's weights (no input norm), named without
-    the `model.` prefix; the embedding and LM head come from the target."""
+    """A random EAGLE-1 draft for the family's tiny model (`eagle_from`)."""
+    return eagle_from(build(family, seed), path, seed)
+
+
+def eagle_from(draft: Any, path: Path, seed: int = 2) -> Path:
+    """An EAGLE-1 draft made of a transformers model's first layer, as vLLM's `EagleLlamaForCausalLM` reads one:
+    its config with one layer, a random `fc` (2 hidden -> hidden) and that layer's weights (no input norm),
+    named without the `model.` prefix; the embedding and LM head come from the target."""
     from safetensors.torch import save_file
 
-    draft = build(family, seed)
     gen = torch.Generator().manual_seed(seed)
     hidden = draft.config.hidden_size
     tensors = {name.removeprefix("model."): w.detach().clone() for name, w in draft.state_dict().items()

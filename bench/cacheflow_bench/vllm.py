@@ -89,15 +89,18 @@ class Bench:
                 "stats_file": str(self.stats), **settings}
 
     def drive(self, name: str, prompts: list[list[int]], connector: dict[str, Any] | None,
-              budget: int | None = None) -> list[float]:
-        """Wall time of each prompt (max_tokens=1: its TTFT), one at a time, in one fresh vLLM process."""
-        return [r["wall_s"] for r in self.results(name, prompts, connector, budget)]
+              budget: int | None = None, *, speculative: dict[str, Any] | None = None) -> list[float]:
+        """Wall time of each prompt (max_tokens=1: its TTFT), one at a time, in one fresh vLLM process
+        (`speculative`: vLLM's speculative_config)."""
+        return [r["wall_s"] for r in self.results(name, prompts, connector, budget, speculative=speculative)]
 
     def results(self, name: str, prompts: list[list[int]], connector: dict[str, Any] | None,
-                budget: int | None = None, batches: list[list[int]] | None = None) -> list[dict[str, Any]]:
+                budget: int | None = None, batches: list[list[int]] | None = None, *,
+                speculative: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """What drive.py reports per prompt, from one fresh vLLM process (`batches`: prompts sent together)."""
         spec: dict[str, Any] = {"model": str(self.model_dir), "prompts": prompts, "max_tokens": 1,
-                                "block_size": BLOCK, "max_model_len": 16384, "connector": connector}
+                                "block_size": BLOCK, "max_model_len": 16384, "connector": connector,
+                                "speculative_config": speculative}
         if budget is not None:
             spec["max_num_batched_tokens"] = budget
         if batches is not None:

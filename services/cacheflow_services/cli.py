@@ -47,7 +47,7 @@ def _profile(args: argparse.Namespace) -> int:
 # `cacheflow bench NAME` -> its module in cacheflow_bench
 BENCHMARKS = {"restore": "restore_single", "storage": "storage", "stages": "parallel_stages", "batch": "batch",
               "latency": "latency", "vllm": "vllm", "report": "report", "chaos": "chaos", "sweep": "sweep",
-              "sched-scale": "sched_scale", "vllm-compat": "vllm_compat",
+              "sched-scale": "sched_scale", "vllm-compat": "vllm_compat", "vllm-eagle": "vllm_eagle",
               "vllm-stall": "vllm_stall"}
 
 
