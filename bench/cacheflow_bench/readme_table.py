@@ -23,7 +23,7 @@ COMMANDS = {"restore_single": "cacheflow bench restore", "storage": "cacheflow b
             "latency": "cacheflow bench latency", "stages": "cacheflow bench stages", "batch": "cacheflow bench batch",
             "sched_scale": "cacheflow bench sched-scale", "chaos": "cacheflow bench chaos",
             "vllm": "cacheflow bench vllm", "vllm_memory": "python -m cacheflow_bench.vllm_memory",
-            "vllm_stall": "cacheflow bench vllm-stall"}
+            "vllm_stall": "cacheflow bench vllm-stall", "vllm_eagle": "cacheflow bench vllm-eagle"}
 Results = dict[str, dict[str, Any]]
 
 
@@ -304,6 +304,22 @@ def vllm_stall_row(r: Row) -> tuple[str, str]:
     return headline, target
 
 
+def vllm_eagle_row(r: Row) -> tuple[str, str]:
+    target = "a restore with the draft stays faster than vLLM's prefill with it; the rerun costs about vLLM's drafter"
+    s = r.summary
+    if "restore_vs_prefill_with_draft" not in s:
+        return r.missing, target
+    lengths = list(s["restore_vs_prefill_with_draft"])
+    ratios = ", ".join(f"{n}: **{num(s['restore_vs_prefill_with_draft'][n])}×** "
+                       f"({num(s['restore_vs_prefill_without_draft'][n])}× without it)" for n in lengths)
+    costs = ", ".join(f"{num(s['draft_adds_to_restore'][n])}× / {num(s['draft_adds_to_prefill'][n])}×"
+                      for n in lengths)
+    headline = (f"TTFT of a restored prefix over vLLM's own prefill, both with an EAGLE draft, per prefix length: "
+                f"{ratios}; what the draft adds to a restore / to vLLM's prefill: {costs}; next tokens as vLLM's: "
+                f"{'yes' if s.get('next_token_matches') else 'no'}")
+    return headline, target
+
+
 ROWS: tuple[tuple[str, str, Callable[[Row], tuple[str, str]]], ...] = (
     ("restore_single", "single-request restore", restore_row),
     ("storage", "storage data plane", storage_row),
@@ -315,6 +331,7 @@ ROWS: tuple[tuple[str, str, Callable[[Row], tuple[str, str]]], ...] = (
     ("vllm", "vLLM with the connector", vllm_row),
     ("vllm_memory", "vLLM memory with the connector", vllm_memory_row),
     ("vllm_stall", "a restore beside decoding requests, vLLM", vllm_stall_row),
+    ("vllm_eagle", "an EAGLE draft in a restore, vLLM", vllm_eagle_row),
 )
 
 

@@ -1,7 +1,8 @@
 """`cacheflow bench report`: the paper's figures on our system, from the benchmarks' results.
 
 With `--run` it first runs the suite (`restore`, `storage`, `latency`, `stages`, `batch`, `sched-scale`,
-`sweep`, `chaos`, and `vllm`, `vllm_memory` and `vllm-stall` where vLLM's virtual environment exists;
+`sweep`, `chaos`, and `vllm`, `vllm_memory`, `vllm-stall` and `vllm-eagle` where vLLM's virtual environment
+exists;
 `--quick` for their smoke settings, into bench/results/tmp), then it (re)writes `REPORT.md` and its figures
 in the results folder from whatever results are there, and, for the committed results, the benchmark table of the
 repository's README.md (between its `<!-- benchmark-table:begin -->` and `<!-- benchmark-table:end -->`
@@ -37,7 +38,7 @@ from cacheflow_bench.common import RESULTS_DIR, SCRATCH_DIR, machine_facts, mark
 from cacheflow_bench.readme_table import commit_of, commit_problems
 
 SUITE = ("restore_single", "storage", "latency", "stages", "batch", "sched_scale", "sweep", "chaos", "vllm",
-         "vllm_memory", "vllm_stall")  # the results, by name: each writes <name>.json
+         "vllm_memory", "vllm_stall", "vllm_eagle")  # the results, by name: each writes <name>.json
 MODULES = {"stages": "parallel_stages"}  # a benchmark's module in cacheflow_bench, where not named as its results
 Section = Callable[[dict[str, dict[str, Any]], Path, bool], list[str]]
 
@@ -192,7 +193,8 @@ def other_sections(results: dict[str, dict[str, Any]], out: Path, mixed: bool) -
                         ("sweep", "Trace sweep: the batch scheduler over windows and load levels"),
                         ("chaos", "Kills and abuse (chaos)"), ("vllm", "vLLM connector"),
                         ("vllm_memory", "vLLM memory with the connector"),
-                        ("vllm_stall", "A restore beside decoding requests (vLLM)")):
+                        ("vllm_stall", "A restore beside decoding requests (vLLM)"),
+                        ("vllm_eagle", "An EAGLE draft in a restore (vLLM)")):
         body = results.get(name)
         if body is None:
             continue

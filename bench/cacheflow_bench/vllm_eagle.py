@@ -84,8 +84,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(json.dumps({setting: rows[setting]}), flush=True)
     assert bench.pod is not None
     bench.pod.stop()
+    stored = dict(zip(args.lengths, bench.first_tokens["eagle-save"][1:], strict=True))  # vLLM computed these
+    matches = all(token == stored[n] for setting in SETTINGS
+                  for (n, kind), token in zip(order, bench.first_tokens[f"eagle-{setting}"][1:], strict=True)
+                  if kind == "restore")
     return {"rows": {s: {str(n): r for n, r in by_n.items()} for s, by_n in rows.items()},
-            "summary": summarize(rows, args.lengths), "first_tokens": bench.first_tokens}
+            "summary": {**summarize(rows, args.lengths), "next_token_matches": matches},
+            "first_tokens": bench.first_tokens}
 
 
 def _events(bench: Bench, kind: str) -> list[dict[str, Any]]:
@@ -121,7 +126,8 @@ def report(body: dict[str, Any]) -> str:
     return "\n".join([
         "# An EAGLE draft's cost in a restore (vLLM, CPU)", "", f"`{body['command']}`", "",
         " ".join(__doc__.split("\n\n", 2)[2].split()), "", markdown_table(head, table), "",
-        f"Every measured prompt restored (both settings): {s['every_prompt_restored']}.", ""])
+        f"Every measured prompt restored (both settings): {s['every_prompt_restored']}; its greedy next token "
+        f"the one vLLM computed when it stored it: {s['next_token_matches']}.", ""])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
