@@ -9,7 +9,7 @@ import platform
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,16 @@ def median(xs: Sequence[float]) -> float:
 def write_json(path: Path, body: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(body, indent=2) + "\n")
+
+
+def publish(args: argparse.Namespace, name: str, body: dict[str, Any],
+            report: Callable[[dict[str, Any]], str]) -> int:
+    """Write a run's `name`.json and its report `name`.md where `results_dir(args)` says; print its summary."""
+    out = results_dir(args)
+    write_json(out / f"{name}.json", body)
+    (out / f"{name}.md").write_text(report(body))
+    print(json.dumps(body["summary"]))
+    return 0
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

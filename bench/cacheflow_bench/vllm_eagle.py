@@ -23,16 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from cacheflow_bench import tiny_models
-from cacheflow_bench.common import (
-    SCRATCH_DIR,
-    add_out_option,
-    markdown_table,
-    median,
-    provenance,
-    results_dir,
-    write_json,
-)
-from cacheflow_bench.vllm import MODEL, SUFFIX, VOCAB, Bench
+from cacheflow_bench.common import SCRATCH_DIR, add_out_option, markdown_table, median, provenance, publish
+from cacheflow_bench.vllm import MODEL, SUFFIX, VOCAB, Bench, require_vllm
 
 SETTINGS = ("eagle", "plain")  # the draft on, off
 DRAFT_TOKENS = 3
@@ -138,14 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", default=str(SCRATCH_DIR / "vllm_eagle"), help="working folder")
     add_out_option(parser)
     args = parser.parse_args(argv)
+    require_vllm(parser)
     args.lengths = [512] if args.quick else [int(x) for x in args.lengths.split(",")]
     args.repeats = 1 if args.quick else args.repeats
-    body = {**provenance(args.quick), **run(args)}
-    out = results_dir(args)
-    write_json(out / "vllm_eagle.json", body)
-    (out / "vllm_eagle.md").write_text(report(body))
-    print(json.dumps(body["summary"]))
-    return 0
+    return publish(args, "vllm_eagle", {**provenance(args.quick), **run(args)}, report)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,7 @@ from cacheflow_bench.common import (
     markdown_table,
     median,
     provenance,
-    results_dir,
-    write_json,
+    publish,
 )
 from cacheflow_bench.vllm import BLOCK, SUFFIX, VOCAB, Bench, kv_bytes, require_vllm
 from cacheflow_bench.vllm_compat_cell import drive
@@ -174,12 +173,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    body = {**provenance(args.quick), **run(args)}
-    out = results_dir(args)
-    write_json(out / "vllm_stall.json", body)
-    (out / "vllm_stall.md").write_text(report(body))
-    print(json.dumps(body["summary"]))
-    return 0
+    return publish(args, "vllm_stall", {**provenance(args.quick), **run(args)}, report)
 
 
 if __name__ == "__main__":
