@@ -35,14 +35,24 @@ class BoundaryMissingError(CacheFlowError):
     """A stage's boundary activation for a chunk is absent or corrupt: that stage cannot compute it."""
 
 
-def boundary_name(key: ChunkKey, layer: int) -> str:
-    """The store name of a chunk's boundary activation entering absolute `layer`."""
-    return object_name(key, "hidden", layer, layer + 1)
+BOUNDARY_KIND = "hidden"  # a boundary activation: the residual stream entering a layer
+# The model's output rows at layer L (the model's layer count): the last layer's hidden state after the final
+# norm, what enters the LM head (and an EAGLE draft, vllm_connector/draft.py). Stored in the same format as a
+# boundary activation, named apart from one: the residual stream leaving the last layer is another tensor.
+OUTPUT_KIND = "output"
+
+
+def boundary_name(key: ChunkKey, layer: int, kind: str = BOUNDARY_KIND) -> str:
+    """The store name of a chunk's boundary activation entering absolute `layer` (or, `kind` OUTPUT_KIND, of
+    its output rows, at the model's layer count)."""
+    return object_name(key, kind, layer, layer + 1)
 
 
 def save_boundaries(job: RestoreJob, hidden: torch.Tensor, store: ChunkStore, *, model_fingerprint: str,
-                    keys: Sequence[ChunkKey] | None = None, first_row_token: int = 0) -> int:
-    """Store the hidden states entering `job.layers.start` for chunks `keys` (default all); returns bytes.
+                    keys: Sequence[ChunkKey] | None = None, first_row_token: int = 0,
+                    kind: str = BOUNDARY_KIND) -> int:
+    """Store the hidden states entering `job.layers.start` for chunks `keys` (default all), named as `kind`;
+    returns bytes.
 
     hidden: [R, hidden], row r holding token `first_row_token + r` (rows of other chunks are not read).
     """
@@ -51,7 +61,7 @@ def save_boundaries(job: RestoreJob, hidden: torch.Tensor, store: ChunkStore, *,
         rows = hidden[key.token_start - first_row_token : key.token_end - first_row_token]  # [T, hidden]
         obj = encode_hidden_chunk(key=key, token_ids=job.token_ids[key.token_start : key.token_end],
                                   model=model_fingerprint, layer=job.layers.start, hidden=rows, dtype=job.kv_dtype)
-        store.put(boundary_name(key, job.layers.start), obj)
+        store.put(boundary_name(key, job.layers.start, kind), obj)
         written += len(obj)
     return written
 
@@ -71,8 +81,10 @@ class BoundaryInput:
     """
 
     def __init__(self, job: RestoreJob, store: ChunkStore, *, device: torch.device | str = "cpu",
-                 prefetch: int = 1, on_read: Callable[[], None] | None = None) -> None:
+                 prefetch: int = 1, on_read: Callable[[], None] | None = None, kind: str = BOUNDARY_KIND) -> None:
+        """`kind`: the objects read (OUTPUT_KIND: the chunks' output rows, at `job.layers.start`)."""
         self.job = job
+        self.kind = kind
         self.store = store
         self.device = torch.device(device)
         self.prefetch = prefetch
@@ -100,7 +112,7 @@ class BoundaryInput:
     def missing(self) -> list[int]:
         """Chunks whose boundary activation the store does not hold (checked before choosing the mode)."""
         layer = self.job.layers.start
-        return [i for i, k in enumerate(self.job.keys) if not self.store.exists(boundary_name(k, layer))]
+        return [i for i, k in enumerate(self.job.keys) if not self.store.exists(boundary_name(k, layer, self.kind))]
 
     def __call__(self, start: int, end: int) -> torch.Tensor:
         indices = self._chunks(start, end)
@@ -154,7 +166,7 @@ class BoundaryInput:
                 future.add_done_callback(lambda _: on_read())
 
     def _read(self, key: ChunkKey) -> torch.Tensor:
-        name = boundary_name(key, self.job.layers.start)
+        name = boundary_name(key, self.job.layers.start, self.kind)
         obj = self.store.read(name)
         if obj is None:
             raise BoundaryMissingError(f"boundary activation {name} is not in the store")

@@ -87,12 +87,12 @@ def test_a_restored_draft_drafts_and_is_accepted_as_after_vllms_own_prefill(runs
 
 
 def test_the_stored_output_rows_are_the_targets_output(runs: dict[str, Any]) -> None:
-    """Each chunk's `hidden` object past the last layer holds what the target returns there (after its final
-    norm), as transformers computes it."""
+    """Each chunk's `output` object holds what the target returns there (after its final norm), as transformers
+    computes it."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(runs["models"][0], dtype=torch.float32)
-    objects = sorted(Path(runs["pod-dir"]).rglob("*.hidden.L1-2.*"))
+    objects = sorted(Path(runs["pod-dir"]).rglob("*.output.L1-2.*"))
     assert len(objects) == sum(n // CHUNK for n in PREFIXES)
     outputs = {}
     with torch.no_grad():

@@ -68,13 +68,19 @@ def test_with_boundaries_a_chunk_counts_only_if_each_later_stage_has_its_boundar
     assert single == WHOLE * CHUNK  # one stage: no boundary to look for
 
 
-def test_a_chunk_counts_only_with_the_hidden_rows_asked_for():
-    """An EAGLE draft's restore needs each chunk's output rows (a `hidden` object past the last layer)."""
-    from cacheflow_common.restore.boundary import boundary_name
+def test_with_output_rows_a_chunk_counts_only_if_its_output_rows_are_stored():
+    """An EAGLE draft's restore needs each chunk's output rows (an `output` object at the last layer's end); a
+    boundary activation there (the residual stream before the final norm) is not them."""
+    from cacheflow_common.restore.boundary import OUTPUT_KIND, boundary_name
 
     store = _store({(i, s) for i in range(WHOLE + 1) for s in range(len(STAGES))})
-    for key in chunk_keys(PROMPT, CHUNK, tenant_salt("fp", "t"))[:3]:
-        store.put(boundary_name(key, STAGES[-1].stop), b"h")
-    found = cached_prefix_tokens(PROMPT, fingerprint="fp", tenant="t", chunk_size=CHUNK, stage_layers=STAGES,
-                                 store=store, limit=len(PROMPT), hidden_at=(STAGES[-1].stop,))
-    assert found == 3 * CHUNK
+    keys = chunk_keys(PROMPT, CHUNK, tenant_salt("fp", "t"))
+    for key in keys[:3]:
+        store.put(boundary_name(key, STAGES[-1].stop, OUTPUT_KIND), b"h")
+    store.put(boundary_name(keys[3], STAGES[-1].stop), b"h")
+
+    def lookup(output_rows: bool) -> int:
+        return cached_prefix_tokens(PROMPT, fingerprint="fp", tenant="t", chunk_size=CHUNK, stage_layers=STAGES,
+                                    store=store, limit=len(PROMPT), output_rows=output_rows)
+
+    assert lookup(True) == 3 * CHUNK and lookup(False) == WHOLE * CHUNK

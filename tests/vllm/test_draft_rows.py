@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from cacheflow_common.kv.keys import chunk_keys, tenant_salt
-from cacheflow_common.restore.boundary import save_boundaries
+from cacheflow_common.restore.boundary import OUTPUT_KIND, save_boundaries
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_services.vllm_connector.block_kv import BlockKV
@@ -45,7 +45,8 @@ def test_rows_come_from_the_recomputed_front_then_the_stored_chunks_up_to_the_fi
     job, store, kv = _job(), MemoryStore(), _kv()
     kv.keep(0, 2 * ROWS[: CHUNK + 3])  # vLLM's model computed chunk 0 and part of chunk 1 (a cut forward)
     kv.keep(CHUNK + 3, 2 * ROWS[CHUNK + 3 : 2 * CHUNK])
-    save_boundaries(output_job(job, LAYERS), ROWS, store, model_fingerprint="fp", keys=job.keys[1:3])  # chunks 1, 2
+    save_boundaries(output_job(job, LAYERS), ROWS, store, model_fingerprint="fp", keys=job.keys[1:3],
+                    kind=OUTPUT_KIND)  # chunks 1 and 2
     spec = LoadSpec("r", TOKENS, tuple(range(4)), start=4)
     rows, reached = _draft().rows(spec, job, kv, store, len(TOKENS))
     assert reached == 3 * CHUNK  # chunk 3 has neither

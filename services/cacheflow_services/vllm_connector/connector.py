@@ -465,7 +465,6 @@ def _scheduler_plan(cfg: ConnectorConfig, vllm_config: VllmConfig, layout: str) 
     kv_heads, split = vllm_config.model_config.get_total_num_kv_heads(), head_split(vllm_config)
     store = open_store(cfg)
     layers = [range(*get_pp_indices(num_layers, r, pp_size)) for r in range(pp_size)]
-    outputs = (num_layers,) if restores_draft(vllm_config) else ()  # an EAGLE draft's input rows (draft.py)
 
     def lookup(prompt: Any, limit: int, salt: str) -> int:
         """Tokens whose chunks every rank finds: the heads of each tensor-parallel rank, stored split as this
@@ -473,6 +472,7 @@ def _scheduler_plan(cfg: ConnectorConfig, vllm_config: VllmConfig, layout: str) 
         (without them that rank's restore fails) and, for an EAGLE draft, the model's output rows."""
         return cached_prefix_tokens(prompt, fingerprint=salted(fingerprint, salt), tenant=cfg.tenant,
                                     chunk_size=cfg.chunk_size, stage_layers=layers, store=store, limit=limit,
-                                    kv_heads=kv_heads, head_split=split, boundaries=True, hidden_at=outputs)
+                                    kv_heads=kv_heads, head_split=split, boundaries=True,
+                                    output_rows=restores_draft(vllm_config))  # an EAGLE draft's input (draft.py)
 
     return SchedulerPlan(chunk_size=cfg.chunk_size, block_size=block_size, lookup=lookup, save=cfg.save)

@@ -10,8 +10,8 @@ A restore gives the target's KV for [start, N) without running vLLM's step over 
 the drafter's first pass over them itself, as vLLM would have (`DraftPass`): its inputs are the prompt's
 tokens [start + 1, N] (token N is the one after the prefix, `LoadSpec.next_token`) and the target's output
 rows — for positions vLLM's model recomputed, those it returned (`BlockKV.keep_outputs`); for loaded chunks,
-the rows stored with them: `hidden` objects at layer L ("entering the LM head", `output_rows`), which the
-saving side captures from vLLM's own forward (a forward hook on its model, `ranks.BoundaryCapture`).
+the rows stored with them (`output` objects at layer L, `boundary.OUTPUT_KIND`), which the saving side
+captures from vLLM's own forward (a forward hook on its model, `ranks.BoundaryCapture`).
 
 A chunk stored without its output rows (by an instance without the draft) cannot give the draft its KV: the
 restore ends before it, and vLLM computes the rest (target and draft). Draft KV is a function of the tokens
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from cacheflow_common.model.transformer import Span
-from cacheflow_common.restore.boundary import BoundaryInput, BoundaryMissingError
+from cacheflow_common.restore.boundary import OUTPUT_KIND, BoundaryInput, BoundaryMissingError
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.plan import LoadSpec
@@ -42,8 +42,7 @@ from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime, forward_
 
 
 def output_job(job: RestoreJob, num_layers: int) -> RestoreJob:
-    """`job` as the store names its chunks' output rows: `hidden` objects at layer `num_layers` (the LM head's
-    input), in the model's dtype."""
+    """`job` as the store names its chunks' output rows: at layer `num_layers` (the LM head's input)."""
     return replace(job, layers=range(num_layers, num_layers + 1))
 
 
@@ -59,7 +58,8 @@ class DraftPass:
     def rows(self, spec: LoadSpec, job: RestoreJob, kv: BlockKV, store: Any, end: int) -> tuple[torch.Tensor, int]:
         """The target's output rows for positions [spec.start, end'), [end' - start, hidden], and end' (<= end):
         the rows vLLM's model returned, else those stored with the chunk, up to the first chunk with neither."""
-        stored = BoundaryInput(replace(output_job(job, self.num_layers), kv_dtype=self.dtype), store, prefetch=0)
+        stored = BoundaryInput(replace(output_job(job, self.num_layers), kv_dtype=self.dtype), store, prefetch=0,
+                               kind=OUTPUT_KIND)
         parts, reached = [], spec.start
         for key in job.keys:
             if key.token_end <= spec.start or key.token_start >= end:

@@ -41,6 +41,7 @@ from cacheflow_common.kv.keys import ChunkKey
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
+from cacheflow_common.restore.boundary import BOUNDARY_KIND, OUTPUT_KIND
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.save import dtype_name, make_job
 from cacheflow_common.sched.policies import make_policy, usable_policy
@@ -180,9 +181,10 @@ class WorkerEngine:
         return (self.layers.start > 0 or self.drafts) and self.cfg.save
 
     @property
-    def captured_layer(self) -> int:
-        """The layer whose input the stored rows are: the rank's first, or (drafts) the LM head's, past the last."""
-        return self.config.num_layers if self.drafts else self.layers.start
+    def captured(self) -> tuple[int, str]:
+        """How the captured rows are stored (layer, kind): the boundary activations entering the rank's first
+        layer, or (drafts) the model's output rows, at its layer count."""
+        return (self.config.num_layers, OUTPUT_KIND) if self.drafts else (self.layers.start, BOUNDARY_KIND)
 
     def begin_step(self, rows: PromptRows) -> None:
         """Where the step's prompt rows go, before its forward."""
@@ -459,8 +461,7 @@ class WorkerEngine:
         if self.captures:
             hidden = self.capture.take(spec.req_id, spec.start, end)  # [T, hidden] entering that layer, or None
             self.capture.release(spec.req_id, end)
-        self.saves.store_new(spec, kv.cpu(), hidden, self.layers,
-                             captured_layer=self.captured_layer if self.captures else None)
+        self.saves.store_new(spec, kv.cpu(), hidden, self.layers, captured=self.captured if self.captures else None)
 
     def flush(self) -> None:
         """Wait for every queued save."""
