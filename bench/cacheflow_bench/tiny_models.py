@@ -217,6 +217,42 @@ def save_copying_eagle(target: Path, draft: Path, seed: int = 0) -> tuple[Path, 
     return target, draft
 
 
+EAGLE3_AUX_LAYERS = (0, 1, 2)  # the tiny models' residual streams an EAGLE-3 draft reads: entering each layer, then out
+
+
+def save_eagle3(family: str, path: Path, seed: int = 4) -> Path:
+    """A random EAGLE-3 draft for the family's tiny model, as vLLM's `Eagle3LlamaForCausalLM` reads one: one
+    layer (`midlayer`) whose attention takes [token embedding, hidden] (2 hidden wide), `fc` from the target's
+    residual streams entering EAGLE3_AUX_LAYERS (3 hidden -> hidden), its own final norm and LM head; the
+    embedding comes from the target."""
+    from safetensors.torch import save_file
+
+    config = hf_config(family)
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim, inner = config.head_dim, config.intermediate_size
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return OTHER_STD * torch.randn(*shape, generator=gen)
+
+    layer = {"self_attn.q_proj": rand(heads * head_dim, 2 * hidden),  # over [embedding, hidden]
+             "self_attn.k_proj": rand(kv_heads * head_dim, 2 * hidden),
+             "self_attn.v_proj": rand(kv_heads * head_dim, 2 * hidden),
+             "self_attn.o_proj": rand(hidden, heads * head_dim),
+             "mlp.gate_proj": rand(inner, hidden), "mlp.up_proj": rand(inner, hidden),
+             "mlp.down_proj": rand(hidden, inner), "input_layernorm": torch.ones(hidden),
+             "hidden_norm": torch.ones(hidden), "post_attention_layernorm": torch.ones(hidden)}
+    tensors = {f"midlayer.{name}.weight": w for name, w in layer.items()}
+    tensors |= {"fc.weight": rand(hidden, len(EAGLE3_AUX_LAYERS) * hidden), "norm.weight": torch.ones(hidden),
+                "lm_head.weight": STD["lm_head"] * torch.randn(config.vocab_size, hidden, generator=gen)}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    draft = {**config.to_dict(), "num_hidden_layers": 1, "architectures": ["Eagle3LlamaForCausalLM"],
+             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(EAGLE3_AUX_LAYERS)}}
+    (path / "config.json").write_text(json.dumps(draft, indent=2))
+    return path
+
+
 def save_medusa(family: str, path: Path, seed: int = 3) -> Path:
     """A random Medusa draft for the family's tiny model, as vLLM's `Medusa` reads one: MEDUSA_HEADS heads, each
     a one-layer residual block over the target's last hidden state and an LM head (no attention, no KV)."""

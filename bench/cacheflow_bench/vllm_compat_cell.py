@@ -57,10 +57,10 @@ LORA_PASSES = (("lora-cold", True), ("base-after-lora", False), ("lora-warm", Tr
 REFERENCE = {"warm": "cold", "lora-warm": "lora-cold", "base-warm": "base-after-lora",
              "shared": "cold"}  # pass -> its reference
 LEAK_PASS = "base-after-lora"
-SPEC_DRAFTS = ("ngram", "medusa", "eagle")  # two drafts without KV of their own, and one with
+SPEC_DRAFTS = ("ngram", "medusa", "eagle", "eagle3")  # two drafts without KV of their own, and two with
 # the families with tiny draft checkpoints, per draft that has one (vLLM's EagleLlamaForCausalLM reads an EAGLE
 # draft of a Llama; Medusa heads fit any family, run on one)
-DRAFT_FAMILIES = {"medusa": ("llama",), "eagle": ("llama",)}
+DRAFT_FAMILIES = {"medusa": ("llama",), "eagle": ("llama",), "eagle3": ("llama",)}
 SPEC_TOKENS = 3  # draft tokens per step
 PERIOD = 24  # a speculative cell's prompts repeat a stretch of this many tokens
 SPEC_MAX_TOKENS = 32  # a speculative cell's greedy tokens per prompt: enough for a draft to find matches
@@ -130,7 +130,7 @@ def has_draft(family: str, spec: str) -> bool:
 def make_models(root: Path, families: list[str]) -> None:
     """Each family's tiny checkpoint, LoRA adapter and draft checkpoints (DRAFT_FAMILIES) under root/models,
     made afresh."""
-    savers = {"medusa": tiny_models.save_medusa, "eagle": tiny_models.save_eagle}
+    savers = {"medusa": tiny_models.save_medusa, "eagle": tiny_models.save_eagle, "eagle3": tiny_models.save_eagle3}
     for family in families:
         model, adapter = model_dirs(root, family)
         tiny_models.save(family, model)

@@ -66,14 +66,16 @@ def summarize(cells: Cells) -> dict[str, Any]:
 
 def spec_summary(cells: Cells, restored: Cells) -> dict[str, Any]:
     """Speculative decoding: the families restored under an n-gram draft and whether any were under Medusa heads
-    (vLLM drafting in the restored pass), and the outcomes of the cells whose draft has KV of its own (EAGLE)."""
+    (vLLM drafting in the restored pass), and the outcomes of the cells whose draft has KV of its own (EAGLE,
+    EAGLE-3)."""
     drafted = [c for c in restored if c.get("drafts", 0) > 0]
     ngram = [c for c in drafted if c["spec"] == "ngram"]
     return {"ngram_families_restored": len({c["family"] for c in ngram}),
             "ngram_tp2_restored": any(c["tp"] == 2 for c in ngram),
             "medusa_restored": any(c["spec"] == "medusa" for c in drafted),
-            "eagle_outcomes": sorted({c["status"] if c["status"] != "ok" else c.get("outcome", "none")
-                                      for c in cells if c.get("spec") == "eagle"})}
+            **{f"{draft}_outcomes": sorted({c["status"] if c["status"] != "ok" else c.get("outcome", "none")
+                                            for c in cells if c.get("spec") == draft})
+               for draft in ("eagle", "eagle3")}}
 
 
 def tp_sizes_share(cells: Cells) -> bool | None:
@@ -161,7 +163,8 @@ def block(body: dict[str, Any]) -> str:
             f"{s.get('tp_pp_families_restored', 0)} families; with an n-gram draft restored: "
             f"{s.get('ngram_families_restored', 0)} families (TP 2: {yes_no(s.get('ngram_tp2_restored', False))}); "
             f"with Medusa heads restored: {yes_no(s.get('medusa_restored', False))}; "
-            f"with an EAGLE draft: {', '.join(s.get('eagle_outcomes', [])) or 'not run'} ({commits(body)}, "
+            f"with an EAGLE draft: {', '.join(s.get('eagle_outcomes', [])) or 'not run'}; with an EAGLE-3 draft: "
+            f"{', '.join(s.get('eagle3_outcomes', [])) or 'not run'} ({commits(body)}, "
             "`cacheflow bench vllm-compat`; details in bench/results/vllm_compat.md).")
     return "\n".join([BEGIN, "\n\n".join(tables), "", line, END])
 

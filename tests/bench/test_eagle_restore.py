@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vll
 TENANT = "eagle"
 
 
-def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool, tp: int) -> dict[str, Any]:
+def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool, tp: int, method: str = "eagle"
+        ) -> dict[str, Any]:
     """One fresh vLLM process over the pod in `root` (its prompts once, `draft`: with the EAGLE draft; `tp`
     tensor-parallel ranks)."""
     target, eagle = models
@@ -35,7 +36,7 @@ def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool, tp: in
                  "pod_token_file": str(root / "tokens"), "chunk_size": CHUNK, "stats_file": str(root / f"{name}.jsonl"),
                  "profile": str(write_profile(root / "profile.json"))}
     spec = {"model": str(target), "dtype": "float32", "prompts": prompts(), "max_tokens": 32, "ignore_eos": True,
-            "speculative_config": {"method": "eagle", "model": str(eagle), "num_speculative_tokens": SPEC_TOKENS}
+            "speculative_config": {"method": method, "model": str(eagle), "num_speculative_tokens": SPEC_TOKENS}
             if draft else None,
             "block_size": BLOCK, "max_model_len": 1024, "tensor_parallel_size": tp, "connector": connector,
             "passes": [{"label": name}]}
@@ -114,3 +115,47 @@ def test_chunks_stored_without_output_rows_are_left_to_vllm(runs: dict[str, Any]
     assert not [e for e in warm["events"] if e["event"] in ("restore", "draft", "load_error")]
     assert warm["tokens"] == runs["plain-cold"]["tokens"] == cold["tokens"]
     assert warm["drafts"] == cold["drafts"]
+
+
+@pytest.fixture(scope="module")
+def eagle3_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """An EAGLE-3 draft (`tiny_models.save_eagle3`) over the two-layer tiny Llama: cold stores, warm restores."""
+    root = tmp_path_factory.mktemp("eagle3")
+    target = tiny_models.save("llama", root / "target")
+    draft = tiny_models.save_eagle3("llama", root / "draft")
+    pod = launch_pod(root / "pod", tenants=(TENANT,), tokens=write_tokens(root / "tokens", [TENANT]))
+    (root / "port").write_text(str(pod.data_port))
+    try:
+        out = {name: run(root, name, (target, draft), draft=True, tp=1, method="eagle3") for name in ("cold", "warm")}
+    finally:
+        pod.stop()
+    return {**out, "target": target, "pod-dir": root / "pod"}
+
+
+def test_an_eagle3_draft_is_restored_from_the_residual_streams_of_its_auxiliary_layers(
+        eagle3_runs: dict[str, Any]) -> None:
+    """The chunks hold the target's residual streams entering each auxiliary layer (boundary activations, as
+    transformers computes them: the one past the last layer before the final norm); the warm process restores
+    the prefixes and reruns the draft over them, with vLLM's tokens and draft counters."""
+    from transformers import AutoModelForCausalLM
+
+    cold, warm = eagle3_runs["cold"], eagle3_runs["warm"]
+    assert [(e["tokens"], e["short"]) for e in warm["events"] if e["event"] == "draft"] == [(n, 0) for n in PREFIXES]
+    assert warm["tokens"] == cold["tokens"] and warm["drafts"] == cold["drafts"]
+    model = AutoModelForCausalLM.from_pretrained(eagle3_runs["target"], dtype=torch.float32)
+    before_norm: list[torch.Tensor] = []
+    model.model.norm.register_forward_hook(lambda module, args, out: before_norm.append(args[0][0]))
+    streams = {}
+    with torch.no_grad():
+        for prompt in prompts():
+            hidden = model.model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+            streams[tuple(prompt)] = [hidden[0][0], hidden[1][0], before_norm[-1]]  # entering layers 0, 1, 2
+    for layer in tiny_models.EAGLE3_AUX_LAYERS:
+        objects = sorted(Path(eagle3_runs["pod-dir"]).rglob(f"*.hidden.L{layer}-{layer + 1}.*"))
+        assert len(objects) == sum(n // CHUNK for n in PREFIXES)
+        for path in objects:
+            trailer, rows = decode_hidden_chunk(path.read_bytes())  # [C, hidden]
+            start, end = trailer["token_start"], trailer["token_end"]
+            expected = next(s[layer][start:end] for prompt, s in streams.items()
+                            if list(prompt[start:end]) == trailer["token_ids"])
+            torch.testing.assert_close(rows, expected, atol=1e-4, rtol=1e-4)

@@ -5,17 +5,18 @@ vLLM: tests/bench/test_eagle_restore.py runs them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from cacheflow_common.kv.keys import chunk_keys, tenant_salt
-from cacheflow_common.restore.boundary import OUTPUT_KIND, save_boundaries
+from cacheflow_common.restore.boundary import BOUNDARY_KIND, OUTPUT_KIND, save_boundaries
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_services.vllm_connector.block_kv import BlockKV
-from cacheflow_services.vllm_connector.draft import DraftPass, Restored, output_job, restore_drafts
+from cacheflow_services.vllm_connector.draft import DraftPass, Restored, restore_drafts
 from cacheflow_services.vllm_connector.plan import LoadSpec
 
 CHUNK, LAYERS, HIDDEN = 8, 2, 4
@@ -36,21 +37,32 @@ def _kv() -> BlockKV:
     return kv
 
 
-def _draft() -> DraftPass:
+def _draft(sources: list[tuple[int, str]]) -> DraftPass:
     runtime: Any = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
-    return DraftPass(runtime, drafter=None, num_layers=LAYERS, dtype="float32")
+    return DraftPass(runtime, drafter=None, sources=sources)
 
 
 def test_rows_come_from_the_recomputed_front_then_the_stored_chunks_up_to_the_first_without() -> None:
     job, store, kv = _job(), MemoryStore(), _kv()
     kv.keep(0, 2 * ROWS[: CHUNK + 3])  # vLLM's model computed chunk 0 and part of chunk 1 (a cut forward)
     kv.keep(CHUNK + 3, 2 * ROWS[CHUNK + 3 : 2 * CHUNK])
-    save_boundaries(output_job(job, LAYERS), ROWS, store, model_fingerprint="fp", keys=job.keys[1:3],
-                    kind=OUTPUT_KIND)  # chunks 1 and 2
+    output = replace(job, layers=range(LAYERS, LAYERS + 1))
+    save_boundaries(output, ROWS, store, model_fingerprint="fp", keys=job.keys[1:3], kind=OUTPUT_KIND)  # chunks 1, 2
     spec = LoadSpec("r", TOKENS, tuple(range(4)), start=4)
-    rows, reached = _draft().rows(spec, job, kv, store, len(TOKENS))
+    rows, reached = _draft([(LAYERS, OUTPUT_KIND)]).rows(spec, job, kv, store, len(TOKENS))
     assert reached == 3 * CHUNK  # chunk 3 has neither
     assert torch.equal(rows, torch.cat([2 * ROWS[4 : 2 * CHUNK], ROWS[2 * CHUNK : 3 * CHUNK]]))
+
+
+def test_an_eagle3_draft_reads_the_boundary_activations_of_its_auxiliary_layers_side_by_side() -> None:
+    job, store, kv = _job(), MemoryStore(), _kv()
+    for layer in (0, 2):
+        at = replace(job, layers=range(layer, layer + 1))
+        save_boundaries(at, ROWS + 1000 * layer, store, model_fingerprint="fp", keys=job.keys[:2])  # chunks 0, 1
+    spec = LoadSpec("r", TOKENS, tuple(range(4)), start=0)
+    rows, reached = _draft([(0, BOUNDARY_KIND), (2, BOUNDARY_KIND)]).rows(spec, job, kv, store, len(TOKENS))
+    assert reached == 2 * CHUNK
+    assert torch.equal(rows, torch.cat([ROWS[: 2 * CHUNK], ROWS[: 2 * CHUNK] + 2000], dim=-1))  # [16, 2 hidden]
 
 
 class _Stub:

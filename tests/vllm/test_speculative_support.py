@@ -1,8 +1,8 @@
 """Which speculative decoding methods the connector serves, decided from vLLM's config alone: a draft without
 KV of its own (n-gram or suffix lookups, Medusa or MLP heads) leaves the target's cache the whole of the KV,
-so the connector serves it; an EAGLE draft's KV it restores by rerunning the draft (with vLLM's model, without
-LoRA or pipeline parallelism: tests/bench/test_eagle_restore.py runs it); any other draft with KV of its own (EAGLE-3,
-MTP, a draft model) makes it step aside, naming the method. The config here is a stand-in with the fields
+so the connector serves it; an EAGLE or EAGLE-3 draft's KV it restores by rerunning the draft (with vLLM's
+model, without LoRA or pipeline parallelism: tests/bench/test_eagle_restore.py runs it); any other draft with KV
+of its own (MTP, a draft model) makes it step aside, naming the method. The config here is a stand-in with the fields
 `unsupported` reads (vLLM's `VllmConfig` needs vLLM, which this environment does not have); the real vLLM
 runs both kinds in tests/bench/test_vllm_compat_smoke.py."""
 
@@ -30,11 +30,12 @@ def test_drafts_without_kv_of_their_own_are_served(method: str) -> None:
     assert unsupported(vllm_config(method), "unused", "vllm") == ""
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_an_eagle_draft_is_served_with_vllms_model_and_its_kv_restored(tp: int) -> None:
-    config = vllm_config("eagle", tp=tp)
-    assert unsupported(config, "unused", "vllm") == "" and restores_draft(config)
-    assert not restores_draft(vllm_config("ngram")) and not restores_draft(vllm_config(None))
+def test_an_eagle_draft_is_served_with_vllms_model_and_its_kv_restored(method: str, tp: int) -> None:
+    config = vllm_config(method, tp=tp)
+    assert unsupported(config, "unused", "vllm") == "" and restores_draft(config) == method
+    assert restores_draft(vllm_config("ngram")) == restores_draft(vllm_config(None)) == ""
 
 
 @pytest.mark.parametrize(("settings", "runtime", "where"), [
@@ -46,7 +47,7 @@ def test_an_eagle_draft_elsewhere_makes_the_connector_step_aside_saying_where(se
     assert reason.startswith(f"speculative decoding with eagle under {where}: ")
 
 
-@pytest.mark.parametrize("method", ["eagle3", "deepseek_mtp", "mtp", "draft_model", "custom_class"])
+@pytest.mark.parametrize("method", ["deepseek_mtp", "mtp", "draft_model", "custom_class"])
 def test_drafts_with_kv_of_their_own_or_unknown_make_the_connector_step_aside(method: str) -> None:
     reason = unsupported(vllm_config(method), "unused", "vllm")
     assert reason == f"speculative decoding with {method}: the draft's own KV is not in the chunks"

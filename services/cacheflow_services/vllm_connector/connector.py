@@ -473,6 +473,6 @@ def _scheduler_plan(cfg: ConnectorConfig, vllm_config: VllmConfig, layout: str) 
         return cached_prefix_tokens(prompt, fingerprint=salted(fingerprint, salt), tenant=cfg.tenant,
                                     chunk_size=cfg.chunk_size, stage_layers=layers, store=store, limit=limit,
                                     kv_heads=kv_heads, head_split=split, boundaries=True,
-                                    output_rows=restores_draft(vllm_config))  # an EAGLE draft's input (draft.py)
+                                    output_rows=restores_draft(vllm_config) == "eagle")  # its draft's input
 
     return SchedulerPlan(chunk_size=cfg.chunk_size, block_size=block_size, lookup=lookup, save=cfg.save)

@@ -34,32 +34,30 @@ from typing import Any
 import torch
 
 from cacheflow_common.model.transformer import Span
-from cacheflow_common.restore.boundary import OUTPUT_KIND, BoundaryInput, BoundaryMissingError
+from cacheflow_common.restore.boundary import BoundaryInput, BoundaryMissingError
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.plan import LoadSpec
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime, forward_groups
 
 
-def output_job(job: RestoreJob, num_layers: int) -> RestoreJob:
-    """`job` as the store names its chunks' output rows: at layer `num_layers` (the LM head's input)."""
-    return replace(job, layers=range(num_layers, num_layers + 1))
-
-
 class DraftPass:
-    def __init__(self, runtime: VllmRuntime, drafter: Any, *, num_layers: int, dtype: str) -> None:
-        """`drafter`: vLLM's loaded draft model (its runner's `drafter.model`); `num_layers`: the target's;
-        `dtype`: the output rows' as stored (the model's)."""
+    def __init__(self, runtime: VllmRuntime, drafter: Any, *, sources: Sequence[tuple[int, str]],
+                 combine: bool = False) -> None:
+        """`drafter`: vLLM's loaded draft model (its runner's `drafter.model`); `sources`: the stored rows it
+        reads, side by side, each (layer, kind): the output rows at the target's layer count (EAGLE), the
+        boundary activations at its auxiliary layers (EAGLE-3); `combine`: the draft first combines them
+        (EAGLE-3's `combine_hidden_states`, as vLLM's proposer calls it)."""
         self.runtime = runtime
         self.drafter = drafter
-        self.num_layers = num_layers
-        self.dtype = dtype
+        self.sources = tuple(sources)
+        self.combine = combine
 
     def rows(self, spec: LoadSpec, job: RestoreJob, kv: BlockKV, store: Any, end: int) -> tuple[torch.Tensor, int]:
         """The target's output rows for positions [spec.start, end'), [end' - start, hidden], and end' (<= end):
         the rows vLLM's model returned, else those stored with the chunk, up to the first chunk with neither."""
-        stored = BoundaryInput(replace(output_job(job, self.num_layers), kv_dtype=self.dtype), store, prefetch=0,
-                               kind=OUTPUT_KIND)
+        stored = [BoundaryInput(replace(job, layers=range(layer, layer + 1)), store, prefetch=0, kind=kind)
+                  for layer, kind in self.sources]
         parts, reached = [], spec.start
         for key in job.keys:
             if key.token_end <= spec.start or key.token_start >= end:
@@ -68,9 +66,10 @@ class DraftPass:
             rows = kv.outputs(first, last)
             if rows is None:
                 try:
-                    rows = stored(key.token_start, key.token_end)[first - key.token_start : last - key.token_start]
+                    rows = torch.cat([read(key.token_start, key.token_end) for read in stored], dim=-1)
                 except BoundaryMissingError:
                     break
+                rows = rows[first - key.token_start : last - key.token_start]  # [T, k * hidden]
             parts.append(rows.to(self.runtime.device, self.runtime.dtype))
             reached = last
         hidden = torch.cat(parts) if parts else torch.empty(0, 0)
@@ -84,6 +83,8 @@ class DraftPass:
             return
         following = (*spec.token_ids[spec.start + 1 : end], *_next(spec, end))
         ids = torch.tensor(following, dtype=torch.long, device=self.runtime.device)  # [end - start]
+        if self.combine:
+            rows = self.drafter.combine_hidden_states(rows)  # [end - start, k * hidden] -> [end - start, hidden]
         for group in forward_groups([Span(kv, spec.start, end - spec.start)], self.runtime.max_rows):
             self._forward(group, ids, rows)
 

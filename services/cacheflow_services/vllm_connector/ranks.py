@@ -101,8 +101,11 @@ class BoundaryCapture:
             self._record_step(lambda: (tensors["hidden_states"], tensors.get("residual")))
 
     def _post_hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        """The model's output rows [R, hidden] (a tensor on the last rank). Never fails vLLM's forward."""
-        if isinstance(output, torch.Tensor):
+        """The model's output rows [R, hidden] (a tensor on the last rank), or with an EAGLE-3 draft its auxiliary
+        layers' residual streams, side by side [R, k * hidden]. Never fails vLLM's forward."""
+        if isinstance(output, tuple):
+            self._record_step(lambda: (torch.cat(output[1], dim=-1), None))
+        elif isinstance(output, torch.Tensor):
             self._record_step(lambda: (output, None))
 
     def _record_step(self, rows: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]) -> None:

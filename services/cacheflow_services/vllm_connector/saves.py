@@ -5,6 +5,8 @@ chunk is recomputed by a later restore.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from cacheflow_common.kv.keys import ChunkKey, HeadRange, chunk_keys, tenant_salt
@@ -35,10 +37,11 @@ class ConnectorSaves:
             "save_error", req=request_id, error=f"{type(exc).__name__}: {exc}"))
 
     def store_new(self, spec: SaveSpec, kv: torch.Tensor, hidden: torch.Tensor | None, layers: range, *,
-                  captured: tuple[int, str] | None = None) -> None:
+                  captured: Sequence[tuple[int, str]] | None = None) -> None:
         """Queue the spec's chunks [start, end): kv [b - a, 2, Hkv, T, D] for this rank's layers, and (a rank
-        that captures rows) hidden [T, hidden], stored as `captured` (layer, kind) says: the boundary
-        activations entering its first layer, or the model's output rows (boundary.OUTPUT_KIND: draft.py)."""
+        that captures rows) hidden [T, k * hidden], k tensors side by side, each stored as `captured`'s (layer,
+        kind) says: the boundary activations entering its first layer, the model's output rows
+        (boundary.OUTPUT_KIND), an EAGLE-3 draft's auxiliary layers' (draft.py)."""
         self._thread.submit(spec.req_id, lambda: self._store_new(spec, kv, hidden, layers, captured))
 
     def store_again(self, request_id: str, chunks: list[tuple[ChunkKey, torch.Tensor]], job: RestoreJob, *,
@@ -57,21 +60,21 @@ class ConnectorSaves:
         self._thread.close()
 
     def _store_new(self, spec: SaveSpec, kv: torch.Tensor, hidden: torch.Tensor | None, layers: range,
-                   captured: tuple[int, str] | None) -> None:
+                   captured: Sequence[tuple[int, str]] | None) -> None:
         fingerprint = salted(self.fingerprint, spec.salt)
         every = tuple(chunk_keys(spec.token_ids, self.chunk_size, tenant_salt(fingerprint, self.tenant)))
         keys = [k for k in every if k.token_start >= spec.start]
         first = spec.start  # kv's first position
         written = sum(self._put(key, spec.token_ids, kv[:, :, :, key.token_start - first : key.token_end - first],
                                 layers, fingerprint) for key in keys)  # each chunk's [b - a, 2, Hkv, C, D]
-        if captured is not None and hidden is None:  # these chunks cannot be restored: vLLM recomputes them
-            self.event("boundary_missing", req=spec.req_id, chunks=len(keys), layer=captured[0])
-        elif hidden is not None and captured is not None:
-            layer, kind = captured
-            job = RestoreJob(token_ids=spec.token_ids, keys=every, layers=range(layer, layer + 1),
-                             kv_dtype=dtype_name(self.dtype))
-            written += save_boundaries(job, hidden.to(self.dtype), self.store, model_fingerprint=fingerprint,
-                                       keys=keys, first_row_token=spec.start, kind=kind)
+        if captured and hidden is None:  # these chunks cannot be restored: vLLM recomputes them
+            self.event("boundary_missing", req=spec.req_id, chunks=len(keys), layer=captured[0][0])
+        elif hidden is not None and captured:
+            for (layer, kind), rows in zip(captured, hidden.chunk(len(captured), dim=-1), strict=True):
+                job = RestoreJob(token_ids=spec.token_ids, keys=every, layers=range(layer, layer + 1),
+                                 kv_dtype=dtype_name(self.dtype))
+                written += save_boundaries(job, rows.to(self.dtype), self.store, model_fingerprint=fingerprint,
+                                           keys=keys, first_row_token=spec.start, kind=kind)
         self.event("save", req=spec.req_id, chunks=len(keys), bytes=written, tokens_end=len(spec.token_ids))
 
     def _put(self, key: ChunkKey, token_ids: tuple[int, ...], kv: torch.Tensor, layers: range, fingerprint: str

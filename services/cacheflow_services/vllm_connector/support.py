@@ -9,11 +9,11 @@ agree without talking. Refused, whatever recomputes the restore's front:
   layers left out of its quantization (`kv_cache_dtype_skip_layers`);
 * decode- or prefill-context parallelism (a rank's cache holds a slice of the tokens); tensor parallelism
   with CacheFlow's runtime (with vLLM's model a rank restores its slice of the heads: `planned_split.py`);
-* speculative decoding with a draft that has KV of its own (EAGLE-3, MTP, a draft model: chunks hold the target
+* speculative decoding with another draft that has KV of its own (MTP, a draft model: chunks hold the target
   model's layers only); drafts without attention layers are served (`KV_FREE_DRAFTS`: n-gram and suffix
-  lookups over the tokens, Medusa and MLP heads over the target's last hidden state), and so is an EAGLE(-1)
-  draft with vLLM's model, without pipeline parallelism or LoRA (`restores_draft`: its KV is recomputed from
-  the target's stored output, `draft.py`);
+  lookups over the tokens, Medusa and MLP heads over the target's last hidden state), and so are EAGLE and
+  EAGLE-3 drafts with vLLM's model, without pipeline parallelism or LoRA (`restores_draft`: their KV is
+  recomputed from the target's stored rows, `draft.py`);
 * a cache of other than full-attention blocks: several groups (hybrid models: one block table per group),
   sliding-window blocks (dropped outside the window), state caches.
 
@@ -46,7 +46,7 @@ ATTENTION_SPECS = ("FullAttentionSpec",)  # caches of every position's K and V i
 # Speculative methods whose drafts have no KV cache: the target's cache, which chunks hold, is the whole of it.
 KV_FREE_DRAFTS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
 # Drafts whose KV a restore recomputes: EAGLE's layers over the target's output rows, stored with the chunks.
-RESTORED_DRAFTS = ("eagle",)
+RESTORED_DRAFTS = ("eagle", "eagle3")  # EAGLE-3's from the target's residual streams at its auxiliary layers
 
 
 def model_dir(model: str, revision: str | None = None) -> Path:
@@ -92,10 +92,11 @@ def unsupported(vllm_config: Any, model: str, runtime: str) -> str:
     return ""
 
 
-def restores_draft(vllm_config: Any) -> bool:
-    """Whether restores also recompute a draft's KV (an EAGLE draft): its rows are captured and stored."""
+def restores_draft(vllm_config: Any) -> str:
+    """The method of the draft whose KV restores also recompute ("eagle", "eagle3"; "" for none): its input
+    rows are captured and stored."""
     draft = vllm_config.speculative_config
-    return draft is not None and draft.method in RESTORED_DRAFTS
+    return str(draft.method) if draft is not None and draft.method in RESTORED_DRAFTS else ""
 
 
 def _unsupported_draft(vllm_config: Any, runtime: str) -> str:

@@ -112,10 +112,10 @@ class VllmRuntime:
         """One forward of vLLM's model over rows `hidden` [r, hidden], packed in the order of `spans`; a request
         that keeps its output rows (an EAGLE draft's input: `BlockKV.keep_outputs`) gets its own."""
         with self.forward_context(spans) as positions:
-            out = residual_stream(self.module.forward(input_ids=None, positions=positions, **self._inputs(hidden)))
+            out, rows = draft_rows(self.module.forward(input_ids=None, positions=positions, **self._inputs(hidden)))
         for span in spans:
-            _block_kv(span).keep(span.start, out[span.row - spans[0].row : span.row - spans[0].row + span.length])
-        return out
+            _block_kv(span).keep(span.start, rows[span.row - spans[0].row : span.row - spans[0].row + span.length])
+        return residual_stream(out)
 
     @contextmanager
     def forward_context(self, spans: Sequence[Span]) -> Iterator[torch.Tensor]:
@@ -199,6 +199,16 @@ def sent_between_ranks(module: Any, dtype: torch.dtype, device: torch.device) ->
         raise ConfigError(f"vLLM's {type(module).__name__} sends {list(keys) or 'nothing'} between pipeline ranks, "
                           "not a residual stream a boundary activation rebuilds")
     return keys
+
+
+def draft_rows(out: Any) -> tuple[Any, torch.Tensor]:
+    """vLLM's model's output and the rows an EAGLE draft reads from it: with an EAGLE-3 draft vLLM's model
+    returns (hidden_states, its auxiliary layers' residual streams), whose rows [r, k * hidden] are the draft's
+    (in layer order, as vLLM concatenates them); else its output rows."""
+    if isinstance(out, tuple):
+        hidden, aux = out
+        return hidden, torch.cat(aux, dim=-1)
+    return out, out
 
 
 def residual_stream(out: Any) -> torch.Tensor:

@@ -124,7 +124,8 @@ class WorkerEngine:
                                       fingerprint=self.fingerprint, event=self.stats.event,
                                       lora_manager=lora_manager)
         self._lora_on = vllm_config is not None and vllm_config.lora_config is not None
-        self.drafts = vllm_config is not None and restores_draft(vllm_config)  # restores rerun an EAGLE draft
+        self.draft_method = restores_draft(vllm_config) if vllm_config is not None else ""  # an EAGLE draft's
+        self.drafts = bool(self.draft_method)  # restores rerun an EAGLE draft
         self._drafter = drafter
         self._draft: DraftPass | None = None  # at the first restore that reruns the draft
         self._once = OnceLog()
@@ -180,11 +181,15 @@ class WorkerEngine:
         output rows (an EAGLE draft's input, draft.py)."""
         return (self.layers.start > 0 or self.drafts) and self.cfg.save
 
-    @property
-    def captured(self) -> tuple[int, str]:
-        """How the captured rows are stored (layer, kind): the boundary activations entering the rank's first
-        layer, or (drafts) the model's output rows, at its layer count."""
-        return (self.config.num_layers, OUTPUT_KIND) if self.drafts else (self.layers.start, BOUNDARY_KIND)
+    def captured(self) -> list[tuple[int, str]]:
+        """How the captured rows are stored, side by side (layer, kind): the boundary activations entering the
+        rank's first layer; with an EAGLE draft the model's output rows, at its layer count; with an EAGLE-3
+        draft the boundary activations at each of its auxiliary layers."""
+        if self.draft_method == "eagle":
+            return [(self.config.num_layers, OUTPUT_KIND)]
+        if self.draft_method == "eagle3":
+            return [(layer, BOUNDARY_KIND) for layer in aux_layers(self._vllm_model())]
+        return [(self.layers.start, BOUNDARY_KIND)]
 
     def begin_step(self, rows: PromptRows) -> None:
         """Where the step's prompt rows go, before its forward."""
@@ -420,7 +425,7 @@ class WorkerEngine:
             drafter = self._drafter(model.module)
             if drafter is None:
                 raise RuntimeError("vLLM's draft model could not be reached from the connector")
-            self._draft = DraftPass(model, drafter, num_layers=self.config.num_layers, dtype=dtype_name(self.dtype))
+            self._draft = DraftPass(model, drafter, sources=self.captured(), combine=self.draft_method == "eagle3")
         return self._draft
 
     def engine(self) -> Engine:
@@ -461,7 +466,7 @@ class WorkerEngine:
         if self.captures:
             hidden = self.capture.take(spec.req_id, spec.start, end)  # [T, hidden] entering that layer, or None
             self.capture.release(spec.req_id, end)
-        self.saves.store_new(spec, kv.cpu(), hidden, self.layers, captured=self.captured if self.captures else None)
+        self.saves.store_new(spec, kv.cpu(), hidden, self.layers, captured=self.captured() if self.captures else None)
 
     def flush(self) -> None:
         """Wait for every queued save."""
@@ -481,6 +486,12 @@ class WorkerEngine:
             if close is not None:
                 close()
         self.store.close()
+
+
+def aux_layers(module: Any) -> list[int]:
+    """The layers whose entering residual streams vLLM's model returns for an EAGLE-3 draft, in the order it
+    returns them (layer order)."""
+    return sorted(set(getattr(getattr(module, "model", module), "aux_hidden_state_layers", ())))
 
 
 def restored_end(spec: LoadSpec, failed: set[int], block_size: int) -> int:
