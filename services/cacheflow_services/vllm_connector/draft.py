@@ -1,20 +1,27 @@
-"""Restoring an EAGLE draft's KV with the target's: vLLM's draft layers rerun over the restored positions.
+"""Restoring an EAGLE (or EAGLE-3) draft's KV with the target's: vLLM's draft layers rerun over the restored
+positions.
 
 With `--speculative-config '{"method": "eagle", ...}'` vLLM keeps a KV cache for the draft's own layers
 (`model.layers.<L>...`, after the target's L), in the same blocks as the target's. When vLLM computes a prompt
 chunk [s, e), its drafter runs once over the same positions: at position i its input is the next token
-(token i + 1; at e - 1 the prompt's token e, or the sampled one) and the target's output row at i (the last
-layer's hidden state after the final norm: what enters the LM head), and its layers write their KV at i.
+(token i + 1; at e - 1 the prompt's token e, or the sampled one) and the target's row at i, and its layers
+write their KV at i. The row is, for EAGLE, the target's output (the last layer's hidden state after the final
+norm: what enters the LM head); for EAGLE-3, the residual streams entering the target's auxiliary layers
+(vLLM's model returns them beside its output), side by side, which the draft first combines
+(`combine_hidden_states`).
 
 A restore gives the target's KV for [start, N) without running vLLM's step over them, so the connector runs
 the drafter's first pass over them itself, as vLLM would have (`DraftPass`): its inputs are the prompt's
 tokens [start + 1, N] (token N is the one after the prefix, `LoadSpec.next_token`) and the target's output
 rows — for positions vLLM's model recomputed, those it returned (`BlockKV.keep_outputs`); for loaded chunks,
-the rows stored with them (`output` objects at layer L, `boundary.OUTPUT_KIND`), which the saving side
-captures from vLLM's own forward (a forward hook on its model, `ranks.BoundaryCapture`).
+the rows stored with them, which the saving side captures from vLLM's own forward (a forward hook on its model,
+`ranks.BoundaryCapture`): EAGLE's as `output` objects at layer L (`boundary.OUTPUT_KIND`), EAGLE-3's as the
+boundary activations entering each auxiliary layer (the objects a pipeline rank starting there restores from).
 
-A chunk stored without its output rows (by an instance without the draft) cannot give the draft its KV: the
-restore ends before it, and vLLM computes the rest (target and draft). Draft KV is a function of the tokens
+A chunk stored without its rows (by an instance without the draft) cannot give the draft its KV: the restore
+ends before it, and vLLM computes the rest (target and draft); with EAGLE the scheduler's lookup does not count
+such a chunk at all (its rows are at one known place; EAGLE-3's layers are the model's choice, known to the
+workers only). Draft KV is a function of the tokens
 and the target's rows, so a restored draft drafts exactly what it would have after vLLM's own prefill; its
 drafts never change the output (the target verifies them), only how many are accepted.
 
