@@ -61,8 +61,9 @@ class DraftPass:
         self.combine = combine
 
     def rows(self, spec: LoadSpec, job: RestoreJob, kv: BlockKV, store: Any, end: int) -> tuple[torch.Tensor, int]:
-        """The target's output rows for positions [spec.start, end'), [end' - start, hidden], and end' (<= end):
-        the rows vLLM's model returned, else those stored with the chunk, up to the first chunk with neither."""
+        """The draft's input rows for positions [spec.start, end'), [end' - start, k * hidden] (the `sources` side by
+        side), and end' (<= end): the rows vLLM's model returned, else those stored with the chunk, up to the
+        first chunk with neither."""
         stored = [BoundaryInput(replace(job, layers=range(layer, layer + 1)), store, prefetch=0, kind=kind)
                   for layer, kind in self.sources]
         parts, reached = [], spec.start
@@ -85,7 +86,7 @@ class DraftPass:
     @torch.inference_mode()
     def run(self, spec: LoadSpec, kv: BlockKV, rows: torch.Tensor, end: int) -> None:
         """The drafter's first pass over positions [spec.start, end), writing its KV into the request's blocks:
-        rows [end - start, hidden] the target's output there."""
+        rows [end - start, k * hidden] its input rows there (`rows`)."""
         if end <= spec.start:
             return
         following = (*spec.token_ids[spec.start + 1 : end], *_next(spec, end))
@@ -105,7 +106,8 @@ class DraftPass:
 
 @dataclass
 class Restored:
-    """One restore whose draft is to be rerun: what it wrote into `kv`'s blocks ends at `end` (None: it failed)."""
+    """One restore whose draft is to be rerun: what it wrote into `kv`'s blocks ends at `end` (`job` and `kv`
+    None: the restore failed, no draft is rerun)."""
 
     spec: LoadSpec
     job: RestoreJob | None
