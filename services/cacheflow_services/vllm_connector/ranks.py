@@ -23,6 +23,7 @@ import torch
 
 from cacheflow_common.errors import ConfigError
 from cacheflow_services.vllm_connector.plan import PromptRows
+from cacheflow_services.vllm_connector.vllm_runtime import draft_rows
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +104,9 @@ class BoundaryCapture:
     def _post_hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """The model's output rows [R, hidden] (a tensor on the last rank), or with an EAGLE-3 draft its auxiliary
         layers' residual streams, side by side [R, k * hidden]. Never fails vLLM's forward."""
-        if isinstance(output, tuple):
-            self._record_step(lambda: (torch.cat(output[1], dim=-1), None))
-        elif isinstance(output, torch.Tensor):
-            self._record_step(lambda: (output, None))
+        rows = draft_rows(output)[1]
+        if isinstance(rows, torch.Tensor):  # not a rank before the last's IntermediateTensors
+            self._record_step(lambda: (rows, None))
 
     def _record_step(self, rows: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]) -> None:
         """File the step's prompt rows (hidden, residual) by their slots; a step it cannot read leaves its chunks
