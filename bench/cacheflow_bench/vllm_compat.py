@@ -1,11 +1,11 @@
 """The vLLM compatibility matrix: tiny random checkpoints of the families vLLM users run (and an FP8-weight
 one), each with TP 1 / 2 and PP 2, KV cache dtype auto / fp8 and LoRA off / on, through vLLM's CPU build with
-the CacheFlow connector; and with speculative decoding (an n-gram draft, and Medusa, EAGLE and EAGLE-3 drafts
-where the family has one).
+the CacheFlow connector; and with speculative decoding (an n-gram draft, Medusa, EAGLE and EAGLE-3 drafts where
+the family has one, and the target drafting for itself as a draft model).
 
     cacheflow bench vllm-compat [--families llama,gemma2] [--tp 1,2] [--pp 1,2] [--kv-dtypes auto,fp8]
-                                [--lora off,on] [--share on] [--spec ngram,medusa,eagle,eagle3] [--only-spec]
-                                [--merge] [--out DIR] [--workdir DIR]
+                                [--lora off,on] [--share on] [--spec ngram,medusa,eagle,eagle3,draft_model]
+                                [--only-spec] [--merge] [--out DIR] [--workdir DIR]
 
 Each cell is one fresh vLLM process over its own storage pod (see vllm_compat_cell.py): a cold pass (vLLM
 computes, the connector stores; the reference), then the same prompts again after the saves are flushed
@@ -112,7 +112,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lora", default="off,on", help="LoRA off, on, or both")
     parser.add_argument("--share", default="on", help="sharing cells across the TP sizes: on or off")
     parser.add_argument("--spec", default=",".join(SPEC_DRAFTS),
-                        help="speculative cells' drafts (ngram, medusa, eagle, eagle3), or off")
+                        help="speculative cells' drafts (ngram, medusa, eagle, eagle3, draft_model), or off")
     parser.add_argument("--only-spec", action="store_true", help="only the speculative cells")
     parser.add_argument("--merge", action="store_true", help="keep the cells of an earlier result this run skips")
     parser.add_argument("--out", default=None, help=f"output directory (default: {RESULTS_DIR})")

@@ -18,10 +18,11 @@ makes the "shared" pass, which restores from those chunks (its ranks take their 
 objects): its tokens must equal the cold pass's.
 
 A speculative-decoding cell (`spec`) runs vLLM with a draft: n-gram lookup or Medusa heads (no KV of their own:
-the connector serves them) or an EAGLE head (KV of its own, which the connector restores on one rank by rerunning
-the draft, and steps aside for under tensor parallelism). Its prompts repeat a random stretch, so the n-gram
-lookup finds matches and drafts; vLLM's draft counters for the last pass are kept (a draft's tokens are
-verified by the target model: greedy tokens must still be equal).
+the connector serves them), an EAGLE or EAGLE-3 head or a draft model (KV of their own, which the connector
+restores by rerunning the draft). The draft model is the target itself: it drafts the target's own greedy tokens,
+so vLLM accepts every one of them if and only if the draft's KV is right. Its prompts repeat a random stretch,
+so the n-gram lookup finds matches and drafts; vLLM's draft counters for the last pass are kept (a draft's
+tokens are verified by the target model: greedy tokens must still be equal).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ LORA_PASSES = (("lora-cold", True), ("base-after-lora", False), ("lora-warm", Tr
 REFERENCE = {"warm": "cold", "lora-warm": "lora-cold", "base-warm": "base-after-lora",
              "shared": "cold"}  # pass -> its reference
 LEAK_PASS = "base-after-lora"
-SPEC_DRAFTS = ("ngram", "medusa", "eagle", "eagle3")  # two drafts without KV of their own, and two with
+SPEC_DRAFTS = ("ngram", "medusa", "eagle", "eagle3", "draft_model")  # two drafts without KV of their own, three with
 # the families with tiny draft checkpoints, per draft that has one (vLLM's EagleLlamaForCausalLM reads an EAGLE
 # draft of a Llama; Medusa heads fit any family, run on one)
 DRAFT_FAMILIES = {"medusa": ("llama",), "eagle": ("llama",), "eagle3": ("llama",)}
@@ -147,6 +148,8 @@ def speculative_config(cell: Cell, model: Path) -> dict[str, Any] | None:
                 "prompt_lookup_max": 4}
     if cell.spec in DRAFT_FAMILIES:
         return {"method": cell.spec, "model": str(draft_dir(model, cell.spec)), "num_speculative_tokens": SPEC_TOKENS}
+    if cell.spec == "draft_model":  # the target drafts for itself
+        return {"method": "draft_model", "model": str(model), "num_speculative_tokens": SPEC_TOKENS}
     return None
 
 

@@ -66,8 +66,9 @@ def summarize(cells: Cells) -> dict[str, Any]:
 
 def spec_summary(cells: Cells, restored: Cells) -> dict[str, Any]:
     """Speculative decoding: the families restored under an n-gram draft and whether any were under Medusa heads
-    (vLLM drafting in the restored pass), and the outcomes of the cells whose draft has KV of its own (EAGLE,
-    EAGLE-3)."""
+    (vLLM drafting in the restored pass), the outcomes of the cells whose draft has KV of its own (EAGLE,
+    EAGLE-3, a draft model), and whether every restored draft-model cell had all its drafted tokens accepted (its
+    draft is the target itself: a wrong draft KV would show)."""
     drafted = [c for c in restored if c.get("drafts", 0) > 0]
     ngram = [c for c in drafted if c["spec"] == "ngram"]
     return {"ngram_families_restored": len({c["family"] for c in ngram}),
@@ -75,7 +76,13 @@ def spec_summary(cells: Cells, restored: Cells) -> dict[str, Any]:
             "medusa_restored": any(c["spec"] == "medusa" for c in drafted),
             **{f"{draft}_outcomes": sorted({c["status"] if c["status"] != "ok" else c.get("outcome", "none")
                                             for c in cells if c.get("spec") == draft})
-               for draft in ("eagle", "eagle3")}}
+               for draft in ("eagle", "eagle3", "draft_model")},
+            "draft_model_accepted_all": all_accepted([c for c in drafted if c["spec"] == "draft_model"])}
+
+
+def all_accepted(cells: Cells) -> bool | None:
+    """Every cell's drafted tokens were all accepted in its restored pass (None if no cell drafted)."""
+    return all(c["accepted_tokens"] == c["draft_tokens"] for c in cells) if cells else None
 
 
 def tp_sizes_share(cells: Cells) -> bool | None:
@@ -164,7 +171,9 @@ def block(body: dict[str, Any]) -> str:
             f"{s.get('ngram_families_restored', 0)} families (TP 2: {yes_no(s.get('ngram_tp2_restored', False))}); "
             f"with Medusa heads restored: {yes_no(s.get('medusa_restored', False))}; "
             f"with an EAGLE draft: {', '.join(s.get('eagle_outcomes', [])) or 'not run'}; with an EAGLE-3 draft: "
-            f"{', '.join(s.get('eagle3_outcomes', [])) or 'not run'} ({commits(body)}, "
+            f"{', '.join(s.get('eagle3_outcomes', [])) or 'not run'}; with a draft model: "
+            f"{', '.join(s.get('draft_model_outcomes', [])) or 'not run'} (every drafted token accepted: "
+            f"{yes_no(s.get('draft_model_accepted_all'))}) ({commits(body)}, "
             "`cacheflow bench vllm-compat`; details in bench/results/vllm_compat.md).")
     return "\n".join([BEGIN, "\n\n".join(tables), "", line, END])
 

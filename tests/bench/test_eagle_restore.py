@@ -10,7 +10,6 @@ at TP 1 and at TP 2 (each rank reruns its half of the draft's heads, in lockstep
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,34 +17,12 @@ import pytest
 import torch
 
 from cacheflow_bench import tiny_models, vllm
-from cacheflow_bench.vllm_compat_cell import BLOCK, CHUNK, PREFIXES, SPEC_TOKENS, drive, prompts, write_profile
+from cacheflow_bench.vllm_compat_cell import CHUNK, PREFIXES, prompts
 from cacheflow_common.kv.chunk import decode_hidden_chunk
 from cacheflow_services.storage.launch import launch_pod, write_tokens
+from tests.bench.draft_runs import TENANT, run
 
 pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
-
-TENANT = "eagle"
-
-
-def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool, tp: int, method: str = "eagle"
-        ) -> dict[str, Any]:
-    """One fresh vLLM process over the pod in `root` (its prompts once, `draft`: with the EAGLE draft; `tp`
-    tensor-parallel ranks)."""
-    target, eagle = models
-    connector = {"pods": [f"pod-0=127.0.0.1:{(root / 'port').read_text()}"], "tenant": TENANT,
-                 "pod_token_file": str(root / "tokens"), "chunk_size": CHUNK, "stats_file": str(root / f"{name}.jsonl"),
-                 "profile": str(write_profile(root / "profile.json"))}
-    spec = {"model": str(target), "dtype": "float32", "prompts": prompts(), "max_tokens": 32, "ignore_eos": True,
-            "speculative_config": {"method": method, "model": str(eagle), "num_speculative_tokens": SPEC_TOKENS}
-            if draft else None,
-            "block_size": BLOCK, "max_model_len": 1024, "tensor_parallel_size": tp, "connector": connector,
-            "passes": [{"label": name}]}
-    result, log = drive(spec, root, name)
-    assert result is not None, log[-3000:]
-    events = [json.loads(line) for line in (root / f"{name}.jsonl").read_text().splitlines()]
-    return {"tokens": [r["tokens"] for r in result["results"]], "drafts": result["spec_decode"][-1] if draft else {},
-            "events": events}
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:

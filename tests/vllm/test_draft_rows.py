@@ -1,17 +1,22 @@
 """What an EAGLE draft's rerun starts from (`draft.py`): the target's output rows per restored position — those
 vLLM's model returned for the recomputed front, those stored with each loaded chunk — up to the first chunk with
-neither; and how far each restore's draft goes when the tensor-parallel ranks agree. The draft's forwards need
-vLLM: tests/bench/test_eagle_restore.py runs them."""
+neither; the tokens a rerun feeds the draft (EAGLE's shifted by one, a draft model's not); and how far each
+restore's draft goes when the tensor-parallel ranks agree. The draft's forwards with vLLM's model need vLLM:
+tests/bench/test_eagle_restore.py and test_draft_model_restore.py run them (here a recording stand-in)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from cacheflow_common.kv.keys import chunk_keys, tenant_salt
+from cacheflow_common.model.transformer import Span
 from cacheflow_common.restore.boundary import BOUNDARY_KIND, OUTPUT_KIND, save_boundaries
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.store.memory import MemoryStore
@@ -63,6 +68,46 @@ def test_an_eagle3_draft_reads_the_boundary_activations_of_its_auxiliary_layers_
     rows, reached = _draft([(0, BOUNDARY_KIND), (2, BOUNDARY_KIND)]).rows(spec, job, kv, store, len(TOKENS))
     assert reached == 2 * CHUNK
     assert torch.equal(rows, torch.cat([ROWS[: 2 * CHUNK], ROWS[: 2 * CHUNK] + 2000], dim=-1))  # [16, 2 hidden]
+
+
+class _Recorder:
+    """Stands in for vLLM's runtime (its forward contexts, forwards of at most `max_rows` rows) and draft model
+    (records each forward's inputs)."""
+
+    device, dtype, max_rows = torch.device("cpu"), torch.float32, 10
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    @contextmanager
+    def forward_context(self, spans: Sequence[Span]) -> Iterator[torch.Tensor]:
+        yield torch.cat([torch.arange(s.start, s.start + s.length) for s in spans])  # [r]
+
+    def __call__(self, **inputs: Any) -> None:
+        self.calls.append(inputs)
+
+
+@pytest.mark.parametrize(("sources", "first_token"), [([(LAYERS, OUTPUT_KIND)], 5), ([], 4)])
+def test_a_rerun_feeds_an_eagle_draft_the_next_tokens_and_its_rows_and_a_draft_model_the_tokens(
+        sources: list[tuple[int, str]], first_token: int) -> None:
+    """Positions [4, 32) in forwards of at most 10 rows: at position i an EAGLE draft reads token i + 1 (the
+    prompt's next after the prefix) and row i; a draft model reads token i alone."""
+    recorder = _Recorder()
+    spec = LoadSpec("r", TOKENS, tuple(range(4)), start=4, next_token=7)
+    DraftPass(recorder, recorder, sources=sources).run(spec, _kv(), ROWS[4:], len(TOKENS))  # type: ignore[arg-type]
+    ids = torch.cat([call["input_ids"] for call in recorder.calls])
+    expected = [*TOKENS[first_token:], 7][: len(TOKENS) - 4]  # [28]
+    assert ids.tolist() == expected and [len(call["input_ids"]) for call in recorder.calls] == [10, 10, 8]
+    assert torch.cat([call["positions"] for call in recorder.calls]).tolist() == list(range(4, len(TOKENS)))
+    if sources:
+        assert torch.equal(torch.cat([call["hidden_states"] for call in recorder.calls]), ROWS[4:])
+    else:
+        assert all("hidden_states" not in call for call in recorder.calls)
+
+
+def test_a_draft_model_reads_no_rows_so_every_chunk_serves_it() -> None:
+    rows, reached = _draft([]).rows(LoadSpec("r", TOKENS, tuple(range(4)), start=4), _job(), _kv(), MemoryStore(), 24)
+    assert rows.numel() == 0 and reached == 24
 
 
 class _Stub:

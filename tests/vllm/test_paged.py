@@ -10,7 +10,7 @@ from cacheflow_common.store.memory import MemoryStore
 from cacheflow_common.store.prefix import cached_prefix_tokens
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.model_identity import salted
-from cacheflow_services.vllm_connector.paged import LAYOUTS, gather, layer_index, scatter
+from cacheflow_services.vllm_connector.paged import LAYOUTS, draft_layer, gather, layer_index, scatter
 from cacheflow_services.vllm_connector.plan import Keying, SchedulerPlan
 
 HEADS, DIM, BS, BLOCKS = 2, 8, 4, 6
@@ -49,6 +49,14 @@ def test_layer_index_reads_vllm_layer_names():
     assert layer_index("model.layers.17.self_attn.attn") == 17
     with pytest.raises(Exception, match="layer index"):
         layer_index("lm_head")
+
+
+def test_a_drafts_layers_are_told_from_the_targets() -> None:
+    """An EAGLE draft's layers follow the target's 2; a draft model's are under its own prefix (its layer 0
+    is not the target's)."""
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn", "model.layers.2.self_attn.attn",
+             "draft_model.model.layers.0.self_attn.attn"]
+    assert [draft_layer(name, 2) for name in names] == [False, False, True, True]
 
 
 def _plan_with_stored(prompt: list[int], stored_chunks: int, chunk: int = 8) -> SchedulerPlan:

@@ -1,8 +1,9 @@
 """Which speculative decoding methods the connector serves, decided from vLLM's config alone: a draft without
 KV of its own (n-gram or suffix lookups, Medusa or MLP heads) leaves the target's cache the whole of the KV,
-so the connector serves it; an EAGLE or EAGLE-3 draft's KV it restores by rerunning the draft (with vLLM's
-model, without LoRA or pipeline parallelism: tests/bench/test_eagle_restore.py runs it); any other draft with KV
-of its own (MTP, a draft model) makes it step aside, naming the method. The config here is a stand-in with the fields
+so the connector serves it; an EAGLE or EAGLE-3 draft's KV, or a draft model's, it restores by rerunning the
+draft (with vLLM's model, without LoRA or pipeline parallelism: tests/bench/test_eagle_restore.py and
+test_draft_model_restore.py run them); any other draft with KV of its own (MTP) makes it step aside, naming the
+method. The config here is a stand-in with the fields
 `unsupported` reads (vLLM's `VllmConfig` needs vLLM, which this environment does not have); the real vLLM
 runs both kinds in tests/bench/test_vllm_compat_smoke.py."""
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from cacheflow_services.vllm_connector.support import KV_FREE_DRAFTS, restores_draft, unsupported
+from cacheflow_services.vllm_connector.support import KV_FREE_DRAFTS, draft_reads_rows, restores_draft, unsupported
 
 
 def vllm_config(method: str | None, *, tp: int = 1, pp: int = 1, lora: bool = False) -> Any:
@@ -30,24 +31,28 @@ def test_drafts_without_kv_of_their_own_are_served(method: str) -> None:
     assert unsupported(vllm_config(method), "unused", "vllm") == ""
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize(("method", "reads_rows"), [("eagle", True), ("eagle3", True), ("draft_model", False)])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_an_eagle_draft_is_served_with_vllms_model_and_its_kv_restored(method: str, tp: int) -> None:
+def test_an_eagle_draft_or_a_draft_model_is_served_with_vllms_model_and_its_kv_restored(method: str, reads_rows: bool,
+                                                                                        tp: int) -> None:
+    """An EAGLE draft reads the target's rows (stored with the chunks), a draft model the tokens alone."""
     config = vllm_config(method, tp=tp)
     assert unsupported(config, "unused", "vllm") == "" and restores_draft(config) == method
+    assert draft_reads_rows(config) == reads_rows
     assert restores_draft(vllm_config("ngram")) == restores_draft(vllm_config(None)) == ""
 
 
+@pytest.mark.parametrize("method", ["eagle", "draft_model"])
 @pytest.mark.parametrize(("settings", "runtime", "where"), [
     ({"pp": 2}, "vllm", "pipeline parallelism"),
     ({"lora": True}, "vllm", "LoRA"), ({}, "cacheflow", "CacheFlow's runtime")])
-def test_an_eagle_draft_elsewhere_makes_the_connector_step_aside_saying_where(settings: dict[str, Any], runtime: str,
-                                                                              where: str) -> None:
-    reason = unsupported(vllm_config("eagle", **settings), "unused", runtime)
-    assert reason.startswith(f"speculative decoding with eagle under {where}: ")
+def test_a_restored_draft_elsewhere_makes_the_connector_step_aside_saying_where(method: str, settings: dict[str, Any],
+                                                                                runtime: str, where: str) -> None:
+    reason = unsupported(vllm_config(method, **settings), "unused", runtime)
+    assert reason.startswith(f"speculative decoding with {method} under {where}: ")
 
 
-@pytest.mark.parametrize("method", ["deepseek_mtp", "mtp", "draft_model", "custom_class"])
+@pytest.mark.parametrize("method", ["deepseek_mtp", "mtp", "custom_class"])
 def test_drafts_with_kv_of_their_own_or_unknown_make_the_connector_step_aside(method: str) -> None:
     reason = unsupported(vllm_config(method), "unused", "vllm")
     assert reason == f"speculative decoding with {method}: the draft's own KV is not in the chunks"

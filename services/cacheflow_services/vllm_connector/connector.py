@@ -51,10 +51,12 @@ from cacheflow_common.store.prefix import cached_prefix_tokens
 from cacheflow_services.vllm_connector.both_sides import StatsLog, blocks_from, open_store
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.model_identity import KVGeometry, chunk_fingerprint, head_split, salted
+from cacheflow_services.vllm_connector.paged import DRAFT_MODEL_PREFIX
 from cacheflow_services.vllm_connector.plan import Keying, LoadSpec, PromptRows, SaveSpec, SchedulerPlan
 from cacheflow_services.vllm_connector.support import (
     OnceLog,
     declined,
+    draft_reads_rows,
     model_dir,
     request_keying,
     restores_draft,
@@ -107,13 +109,13 @@ class CacheFlowConnector(KVConnectorBase_V1):
         self._declined: set[str] = set()  # scheduler side: requests the connector neither restores nor stores
         pipeline = vllm_config.parallel_config.pipeline_parallel_size > 1
         # ranks after the first capture boundary activations; with an EAGLE draft, the model's output rows
-        self._captured = (pipeline or restores_draft(vllm_config)) and self.cfg.save
+        self._captured = (pipeline or draft_reads_rows(vllm_config)) and self.cfg.save
         # Restores have their meeting point planned before they start under tensor parallelism (a rank's forward
         # needs every other rank's in lockstep: planned_split.py).
         tensor_parallel = vllm_config.parallel_config.tensor_parallel_size > 1
         if tensor_parallel:
             log.info("CacheFlow restores with a meeting point planned up front (tensor parallelism)")
-        # An EAGLE draft rerun on tensor-parallel ranks runs its forwards in lockstep: restores run in the step
+        # A draft rerun on tensor-parallel ranks runs its forwards in lockstep: restores run in the step
         # (in the background each rank's loads end when they do: draft.py).
         self._in_background = self.cfg.async_loads and not (tensor_parallel and restores_draft(vllm_config))
         self.inactive = self._resolve_model(model_config.revision) \
@@ -353,7 +355,8 @@ def find_vllm_model(vllm_config: VllmConfig) -> Any:
     """vLLM's loaded model module, or None: the connector is handed no reference to it, so it is taken from
     the worker or model runner on the call stack (the connector is created, handed its caches and asked to
     load by them), and accepted only if it holds this engine's own attention layers."""
-    attn_layers = vllm_config.compilation_config.static_forward_context
+    attn_layers = {name: attn for name, attn in vllm_config.compilation_config.static_forward_context.items()
+                   if name.split(".")[0] != DRAFT_MODEL_PREFIX}  # the target's (and an EAGLE draft's)
     if not attn_layers:
         return None
     name, attn = min(attn_layers.items())  # e.g. "model.layers.0.self_attn.attn" -> its Attention module
@@ -378,8 +381,8 @@ def find_lora_manager(vllm_config: VllmConfig, model: Any) -> Any:
 
 
 def find_drafter(model: Any) -> Any:
-    """The draft model (an EAGLE draft's) of the model runner holding `model`, or None where that runner is
-    not on the call stack or has no draft model."""
+    """The draft model (an EAGLE draft or a draft model) of the model runner holding `model`, or None where that
+    runner is not on the call stack or has no draft model."""
     for owner in _vllm_owners():
         for runner in (owner, getattr(owner, "model_runner", None)):  # a model runner, or a worker's
             drafter = getattr(getattr(runner, "drafter", None), "model", None)

@@ -1,5 +1,4 @@
-"""Restoring an EAGLE (or EAGLE-3) draft's KV with the target's: vLLM's draft layers rerun over the restored
-positions.
+"""Restoring a speculative draft's KV with the target's: vLLM's draft layers rerun over the restored positions.
 
 With `--speculative-config '{"method": "eagle", ...}'` vLLM keeps a KV cache for the draft's own layers
 (`model.layers.<L>...`, after the target's L), in the same blocks as the target's. When vLLM computes a prompt
@@ -29,6 +28,11 @@ Under tensor parallelism the draft's layers are split like the target's, so ever
 forwards, in lockstep: the restores run in vLLM's step (not in the background, where each rank's loads end
 when they do), and the ranks agree on how far each restore's draft goes (the least any rank reached:
 `restore_drafts`) before any of them runs it.
+
+A draft model (`"method": "draft_model"`: a smaller model of the target's vocabulary, under the prefix
+`draft_model.`) reads the tokens alone: vLLM's drafter runs it over the target's tokens at their own
+positions (not shifted), so its rerun needs no rows, and a chunk of any instance can give it its KV. Its rerun
+is a prefill of the draft model over the restored positions: the draft's share of a full prefill.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ class DraftPass:
                  combine: bool = False) -> None:
         """`drafter`: vLLM's loaded draft model (its runner's `drafter.model`); `sources`: the stored rows it
         reads, side by side, each (layer, kind): the output rows at the target's layer count (EAGLE), the
-        boundary activations at its auxiliary layers (EAGLE-3); `combine`: the draft first combines them
-        (EAGLE-3's `combine_hidden_states`, as vLLM's proposer calls it)."""
+        boundary activations at its auxiliary layers (EAGLE-3); none: a draft model, which reads the tokens
+        alone; `combine`: the draft first combines them (EAGLE-3's `combine_hidden_states`, as vLLM's proposer
+        calls it)."""
         self.runtime = runtime
         self.drafter = drafter
         self.sources = tuple(sources)
@@ -63,7 +68,9 @@ class DraftPass:
     def rows(self, spec: LoadSpec, job: RestoreJob, kv: BlockKV, store: Any, end: int) -> tuple[torch.Tensor, int]:
         """The draft's input rows for positions [spec.start, end'), [end' - start, k * hidden] (the `sources` side by
         side), and end' (<= end): the rows vLLM's model returned, else those stored with the chunk, up to the
-        first chunk with neither."""
+        first chunk with neither. A draft model reads no rows: [0, 0], and end."""
+        if not self.sources:
+            return torch.empty(0, 0), end
         stored = [BoundaryInput(replace(job, layers=range(layer, layer + 1)), store, prefetch=0, kind=kind)
                   for layer, kind in self.sources]
         parts, reached = [], spec.start
@@ -86,11 +93,13 @@ class DraftPass:
     @torch.inference_mode()
     def run(self, spec: LoadSpec, kv: BlockKV, rows: torch.Tensor, end: int) -> None:
         """The drafter's first pass over positions [spec.start, end), writing its KV into the request's blocks:
-        rows [end - start, k * hidden] its input rows there (`rows`)."""
+        rows [end - start, k * hidden] its input rows there (`rows`; an EAGLE draft's)."""
         if end <= spec.start:
             return
-        following = (*spec.token_ids[spec.start + 1 : end], *_next(spec, end))
-        ids = torch.tensor(following, dtype=torch.long, device=self.runtime.device)  # [end - start]
+        # an EAGLE draft at position i reads token i + 1, a draft model token i
+        tokens = (*spec.token_ids[spec.start + 1 : end], *_next(spec, end)) if self.sources \
+            else spec.token_ids[spec.start : end]
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.runtime.device)  # [end - start]
         if self.combine:
             rows = self.drafter.combine_hidden_states(rows)  # [end - start, k * hidden] -> [end - start, hidden]
         for group in forward_groups([Span(kv, spec.start, end - spec.start)], self.runtime.max_rows):
@@ -99,9 +108,9 @@ class DraftPass:
     def _forward(self, spans: Sequence[Span], ids: torch.Tensor, rows: torch.Tensor) -> None:
         """One drafter forward over `spans` (pieces of one request's run, rows from `spans[0].row`)."""
         first, last = spans[0].row, spans[-1].row + spans[-1].length
+        rows_in = {"hidden_states": rows[first:last]} if self.sources else {}  # a draft model reads none
         with self.runtime.forward_context(spans) as positions:
-            self.drafter(input_ids=ids[first:last], positions=positions, hidden_states=rows[first:last],
-                         inputs_embeds=None)
+            self.drafter(input_ids=ids[first:last], positions=positions, inputs_embeds=None, **rows_in)
 
 
 @dataclass

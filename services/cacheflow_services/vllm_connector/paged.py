@@ -114,6 +114,16 @@ def scatter_bytes(cache: torch.Tensor, layout: str, block_ids: Sequence[int], bl
         rows[blk, :, off, head_dim:] = src[1]
 
 
+DRAFT_MODEL_PREFIX = "draft_model"  # vLLM's prefix for a draft model's modules (its DraftModelProposer)
+
+
+def draft_layer(layer_name: str, num_layers: int) -> bool:
+    """Whether vLLM's attention layer `layer_name` is a speculative draft's, not one of the target's
+    `num_layers`: an EAGLE draft's layers follow the target's ("model.layers.<num_layers>..."), a draft model's
+    are under its own prefix ("draft_model.model.layers.0...")."""
+    return layer_name.split(".")[0] == DRAFT_MODEL_PREFIX or layer_index(layer_name) >= num_layers
+
+
 def layer_index(layer_name: str) -> int:
     """The decoder layer of an attention layer's name, e.g. "model.layers.3.self_attn.attn" -> 3."""
     parts = layer_name.split(".")

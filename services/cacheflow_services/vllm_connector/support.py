@@ -9,11 +9,11 @@ agree without talking. Refused, whatever recomputes the restore's front:
   layers left out of its quantization (`kv_cache_dtype_skip_layers`);
 * decode- or prefill-context parallelism (a rank's cache holds a slice of the tokens); tensor parallelism
   with CacheFlow's runtime (with vLLM's model a rank restores its slice of the heads: `planned_split.py`);
-* speculative decoding with another draft that has KV of its own (MTP, a draft model: chunks hold the target
-  model's layers only); drafts without attention layers are served (`KV_FREE_DRAFTS`: n-gram and suffix
-  lookups over the tokens, Medusa and MLP heads over the target's last hidden state), and so are EAGLE and
-  EAGLE-3 drafts with vLLM's model, without pipeline parallelism or LoRA (`restores_draft`: their KV is
-  recomputed from the target's stored rows, `draft.py`);
+* speculative decoding with another draft that has KV of its own (MTP: chunks hold the target model's layers
+  only); drafts without attention layers are served (`KV_FREE_DRAFTS`: n-gram and suffix lookups over the
+  tokens, Medusa and MLP heads over the target's last hidden state), and so are EAGLE and EAGLE-3 drafts and
+  draft models with vLLM's model, without pipeline parallelism or LoRA (`restores_draft`: their KV is
+  recomputed, an EAGLE draft's from the target's stored rows, a draft model's from the tokens: `draft.py`);
 * a cache of other than full-attention blocks: several groups (hybrid models: one block table per group),
   sliding-window blocks (dropped outside the window), state caches.
 
@@ -45,8 +45,10 @@ log = logging.getLogger(__name__)
 ATTENTION_SPECS = ("FullAttentionSpec",)  # caches of every position's K and V in blocks
 # Speculative methods whose drafts have no KV cache: the target's cache, which chunks hold, is the whole of it.
 KV_FREE_DRAFTS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
-# Drafts whose KV a restore recomputes: EAGLE's layers over the target's output rows, stored with the chunks.
-RESTORED_DRAFTS = ("eagle", "eagle3")  # EAGLE-3's from the target's residual streams at its auxiliary layers
+# Drafts whose KV a restore recomputes: EAGLE's layers over the target's output rows, stored with the chunks
+# (EAGLE-3's: the target's residual streams at its auxiliary layers); a draft model's over the prompt's tokens.
+DRAFTS_FROM_ROWS = ("eagle", "eagle3")
+RESTORED_DRAFTS = (*DRAFTS_FROM_ROWS, "draft_model")
 
 
 def model_dir(model: str, revision: str | None = None) -> Path:
@@ -93,16 +95,22 @@ def unsupported(vllm_config: Any, model: str, runtime: str) -> str:
 
 
 def restores_draft(vllm_config: Any) -> str:
-    """The method of the draft whose KV restores also recompute ("eagle", "eagle3"; "" for none): its input
-    rows are captured and stored."""
+    """The method of the draft whose KV restores also recompute ("eagle", "eagle3", "draft_model"; "" for
+    none)."""
     draft = vllm_config.speculative_config
     return str(draft.method) if draft is not None and draft.method in RESTORED_DRAFTS else ""
 
 
+def draft_reads_rows(vllm_config: Any) -> bool:
+    """Whether the draft whose KV restores recompute reads the target's rows (an EAGLE draft's: captured and
+    stored with the chunks), not the tokens alone (a draft model)."""
+    return restores_draft(vllm_config) in DRAFTS_FROM_ROWS
+
+
 def _unsupported_draft(vllm_config: Any, runtime: str) -> str:
     """Why the connector cannot serve `vllm_config`'s speculative decoding ("" if it can): a draft's KV is
-    either none (`KV_FREE_DRAFTS`) or an EAGLE draft's, which vLLM's model recomputes (one pipeline rank, no
-    LoRA)."""
+    either none (`KV_FREE_DRAFTS`) or an EAGLE draft's or a draft model's, which vLLM's model recomputes (one
+    pipeline rank, no LoRA)."""
     draft = vllm_config.speculative_config
     if draft is None or draft.method in KV_FREE_DRAFTS:
         return ""

@@ -59,7 +59,14 @@ from cacheflow_services.vllm_connector.model_identity import (
     rank_heads,
     salted,
 )
-from cacheflow_services.vllm_connector.paged import LAYOUTS, check_cache, gather_layers, layer_index, scatter
+from cacheflow_services.vllm_connector.paged import (
+    LAYOUTS,
+    check_cache,
+    draft_layer,
+    gather_layers,
+    layer_index,
+    scatter,
+)
 from cacheflow_services.vllm_connector.paged_attention import PagedKV
 from cacheflow_services.vllm_connector.plan import LoadSpec, PromptRows, SaveSpec
 from cacheflow_services.vllm_connector.planned_loads import PlannedLoads
@@ -80,7 +87,7 @@ from cacheflow_services.vllm_connector.ranks import (
 from cacheflow_services.vllm_connector.restorer import PREFILL_TOKENS, engine_settings
 from cacheflow_services.vllm_connector.runtime import Drafter, LoraManager, RuntimeChoice, VllmModel
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
-from cacheflow_services.vllm_connector.support import OnceLog, restores_draft
+from cacheflow_services.vllm_connector.support import DRAFTS_FROM_ROWS, OnceLog, restores_draft
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 log = logging.getLogger(__name__)
@@ -124,8 +131,9 @@ class WorkerEngine:
                                       fingerprint=self.fingerprint, event=self.stats.event,
                                       lora_manager=lora_manager)
         self._lora_on = vllm_config is not None and vllm_config.lora_config is not None
-        self.draft_method = restores_draft(vllm_config) if vllm_config is not None else ""  # an EAGLE draft's
-        self.drafts = bool(self.draft_method)  # restores rerun an EAGLE draft
+        self.draft_method = restores_draft(vllm_config) if vllm_config is not None else ""  # a draft's with KV
+        self.drafts = bool(self.draft_method)  # restores rerun the draft (draft.py)
+        self.draft_rows = self.draft_method in DRAFTS_FROM_ROWS  # ... over the target's rows (an EAGLE draft)
         self._drafter = drafter
         self._draft: DraftPass | None = None  # at the first restore that reruns the draft
         self._once = OnceLog()
@@ -160,8 +168,8 @@ class WorkerEngine:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._runtime.choose(self.layers, final=False)
         c = self.config
-        # an EAGLE draft's layers follow the target's (draft.py reruns them; chunks hold the target's)
-        kv_caches = {name: cache for name, cache in kv_caches.items() if layer_index(name) < c.num_layers}
+        # a draft's layers are not the target's (draft.py reruns them; chunks hold the target's)
+        kv_caches = {name: cache for name, cache in kv_caches.items() if not draft_layer(name, c.num_layers)}
         self.caches = sorted((layer_index(name), cache) for name, cache in kv_caches.items())
         self._first_layer = min(kv_caches, key=layer_index)
         self.layers = rank_layers([layer for layer, _ in self.caches], c.num_layers)
@@ -179,7 +187,7 @@ class WorkerEngine:
     def captures(self) -> bool:
         """Whether this rank stores boundary activations (a rank after the first that saves), or the model's
         output rows (an EAGLE draft's input, draft.py)."""
-        return (self.layers.start > 0 or self.drafts) and self.cfg.save
+        return (self.layers.start > 0 or self.draft_rows) and self.cfg.save
 
     def captured(self) -> list[tuple[int, str]]:
         """How the captured rows are stored, side by side (layer, kind): the boundary activations entering the
@@ -200,7 +208,7 @@ class WorkerEngine:
     def _attach_capture(self) -> None:
         """Hook the boundary capture into vLLM's model once it can be reached (ranks that store boundaries)."""
         if self.captures and not self.capture.attached and (module := self._vllm_model()) is not None:
-            self.capture.attach(module, self._first_layer, output=self.drafts)
+            self.capture.attach(module, self._first_layer, output=self.draft_rows)
 
     def finished(self, req_ids: Sequence[str]) -> None:
         for req_id in req_ids:
@@ -369,7 +377,7 @@ class WorkerEngine:
                      capacity=max(1, len(job.token_ids)), dtype=TORCH_DTYPES[self.kv_dtype],
                      caches=dict(self.caches), layout=self.layout, block_ids=spec.block_ids,
                      block_size=self.block_size, first_writable=spec.start, adapter=spec.adapter)
-        if self.drafts:
+        if self.draft_rows:
             kv.keep_outputs()  # the draft reruns over what vLLM's model computes
         return kv
 
@@ -406,8 +414,8 @@ class WorkerEngine:
         return failed
 
     def _restore_drafts(self, restored: Sequence[Restored]) -> set[int]:
-        """Rerun the EAGLE draft over what each restore wrote (draft.py); the blocks vLLM must recompute (from
-        where a draft stopped: a chunk without output rows, or a draft that could not run)."""
+        """Rerun the draft over what each restore wrote (draft.py); the blocks vLLM must recompute (from where a
+        draft stopped: a chunk without an EAGLE draft's rows, or a draft that could not run)."""
         try:
             reached = restore_drafts(restored, self._draft_pass, self.store, agree=self._agree_min,
                                      event=self.stats.event)
@@ -421,11 +429,12 @@ class WorkerEngine:
         if self._draft is None:
             model = self.model
             if not isinstance(model, VllmRuntime):
-                raise ConfigError("an EAGLE draft's KV is restored with vLLM's own model only")
+                raise ConfigError("a draft's KV is restored with vLLM's own model only")
             drafter = self._drafter(model.module)
             if drafter is None:
                 raise RuntimeError("vLLM's draft model could not be reached from the connector")
-            self._draft = DraftPass(model, drafter, sources=self.captured(), combine=self.draft_method == "eagle3")
+            self._draft = DraftPass(model, drafter, sources=self.captured() if self.draft_rows else (),
+                                    combine=self.draft_method == "eagle3")
         return self._draft
 
     def engine(self) -> Engine:

@@ -1,0 +1,73 @@
+"""A draft model's KV restored with the target's (`"method": "draft_model"`), on real vLLM (CPU) processes over a
+real storage pod.
+
+The draft model is the target itself (a one-layer tiny Llama), so vLLM accepts every token it drafts after its
+own prefill, and fewer where the draft's KV is wrong (measured with the connector's draft pass left out: 69 of
+87 drafted tokens accepted against 72 of 72). A draft model reads the tokens alone, so chunks an instance
+without the draft stored restore it too. Each warm process is fresh (nothing of the prompts in its cache): its
+greedy tokens and vLLM's draft counters must equal those after vLLM's own prefill, at TP 1 and at TP 2 (each
+rank reruns its half of the draft's heads, in lockstep).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cacheflow_bench import tiny_models, vllm
+from cacheflow_bench.vllm_compat_cell import CHUNK, PREFIXES
+from cacheflow_services.storage.launch import launch_pod, write_tokens
+from tests.bench.draft_runs import TENANT, run
+
+pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
+
+PASSES = {"pod": (("cold", True, 1), ("warm", True, 1), ("tp2-warm", True, 2)),  # (name, with the draft, TP)
+          "plain-pod": (("plain-cold", False, 1), ("plain-warm", True, 1))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Over one pod: cold (vLLM's own prefill, with the draft model; stores), then warm restores at TP 1 and 2.
+    Over another: plain-cold (stores, without the draft), then plain-warm restores with it."""
+    root = tmp_path_factory.mktemp("draft-model")
+    target, _ = tiny_models.save_copying_eagle(root / "target", root / "eagle")
+    out: dict[str, Any] = {}
+    for pod_name, passes in PASSES.items():
+        work = root / pod_name
+        work.mkdir()
+        pod = launch_pod(work / "pod", tenants=(TENANT,), tokens=write_tokens(work / "tokens", [TENANT]))
+        (work / "port").write_text(str(pod.data_port))
+        try:
+            for name, draft, tp in passes:
+                out[name] = run(work, name, (target, target), draft=draft, tp=tp, method="draft_model")
+        finally:
+            pod.stop()
+    return out
+
+
+@pytest.mark.parametrize("warm_name, tp", [("warm", 1), ("tp2-warm", 2), ("plain-warm", 1)])
+def test_a_restored_draft_model_drafts_and_is_accepted_as_after_vllms_own_prefill(
+        runs: dict[str, Any], warm_name: str, tp: int) -> None:
+    """plain-warm restores chunks an instance without the draft stored: a draft model needs no rows of them."""
+    cold, warm = runs["cold"], runs[warm_name]
+    drafted, accepted = cold["drafts"]["draft_tokens"], cold["drafts"]["accepted_tokens"]
+    assert accepted == drafted > 0  # the draft is its target: a wrong draft KV shows in its counters
+    restores = [e for e in warm["events"] if e["event"] == "restore"]
+    assert len(restores) == len(PREFIXES) * tp and all(e["loaded"] > 0 for e in restores), restores
+    assert sum(e["computed"] for e in restores) > 0  # the profile's plan recomputes the front of some
+    assert sum(e["computed"] + e["loaded"] for e in restores) == sum(n // CHUNK for n in PREFIXES) * tp
+    draft_passes = [e for e in warm["events"] if e["event"] == "draft"]  # one per rank
+    assert sorted((e["tokens"], e["short"]) for e in draft_passes) == sorted([(n, 0) for n in PREFIXES] * tp)
+    assert warm["tokens"] == cold["tokens"]
+    assert warm["drafts"] == cold["drafts"]  # drafted, draft tokens, accepted: all equal
+
+
+def test_a_draft_model_stores_no_rows(runs: dict[str, Any]) -> None:
+    """Its KV is a function of the tokens: a save with the draft model stores the target's chunks alone, as one
+    without it does."""
+    saves = [e for e in runs["cold"]["events"] if e["event"] == "save"]
+    plain = [e for e in runs["plain-cold"]["events"] if e["event"] == "save"]
+    assert len(saves) == len(PREFIXES)
+    stored = [[(e["chunks"], e["bytes"], e["tokens_end"]) for e in events] for events in (saves, plain)]
+    assert stored[0] == stored[1]
