@@ -23,7 +23,8 @@ COMMANDS = {"restore_single": "cacheflow bench restore", "storage": "cacheflow b
             "latency": "cacheflow bench latency", "stages": "cacheflow bench stages", "batch": "cacheflow bench batch",
             "sched_scale": "cacheflow bench sched-scale", "chaos": "cacheflow bench chaos",
             "vllm": "cacheflow bench vllm", "vllm_memory": "python -m cacheflow_bench.vllm_memory",
-            "vllm_stall": "cacheflow bench vllm-stall", "vllm_eagle": "cacheflow bench vllm-eagle"}
+            "vllm_stall": "cacheflow bench vllm-stall", "vllm_eagle": "cacheflow bench vllm-eagle",
+            "vllm_draft_model": "cacheflow bench vllm-eagle --draft draft_model"}
 Results = dict[str, dict[str, Any]]
 
 
@@ -314,7 +315,8 @@ def vllm_eagle_row(r: Row) -> tuple[str, str]:
                        f"({num(s['restore_vs_prefill_without_draft'][n])}× without it)" for n in lengths)
     costs = ", ".join(f"{num(s['draft_adds_to_restore'][n])}× / {num(s['draft_adds_to_prefill'][n])}×"
                       for n in lengths)
-    headline = (f"TTFT of a restored prefix over vLLM's own prefill, both with an EAGLE draft, per prefix length: "
+    draft = {"draft_model": "a draft model"}.get(r.body.get("draft", "eagle"), "an EAGLE draft")
+    headline = (f"TTFT of a restored prefix over vLLM's own prefill, both with {draft}, per prefix length: "
                 f"{ratios}; what the draft adds to a restore / to vLLM's prefill: {costs}; next tokens as vLLM's: "
                 f"{'yes' if s.get('next_token_matches') else 'no'}")
     return headline, target
@@ -332,6 +334,7 @@ ROWS: tuple[tuple[str, str, Callable[[Row], tuple[str, str]]], ...] = (
     ("vllm_memory", "vLLM memory with the connector", vllm_memory_row),
     ("vllm_stall", "a restore beside decoding requests, vLLM", vllm_stall_row),
     ("vllm_eagle", "an EAGLE draft in a restore, vLLM", vllm_eagle_row),
+    ("vllm_draft_model", "a draft model in a restore, vLLM", vllm_eagle_row),
 )
 
 

@@ -1,8 +1,8 @@
 """`cacheflow bench report`: the paper's figures on our system, from the benchmarks' results.
 
 With `--run` it first runs the suite (`restore`, `storage`, `latency`, `stages`, `batch`, `sched-scale`,
-`sweep`, `chaos`, and `vllm`, `vllm_memory`, `vllm-stall` and `vllm-eagle` where vLLM's virtual environment
-exists;
+`sweep`, `chaos`, and `vllm`, `vllm_memory`, `vllm-stall` and `vllm-eagle` (with an EAGLE draft and with a
+draft model) where vLLM's virtual environment exists;
 `--quick` for their smoke settings, into bench/results/tmp), then it (re)writes `REPORT.md` and its figures
 in the results folder from whatever results are there, and, for the committed results, the benchmark table of the
 repository's README.md (between its `<!-- benchmark-table:begin -->` and `<!-- benchmark-table:end -->`
@@ -38,8 +38,10 @@ from cacheflow_bench.common import RESULTS_DIR, SCRATCH_DIR, machine_facts, mark
 from cacheflow_bench.readme_table import commit_of, commit_problems
 
 SUITE = ("restore_single", "storage", "latency", "stages", "batch", "sched_scale", "sweep", "chaos", "vllm",
-         "vllm_memory", "vllm_stall", "vllm_eagle")  # the results, by name: each writes <name>.json
-MODULES = {"stages": "parallel_stages"}  # a benchmark's module in cacheflow_bench, where not named as its results
+         "vllm_memory", "vllm_stall", "vllm_eagle", "vllm_draft_model")  # the results, by name: each writes <name>.json
+# a benchmark's module in cacheflow_bench, where not named as its results, and the arguments that make it write them
+MODULES = {"stages": "parallel_stages", "vllm_draft_model": "vllm_eagle"}
+SETTING = {"vllm_draft_model": ["--draft", "draft_model"]}
 Section = Callable[[dict[str, dict[str, Any]], Path, bool], list[str]]
 
 
@@ -84,7 +86,7 @@ def run_suite(out: Path, quick: bool) -> None:
             print(f"== {name} skipped: {VLLM_PYTHON} is missing (create it as .ci/run does)", flush=True)
             continue
         print(f"== {name}", flush=True)
-        args = ["--out", str(out)] + (["--quick"] if quick else PUBLISHED.get(name, []))
+        args = ["--out", str(out), *SETTING.get(name, [])] + (["--quick"] if quick else PUBLISHED.get(name, []))
         if benchmark_module(name).main(args) != 0:
             raise SystemExit(f"benchmark {name} failed")
 
@@ -194,7 +196,8 @@ def other_sections(results: dict[str, dict[str, Any]], out: Path, mixed: bool) -
                         ("chaos", "Kills and abuse (chaos)"), ("vllm", "vLLM connector"),
                         ("vllm_memory", "vLLM memory with the connector"),
                         ("vllm_stall", "A restore beside decoding requests (vLLM)"),
-                        ("vllm_eagle", "An EAGLE draft in a restore (vLLM)")):
+                        ("vllm_eagle", "An EAGLE draft in a restore (vLLM)"),
+                        ("vllm_draft_model", "A draft model in a restore (vLLM)")):
         body = results.get(name)
         if body is None:
             continue
