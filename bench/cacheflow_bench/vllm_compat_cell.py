@@ -20,9 +20,10 @@ objects): its tokens must equal the cold pass's.
 A speculative-decoding cell (`spec`) runs vLLM with a draft: n-gram lookup or Medusa heads (no KV of their own:
 the connector serves them), an EAGLE or EAGLE-3 head or a draft model (KV of their own, which the connector
 restores by rerunning the draft). The draft model is the target itself: it drafts the target's own greedy tokens,
-so vLLM accepts every one of them if and only if the draft's KV is right. Its prompts repeat a random stretch,
-so the n-gram lookup finds matches and drafts; vLLM's draft counters for the last pass are kept (a draft's
-tokens are verified by the target model: greedy tokens must still be equal).
+so a wrong draft KV shows in how many vLLM accepts. Its prompts repeat a random stretch, so the n-gram lookup
+finds matches and drafts; vLLM's draft counters for the last pass are kept (a draft's tokens are verified by the
+target model: greedy tokens must still be equal), and whether they equal the cold pass's (`drafts_as_cold`:
+vLLM drafted and accepted after the restore exactly as after its own prefill).
 """
 
 from __future__ import annotations
@@ -292,6 +293,8 @@ def judge(cell: Cell, result: dict[str, Any], events: list[dict[str, Any]]) -> d
                               "saved_chunks": sum(e.get("chunks", 0) for e in events if e["event"] == "save")}
     if cell.spec:
         record |= last_pass_drafts(result["spec_decode"])
+        record["drafts_as_cold"] = last_pass_drafts(result["spec_decode"]) == last_pass_drafts(
+            result["spec_decode"][:1])  # the warm pass's counters, the cold pass's
     if cell.lora:
         record["lora_leak"] = per_pass[LEAK_PASS]["outcome"] == "restored"
         record["adapter_changes_tokens"] = tokens["lora-cold"] != tokens[LEAK_PASS]

@@ -67,8 +67,8 @@ def summarize(cells: Cells) -> dict[str, Any]:
 def spec_summary(cells: Cells, restored: Cells) -> dict[str, Any]:
     """Speculative decoding: the families restored under an n-gram draft and whether any were under Medusa heads
     (vLLM drafting in the restored pass), the outcomes of the cells whose draft has KV of its own (EAGLE,
-    EAGLE-3, a draft model), and whether every restored draft-model cell had all its drafted tokens accepted (its
-    draft is the target itself: a wrong draft KV would show)."""
+    EAGLE-3, a draft model), and whether every restored draft-model cell drafted and accepted after its restore
+    as after vLLM's own prefill (its draft is the target itself: a wrong draft KV would show)."""
     drafted = [c for c in restored if c.get("drafts", 0) > 0]
     ngram = [c for c in drafted if c["spec"] == "ngram"]
     return {"ngram_families_restored": len({c["family"] for c in ngram}),
@@ -77,12 +77,14 @@ def spec_summary(cells: Cells, restored: Cells) -> dict[str, Any]:
             **{f"{draft}_outcomes": sorted({c["status"] if c["status"] != "ok" else c.get("outcome", "none")
                                             for c in cells if c.get("spec") == draft})
                for draft in ("eagle", "eagle3", "draft_model")},
-            "draft_model_accepted_all": all_accepted([c for c in drafted if c["spec"] == "draft_model"])}
+            "draft_model_drafts_as_vllm": drafts_as_cold([c for c in drafted if c["spec"] == "draft_model"])}
 
 
-def all_accepted(cells: Cells) -> bool | None:
-    """Every cell's drafted tokens were all accepted in its restored pass (None if no cell drafted)."""
-    return all(c["accepted_tokens"] == c["draft_tokens"] for c in cells) if cells else None
+def drafts_as_cold(cells: Cells) -> bool | None:
+    """Every cell's draft counters in its restored pass equal its cold pass's (None if no cell drafted or
+    recorded them)."""
+    recorded = [c for c in cells if "drafts_as_cold" in c]
+    return all(c["drafts_as_cold"] for c in recorded) if recorded else None
 
 
 def tp_sizes_share(cells: Cells) -> bool | None:
@@ -104,6 +106,8 @@ def one_line(text: str | None, limit: int = 200) -> str:
 
 def detail(c: dict[str, Any]) -> str:
     drafts = f"; vLLM drafted {c['draft_tokens']} tokens, {c['accepted_tokens']} accepted" if "drafts" in c else ""
+    if "drafts_as_cold" in c:
+        drafts += " (as in the cold pass)" if c["drafts_as_cold"] else " (**not** as in the cold pass)"
     if c.get("outcome") == "restored":
         return f"computed {c['computed']}, loaded {c['loaded']}{drafts}"
     if c.get("outcome") == "declined":
@@ -172,8 +176,8 @@ def block(body: dict[str, Any]) -> str:
             f"with Medusa heads restored: {yes_no(s.get('medusa_restored', False))}; "
             f"with an EAGLE draft: {', '.join(s.get('eagle_outcomes', [])) or 'not run'}; with an EAGLE-3 draft: "
             f"{', '.join(s.get('eagle3_outcomes', [])) or 'not run'}; with a draft model: "
-            f"{', '.join(s.get('draft_model_outcomes', [])) or 'not run'} (every drafted token accepted: "
-            f"{yes_no(s.get('draft_model_accepted_all'))}) ({commits(body)}, "
+            f"{', '.join(s.get('draft_model_outcomes', [])) or 'not run'} (drafting and accepting after the restore as "
+            f"after vLLM's own prefill: {yes_no(s.get('draft_model_drafts_as_vllm'))}) ({commits(body)}, "
             "`cacheflow bench vllm-compat`; details in bench/results/vllm_compat.md).")
     return "\n".join([BEGIN, "\n\n".join(tables), "", line, END])
 

@@ -185,6 +185,23 @@ def test_speculative_cells_have_their_own_columns_drafts_and_summary():
         "tokens, 2 accepted |" in rep.report(body)
 
 
+def test_draft_model_cells_say_whether_vllm_drafted_after_the_restore_as_after_its_own_prefill():
+    def draft_model(family: str, as_cold: bool | None) -> dict:
+        recorded = {} if as_cold is None else {"drafts_as_cold": as_cold}
+        return cell(family, spec="draft_model", name=f"{family}-tp1-auto-base-draft_model", drafts=3,
+                    draft_tokens=9, accepted_tokens=9, **recorded)
+
+    assert rep.summarize([draft_model("llama", True), draft_model("qwen2", None)])["draft_model_drafts_as_vllm"]
+    cells = [draft_model("llama", True), draft_model("qwen2", False)]
+    s = rep.summarize(cells)
+    assert s["draft_model_outcomes"] == ["restored"] and s["draft_model_drafts_as_vllm"] is False
+    body = {"cells": cells, "summary": s, "machine": {"git": "abc1234"}, "command": "c"}
+    assert "with a draft model: restored (drafting and accepting after the restore as after vLLM's own prefill: " \
+        "**no**)" in rep.block(body)
+    assert "9 accepted (**not** as in the cold pass) |" in rep.report(body)
+    assert rep.summarize([cell()])["draft_model_drafts_as_vllm"] is None  # no draft-model cell ran
+
+
 def test_a_failed_runs_error_is_its_last_specific_exception_and_whether_it_then_hung():
     log = ("INFO start\n(Worker_PP0) ERROR RuntimeError: Unsupported block size: 16\n"
            "(Worker_PP0) WARNING ValueError: not a cause\nINFO No available shared memory broadcast block\n")
