@@ -4,10 +4,12 @@ restore tests run it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cacheflow_bench.vllm_compat_cell import BLOCK, CHUNK, SPEC_TOKENS, drive, prompts, write_profile
+from cacheflow_bench.vllm_compat_cell import BLOCK, CHUNK, PREFIXES, SPEC_TOKENS, drive, prompts, write_profile
+from cacheflow_services.storage.launch import launch_pod, write_tokens
 
 TENANT = "eagle"
 
@@ -31,3 +33,35 @@ def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool, tp: in
     events = [json.loads(line) for line in (root / f"{name}.jsonl").read_text().splitlines()]
     return {"tokens": [r["tokens"] for r in result["results"]], "drafts": result["spec_decode"][-1] if draft else {},
             "events": events}
+
+
+def run_pods(root: Path, passes: Mapping[str, Sequence[tuple[str, bool, int]]], models: tuple[Path, Path],
+             method: str = "eagle") -> dict[str, Any]:
+    """Per pod (its name in `passes`, a fresh pod under root/<name>), its passes in order, each (name, with the
+    draft, TP) a fresh process (`run`): what each gave, by name, and each pod's folder as "<pod>-dir"."""
+    out: dict[str, Any] = {}
+    for pod_name, pod_passes in passes.items():
+        work = root / pod_name
+        work.mkdir()
+        pod = launch_pod(work / "pod", tenants=(TENANT,), tokens=write_tokens(work / "tokens", [TENANT]))
+        (work / "port").write_text(str(pod.data_port))
+        try:
+            for name, draft, tp in pod_passes:
+                out[name] = run(work, name, models, draft=draft, tp=tp, method=method)
+        finally:
+            pod.stop()
+        out[f"{pod_name}-dir"] = work / "pod"
+    return out
+
+
+def check_restored_as_cold(cold: dict[str, Any], warm: dict[str, Any], tp: int) -> None:
+    """`warm` restored every prefix on each of its `tp` ranks (loading and recomputing chunks), reran the draft over
+    all of it, and gave `cold`'s greedy tokens and draft counters (drafted, draft tokens, accepted: all equal)."""
+    restores = [e for e in warm["events"] if e["event"] == "restore"]
+    assert len(restores) == len(PREFIXES) * tp and all(e["loaded"] > 0 for e in restores), restores
+    assert sum(e["computed"] for e in restores) > 0  # the profile's plan recomputes the front of some
+    assert sum(e["computed"] + e["loaded"] for e in restores) == sum(n // CHUNK for n in PREFIXES) * tp
+    draft_passes = [e for e in warm["events"] if e["event"] == "draft"]  # one per rank
+    assert sorted((e["tokens"], e["short"]) for e in draft_passes) == sorted([(n, 0) for n in PREFIXES] * tp)
+    assert warm["tokens"] == cold["tokens"]
+    assert warm["drafts"] == cold["drafts"]

@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 
 from cacheflow_bench import tiny_models, vllm
-from cacheflow_bench.vllm_compat_cell import CHUNK, PREFIXES
-from cacheflow_services.storage.launch import launch_pod, write_tokens
-from tests.bench.draft_runs import TENANT, run
+from cacheflow_bench.vllm_compat_cell import PREFIXES
+from tests.bench.draft_runs import check_restored_as_cold, run_pods
 
 pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
 
@@ -32,18 +31,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     Over another: plain-cold (stores, without the draft), then plain-warm restores with it."""
     root = tmp_path_factory.mktemp("draft-model")
     target, _ = tiny_models.save_copying_eagle(root / "target", root / "eagle")
-    out: dict[str, Any] = {}
-    for pod_name, passes in PASSES.items():
-        work = root / pod_name
-        work.mkdir()
-        pod = launch_pod(work / "pod", tenants=(TENANT,), tokens=write_tokens(work / "tokens", [TENANT]))
-        (work / "port").write_text(str(pod.data_port))
-        try:
-            for name, draft, tp in passes:
-                out[name] = run(work, name, (target, target), draft=draft, tp=tp, method="draft_model")
-        finally:
-            pod.stop()
-    return out
+    return run_pods(root, PASSES, (target, target), method="draft_model")
 
 
 @pytest.mark.parametrize("warm_name, tp", [("warm", 1), ("tp2-warm", 2), ("plain-warm", 1)])
@@ -53,14 +41,7 @@ def test_a_restored_draft_model_drafts_and_is_accepted_as_after_vllms_own_prefil
     cold, warm = runs["cold"], runs[warm_name]
     drafted, accepted = cold["drafts"]["draft_tokens"], cold["drafts"]["accepted_tokens"]
     assert accepted == drafted > 0  # the draft is its target: a wrong draft KV shows in its counters
-    restores = [e for e in warm["events"] if e["event"] == "restore"]
-    assert len(restores) == len(PREFIXES) * tp and all(e["loaded"] > 0 for e in restores), restores
-    assert sum(e["computed"] for e in restores) > 0  # the profile's plan recomputes the front of some
-    assert sum(e["computed"] + e["loaded"] for e in restores) == sum(n // CHUNK for n in PREFIXES) * tp
-    draft_passes = [e for e in warm["events"] if e["event"] == "draft"]  # one per rank
-    assert sorted((e["tokens"], e["short"]) for e in draft_passes) == sorted([(n, 0) for n in PREFIXES] * tp)
-    assert warm["tokens"] == cold["tokens"]
-    assert warm["drafts"] == cold["drafts"]  # drafted, draft tokens, accepted: all equal
+    check_restored_as_cold(cold, warm, tp)
 
 
 def test_a_draft_model_stores_no_rows(runs: dict[str, Any]) -> None:

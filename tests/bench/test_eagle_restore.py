@@ -19,10 +19,10 @@ import torch
 from cacheflow_bench import tiny_models, vllm
 from cacheflow_bench.vllm_compat_cell import CHUNK, PREFIXES, prompts
 from cacheflow_common.kv.chunk import decode_hidden_chunk
-from cacheflow_services.storage.launch import launch_pod, write_tokens
-from tests.bench.draft_runs import TENANT, run
+from tests.bench.draft_runs import check_restored_as_cold, run_pods
 
 pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
@@ -30,21 +30,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (stores, without the draft: no output rows) and plain-warm (restores with the draft) over a third."""
     root = tmp_path_factory.mktemp("eagle")
     models = tiny_models.save_copying_eagle(root / "target", root / "draft")
-    out: dict[str, Any] = {"models": models}
-    for pod_name, passes in (("pod", (("cold", True, 1), ("warm", True, 1))),
-                             ("tp2-pod", (("tp2-cold", True, 2), ("tp2-warm", True, 2))),
-                             ("plain-pod", (("plain-cold", False, 1), ("plain-warm", True, 1)))):
-        work = root / pod_name
-        work.mkdir()
-        pod = launch_pod(work / "pod", tenants=(TENANT,), tokens=write_tokens(work / "tokens", [TENANT]))
-        (work / "port").write_text(str(pod.data_port))
-        try:
-            for name, draft, tp in passes:
-                out[name] = run(work, name, models, draft=draft, tp=tp)
-        finally:
-            pod.stop()
-        out[f"{pod_name}-dir"] = work / "pod"
-    return out
+    passes = {"pod": (("cold", True, 1), ("warm", True, 1)), "tp2-pod": (("tp2-cold", True, 2), ("tp2-warm", True, 2)),
+              "plain-pod": (("plain-cold", False, 1), ("plain-warm", True, 1))}  # (name, with the draft, TP)
+    return {"models": models, **run_pods(root, passes, models)}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -54,14 +42,7 @@ def test_a_restored_draft_drafts_and_is_accepted_as_after_vllms_own_prefill(runs
     cold, warm = runs[f"{prefix}cold"], runs[f"{prefix}warm"]
     drafted, accepted = cold["drafts"]["draft_tokens"], cold["drafts"]["accepted_tokens"]
     assert accepted >= 0.9 * drafted > 0  # the copying draft is good: a wrong draft KV shows in its counters
-    restores = [e for e in warm["events"] if e["event"] == "restore"]
-    assert len(restores) == len(PREFIXES) * tp and all(e["loaded"] > 0 for e in restores), restores
-    assert sum(e["computed"] for e in restores) > 0  # the profile's plan recomputes the front of some
-    assert sum(e["computed"] + e["loaded"] for e in restores) == sum(n // CHUNK for n in PREFIXES) * tp
-    draft_passes = [e for e in warm["events"] if e["event"] == "draft"]  # one per rank
-    assert sorted((e["tokens"], e["short"]) for e in draft_passes) == sorted([(n, 0) for n in PREFIXES] * tp)
-    assert warm["tokens"] == cold["tokens"]
-    assert warm["drafts"] == cold["drafts"]  # drafted, draft tokens, accepted: all equal
+    check_restored_as_cold(cold, warm, tp)
 
 
 def test_the_stored_output_rows_are_the_targets_output(runs: dict[str, Any]) -> None:
@@ -100,13 +81,8 @@ def eagle3_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("eagle3")
     target = tiny_models.save("llama", root / "target")
     draft = tiny_models.save_eagle3("llama", root / "draft")
-    pod = launch_pod(root / "pod", tenants=(TENANT,), tokens=write_tokens(root / "tokens", [TENANT]))
-    (root / "port").write_text(str(pod.data_port))
-    try:
-        out = {name: run(root, name, (target, draft), draft=True, tp=1, method="eagle3") for name in ("cold", "warm")}
-    finally:
-        pod.stop()
-    return {**out, "target": target, "pod-dir": root / "pod"}
+    passes = {"pod": (("cold", True, 1), ("warm", True, 1))}
+    return {"target": target, **run_pods(root, passes, (target, draft), method="eagle3")}
 
 
 def test_an_eagle3_draft_is_restored_from_the_residual_streams_of_its_auxiliary_layers(

@@ -87,7 +87,7 @@ from cacheflow_services.vllm_connector.ranks import (
 from cacheflow_services.vllm_connector.restorer import PREFILL_TOKENS, engine_settings
 from cacheflow_services.vllm_connector.runtime import Drafter, LoraManager, RuntimeChoice, VllmModel
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
-from cacheflow_services.vllm_connector.support import DRAFTS_FROM_ROWS, OnceLog, restores_draft
+from cacheflow_services.vllm_connector.support import OnceLog, draft_reads_rows, restores_draft
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class WorkerEngine:
         self._lora_on = vllm_config is not None and vllm_config.lora_config is not None
         self.draft_method = restores_draft(vllm_config) if vllm_config is not None else ""  # a draft's with KV
         self.drafts = bool(self.draft_method)  # restores rerun the draft (draft.py)
-        self.draft_rows = self.draft_method in DRAFTS_FROM_ROWS  # ... over the target's rows (an EAGLE draft)
+        self.draft_rows = vllm_config is not None and draft_reads_rows(vllm_config)  # over the target's rows too
         self._drafter = drafter
         self._draft: DraftPass | None = None  # at the first restore that reruns the draft
         self._once = OnceLog()
