@@ -51,7 +51,7 @@ from cacheflow_common.store.prefix import cached_prefix_tokens
 from cacheflow_services.vllm_connector.both_sides import StatsLog, blocks_from, open_store
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.model_identity import KVGeometry, chunk_fingerprint, head_split, salted
-from cacheflow_services.vllm_connector.paged import DRAFT_MODEL_PREFIX
+from cacheflow_services.vllm_connector.paged import draft_model_layer
 from cacheflow_services.vllm_connector.plan import Keying, LoadSpec, PromptRows, SaveSpec, SchedulerPlan
 from cacheflow_services.vllm_connector.support import (
     OnceLog,
@@ -356,7 +356,7 @@ def find_vllm_model(vllm_config: VllmConfig) -> Any:
     the worker or model runner on the call stack (the connector is created, handed its caches and asked to
     load by them), and accepted only if it holds this engine's own attention layers."""
     attn_layers = {name: attn for name, attn in vllm_config.compilation_config.static_forward_context.items()
-                   if name.split(".")[0] != DRAFT_MODEL_PREFIX}  # the target's (and an EAGLE draft's)
+                   if not draft_model_layer(name)}  # the target's (and an EAGLE draft's)
     if not attn_layers:
         return None
     name, attn = min(attn_layers.items())  # e.g. "model.layers.0.self_attn.attn" -> its Attention module

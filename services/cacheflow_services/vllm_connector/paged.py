@@ -120,8 +120,13 @@ DRAFT_MODEL_PREFIX = "draft_model"  # vLLM's prefix for a draft model's modules 
 def draft_layer(layer_name: str, num_layers: int) -> bool:
     """Whether vLLM's attention layer `layer_name` is a speculative draft's, not one of the target's
     `num_layers`: an EAGLE draft's layers follow the target's ("model.layers.<num_layers>..."), a draft model's
-    are under its own prefix ("draft_model.model.layers.0...")."""
-    return layer_name.split(".")[0] == DRAFT_MODEL_PREFIX or layer_index(layer_name) >= num_layers
+    are under its own prefix (`draft_model_layer`)."""
+    return draft_model_layer(layer_name) or layer_index(layer_name) >= num_layers
+
+
+def draft_model_layer(layer_name: str) -> bool:
+    """Whether vLLM's attention layer `layer_name` is a draft model's ("draft_model.model.layers.0...")."""
+    return layer_name.split(".")[0] == DRAFT_MODEL_PREFIX
 
 
 def layer_index(layer_name: str) -> int:
