@@ -292,9 +292,8 @@ def judge(cell: Cell, result: dict[str, Any], events: list[dict[str, Any]]) -> d
                               **per_pass[labels[-1]], "passes": per_pass, "load_errors": len(errors),
                               "saved_chunks": sum(e.get("chunks", 0) for e in events if e["event"] == "save")}
     if cell.spec:
-        record |= last_pass_drafts(result["spec_decode"])
-        record["drafts_as_cold"] = last_pass_drafts(result["spec_decode"]) == last_pass_drafts(
-            result["spec_decode"][:1])  # the warm pass's counters, the cold pass's
+        warm = last_pass_drafts(result["spec_decode"])
+        record |= warm | {"drafts_as_cold": warm == last_pass_drafts(result["spec_decode"][:1])}  # the cold pass's
     if cell.lora:
         record["lora_leak"] = per_pass[LEAK_PASS]["outcome"] == "restored"
         record["adapter_changes_tokens"] = tokens["lora-cold"] != tokens[LEAK_PASS]

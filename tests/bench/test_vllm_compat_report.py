@@ -9,7 +9,7 @@ from typing import Any
 from cacheflow_bench import vllm_compat_report as rep
 from cacheflow_bench.common import RESULTS_DIR
 from cacheflow_bench.readme_table import current_block
-from cacheflow_bench.vllm_compat_cell import error_line, outcome, pass_of
+from cacheflow_bench.vllm_compat_cell import PREFIXES, Cell, error_line, judge, outcome, pass_of
 
 
 def test_outcome_is_restored_declined_or_none_from_the_stats_events():
@@ -200,6 +200,18 @@ def test_draft_model_cells_say_whether_vllm_drafted_after_the_restore_as_after_i
         "**no**)" in rep.block(body)
     assert "9 accepted (**not** as in the cold pass) |" in rep.report(body)
     assert rep.summarize([cell()])["draft_model_drafts_as_vllm"] is None  # no draft-model cell ran
+
+
+def test_a_speculative_cell_keeps_its_restored_passs_draft_counters_and_whether_they_are_the_cold_passs():
+    cell_ = Cell("llama", 1, "auto", False, spec="draft_model")
+    restore = {"event": "restore", "req": "warm-0-ab", "computed": 1, "loaded": 2}
+    results = [{"tokens": [1, 2]}] * (2 * len(PREFIXES))  # the cold pass's prompts, then the warm pass's
+    cold = {"drafts": 24, "draft_tokens": 72, "accepted_tokens": 71}
+    for warm, as_cold in ((cold, True), ({**cold, "accepted_tokens": 69}, False)):
+        counts = [cold, {name: cold[name] + warm[name] for name in cold}]  # vLLM's counters after each pass
+        record = judge(cell_, {"results": results, "startup_s": 1.0, "spec_decode": counts}, [restore])
+        assert record["outcome"] == "restored" and record["drafts_as_cold"] is as_cold
+        assert {name: record[name] for name in cold} == warm
 
 
 def test_a_failed_runs_error_is_its_last_specific_exception_and_whether_it_then_hung():
