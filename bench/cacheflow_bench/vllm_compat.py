@@ -112,7 +112,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lora", default="off,on", help="LoRA off, on, or both")
     parser.add_argument("--share", default="on", help="sharing cells across the TP sizes: on or off")
     parser.add_argument("--spec", default=",".join(SPEC_DRAFTS),
-                        help="speculative cells' drafts (ngram, medusa, eagle, eagle3, draft_model), or off")
+                        help="speculative cells' drafts (ngram, medusa, eagle, eagle3, mtp, draft_model), or off")
     parser.add_argument("--only-spec", action="store_true", help="only the speculative cells")
     parser.add_argument("--merge", action="store_true", help="keep the cells of an earlier result this run skips")
     parser.add_argument("--out", default=None, help=f"output directory (default: {RESULTS_DIR})")

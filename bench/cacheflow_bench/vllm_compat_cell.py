@@ -18,8 +18,9 @@ makes the "shared" pass, which restores from those chunks (its ranks take their 
 objects): its tokens must equal the cold pass's.
 
 A speculative-decoding cell (`spec`) runs vLLM with a draft: n-gram lookup or Medusa heads (no KV of their own:
-the connector serves them), an EAGLE or EAGLE-3 head or a draft model (KV of their own, which the connector
-restores by rerunning the draft). The draft model is the target itself: it drafts the target's own greedy tokens,
+the connector serves them), an EAGLE or EAGLE-3 head, the model's own MTP layer (MiMo's) or a draft model (KV
+of their own, which the connector restores by rerunning the draft).
+The draft model is the target itself: it drafts the target's own greedy tokens,
 so a wrong draft KV shows in how many vLLM accepts. Its prompts repeat a random stretch, so the n-gram lookup
 finds matches and drafts; vLLM's draft counters for the last pass are kept (a draft's tokens are verified by the
 target model: greedy tokens must still be equal), and whether they equal the cold pass's (`drafts_as_cold`:
@@ -59,10 +60,11 @@ LORA_PASSES = (("lora-cold", True), ("base-after-lora", False), ("lora-warm", Tr
 REFERENCE = {"warm": "cold", "lora-warm": "lora-cold", "base-warm": "base-after-lora",
              "shared": "cold"}  # pass -> its reference
 LEAK_PASS = "base-after-lora"
-SPEC_DRAFTS = ("ngram", "medusa", "eagle", "eagle3", "draft_model")  # two drafts without KV of their own, three with
+SPEC_DRAFTS = ("ngram", "medusa", "eagle", "eagle3", "mtp", "draft_model")  # two drafts without KV of their own
 # the families with tiny draft checkpoints, per draft that has one (vLLM's EagleLlamaForCausalLM reads an EAGLE
-# draft of a Llama; Medusa heads fit any family, run on one)
-DRAFT_FAMILIES = {"medusa": ("llama",), "eagle": ("llama",), "eagle3": ("llama",)}
+# draft of a Llama; Medusa heads fit any family, run on one); an MTP draft is the model's own layer
+DRAFT_FAMILIES = {"medusa": ("llama",), "eagle": ("llama",), "eagle3": ("llama",),
+                  "mtp": tuple(sorted(tiny_models.MTP_FAMILIES))}
 SPEC_TOKENS = 3  # draft tokens per step
 PERIOD = 24  # a speculative cell's prompts repeat a stretch of this many tokens
 SPEC_MAX_TOKENS = 32  # a speculative cell's greedy tokens per prompt: enough for a draft to find matches
@@ -147,6 +149,8 @@ def speculative_config(cell: Cell, model: Path) -> dict[str, Any] | None:
     if cell.spec == "ngram":
         return {"method": "ngram", "num_speculative_tokens": SPEC_TOKENS, "prompt_lookup_min": 1,
                 "prompt_lookup_max": 4}
+    if cell.spec == "mtp":  # the model's own layer
+        return {"method": "mtp", "num_speculative_tokens": SPEC_TOKENS}
     if cell.spec in DRAFT_FAMILIES:
         return {"method": cell.spec, "model": str(draft_dir(model, cell.spec)), "num_speculative_tokens": SPEC_TOKENS}
     if cell.spec == "draft_model":  # the target drafts for itself

@@ -67,8 +67,8 @@ def summarize(cells: Cells) -> dict[str, Any]:
 def spec_summary(cells: Cells, restored: Cells) -> dict[str, Any]:
     """Speculative decoding: the families restored under an n-gram draft and whether any were under Medusa heads
     (vLLM drafting in the restored pass), the outcomes of the cells whose draft has KV of its own (EAGLE,
-    EAGLE-3, a draft model), and whether every restored draft-model cell drafted and accepted after its restore
-    as after vLLM's own prefill (its draft is the target itself: a wrong draft KV would show)."""
+    EAGLE-3, MTP, a draft model), and whether every restored draft-model and MTP cell drafted and accepted after
+    its restore as after vLLM's own prefill (a draft model is the target itself: a wrong draft KV would show)."""
     drafted = [c for c in restored if c.get("drafts", 0) > 0]
     ngram = [c for c in drafted if c["spec"] == "ngram"]
     return {"ngram_families_restored": len({c["family"] for c in ngram}),
@@ -76,8 +76,9 @@ def spec_summary(cells: Cells, restored: Cells) -> dict[str, Any]:
             "medusa_restored": any(c["spec"] == "medusa" for c in drafted),
             **{f"{draft}_outcomes": sorted({c["status"] if c["status"] != "ok" else c.get("outcome", "none")
                                             for c in cells if c.get("spec") == draft})
-               for draft in ("eagle", "eagle3", "draft_model")},
-            "draft_model_drafts_as_vllm": drafts_as_cold([c for c in drafted if c["spec"] == "draft_model"])}
+               for draft in ("eagle", "eagle3", "mtp", "draft_model")},
+            **{f"{draft}_drafts_as_vllm": drafts_as_cold([c for c in drafted if c["spec"] == draft])
+               for draft in ("mtp", "draft_model")}}
 
 
 def drafts_as_cold(cells: Cells) -> bool | None:
@@ -175,7 +176,9 @@ def block(body: dict[str, Any]) -> str:
             f"{s.get('ngram_families_restored', 0)} families (TP 2: {yes_no(s.get('ngram_tp2_restored', False))}); "
             f"with Medusa heads restored: {yes_no(s.get('medusa_restored', False))}; "
             f"with an EAGLE draft: {', '.join(s.get('eagle_outcomes', [])) or 'not run'}; with an EAGLE-3 draft: "
-            f"{', '.join(s.get('eagle3_outcomes', [])) or 'not run'}; with a draft model: "
+            f"{', '.join(s.get('eagle3_outcomes', [])) or 'not run'}; with an MTP draft: "
+            f"{', '.join(s.get('mtp_outcomes', [])) or 'not run'} (drafting as after vLLM's own prefill: "
+            f"{yes_no(s.get('mtp_drafts_as_vllm'))}); with a draft model: "
             f"{', '.join(s.get('draft_model_outcomes', [])) or 'not run'} (drafting and accepting after the restore as "
             f"after vLLM's own prefill: {yes_no(s.get('draft_model_drafts_as_vllm'))}) ({commits(body)}, "
             "`cacheflow bench vllm-compat`; details in bench/results/vllm_compat.md).")

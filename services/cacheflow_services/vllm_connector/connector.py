@@ -56,6 +56,7 @@ from cacheflow_services.vllm_connector.plan import Keying, LoadSpec, PromptRows,
 from cacheflow_services.vllm_connector.support import (
     OnceLog,
     declined,
+    draft_reads_output,
     draft_reads_rows,
     model_dir,
     request_keying,
@@ -472,10 +473,10 @@ def _scheduler_plan(cfg: ConnectorConfig, vllm_config: VllmConfig, layout: str) 
     def lookup(prompt: Any, limit: int, salt: str) -> int:
         """Tokens whose chunks every rank finds: the heads of each tensor-parallel rank, stored split as this
         instance's ranks split them or any other way, each later pipeline rank's boundary activations
-        (without them that rank's restore fails) and, for an EAGLE draft, the model's output rows."""
+        (without them that rank's restore fails) and, for an EAGLE or MTP draft, the model's output rows."""
         return cached_prefix_tokens(prompt, fingerprint=salted(fingerprint, salt), tenant=cfg.tenant,
                                     chunk_size=cfg.chunk_size, stage_layers=layers, store=store, limit=limit,
                                     kv_heads=kv_heads, head_split=split, boundaries=True,
-                                    output_rows=restores_draft(vllm_config) == "eagle")  # its draft's input
+                                    output_rows=draft_reads_output(vllm_config))  # its draft's input
 
     return SchedulerPlan(chunk_size=cfg.chunk_size, block_size=block_size, lookup=lookup, save=cfg.save)

@@ -9,11 +9,12 @@ agree without talking. Refused, whatever recomputes the restore's front:
   layers left out of its quantization (`kv_cache_dtype_skip_layers`);
 * decode- or prefill-context parallelism (a rank's cache holds a slice of the tokens); tensor parallelism
   with CacheFlow's runtime (with vLLM's model a rank restores its slice of the heads: `planned_split.py`);
-* speculative decoding with another draft that has KV of its own (MTP: chunks hold the target model's layers
-  only); drafts without attention layers are served (`KV_FREE_DRAFTS`: n-gram and suffix lookups over the
-  tokens, Medusa and MLP heads over the target's last hidden state), and so are EAGLE and EAGLE-3 drafts and
-  draft models with vLLM's model, without pipeline parallelism or LoRA (`restores_draft`: their KV is
-  recomputed, an EAGLE draft's from the target's stored rows, a draft model's from the tokens: `draft.py`);
+* speculative decoding with another draft that has KV of its own (DFlash, MTP layers with proposers of their
+  own: chunks hold the target model's layers only); drafts without attention layers are served
+  (`KV_FREE_DRAFTS`: n-gram and suffix lookups over the tokens, Medusa and MLP heads over the target's last
+  hidden state), and so are EAGLE and EAGLE-3 drafts, MTP layers and draft models with vLLM's model, without
+  pipeline parallelism or LoRA (`restores_draft`: their KV is recomputed, an EAGLE or MTP draft's from the
+  target's stored rows, a draft model's from the tokens: `draft.py`);
 * a cache of other than full-attention blocks: several groups (hybrid models: one block table per group),
   sliding-window blocks (dropped outside the window), state caches.
 
@@ -45,10 +46,13 @@ log = logging.getLogger(__name__)
 ATTENTION_SPECS = ("FullAttentionSpec",)  # caches of every position's K and V in blocks
 # Speculative methods whose drafts have no KV cache: the target's cache, which chunks hold, is the whole of it.
 KV_FREE_DRAFTS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
-# Drafts whose KV a restore recomputes: EAGLE's layers over the target's output rows, stored with the chunks
-# (EAGLE-3's: the target's residual streams at its auxiliary layers); a draft model's over the prompt's tokens.
-DRAFTS_FROM_ROWS = ("eagle", "eagle3")
+# Drafts whose KV a restore recomputes: EAGLE's and MTP's layers over the target's output rows, stored with the
+# chunks (EAGLE-3's: the target's residual streams at its auxiliary layers); a draft model's over the tokens.
+DRAFTS_FROM_OUTPUT = ("eagle", "mtp")
+DRAFTS_FROM_ROWS = (*DRAFTS_FROM_OUTPUT, "eagle3")
 RESTORED_DRAFTS = (*DRAFTS_FROM_ROWS, "draft_model")
+# MTP layers vLLM feeds with proposers of their own (not its EAGLE proposer over the target's output rows)
+MTP_OWN_PROPOSERS = ("gemma4_mtp", "step3p5_mtp")
 
 
 def model_dir(model: str, revision: str | None = None) -> Path:
@@ -95,16 +99,22 @@ def unsupported(vllm_config: Any, model: str, runtime: str) -> str:
 
 
 def restores_draft(vllm_config: Any) -> str:
-    """The method of the draft whose KV restores also recompute ("eagle", "eagle3", "draft_model"; "" for
-    none)."""
+    """The method of the draft whose KV restores also recompute ("eagle", "eagle3", "mtp", "draft_model"; ""
+    for none)."""
     draft = vllm_config.speculative_config
     return str(draft.method) if draft is not None and draft.method in RESTORED_DRAFTS else ""
 
 
 def draft_reads_rows(vllm_config: Any) -> bool:
-    """Whether the draft whose KV restores recompute reads the target's rows (an EAGLE draft's: captured and
-    stored with the chunks), not the tokens alone (a draft model)."""
+    """Whether the draft whose KV restores recompute reads the target's rows (an EAGLE or MTP draft's: captured
+    and stored with the chunks), not the tokens alone (a draft model)."""
     return restores_draft(vllm_config) in DRAFTS_FROM_ROWS
+
+
+def draft_reads_output(vllm_config: Any) -> bool:
+    """Whether that draft reads the target's output rows (EAGLE, MTP), stored at one known place with the
+    chunks (EAGLE-3's rows are at layers the model chooses)."""
+    return restores_draft(vllm_config) in DRAFTS_FROM_OUTPUT
 
 
 def _unsupported_draft(vllm_config: Any, runtime: str) -> str:
@@ -116,6 +126,9 @@ def _unsupported_draft(vllm_config: Any, runtime: str) -> str:
         return ""
     if draft.method not in RESTORED_DRAFTS:
         return f"speculative decoding with {draft.method}: the draft's own KV is not in the chunks"
+    if (mtp := _mtp_type(draft)) in MTP_OWN_PROPOSERS:
+        return f"speculative decoding with {mtp} layers: vLLM feeds them with a proposer of their own, not " \
+               "over the target's output rows"
     parallel = vllm_config.parallel_config
     where = {"CacheFlow's runtime": runtime != "vllm", "LoRA": vllm_config.lora_config is not None,
              "pipeline parallelism": parallel.pipeline_parallel_size > 1}
@@ -124,6 +137,12 @@ def _unsupported_draft(vllm_config: Any, runtime: str) -> str:
             return f"speculative decoding with {draft.method} under {name}: its draft's KV is recomputed with " \
                    "vLLM's model, on one pipeline rank, with no adapter"
     return ""
+
+
+def _mtp_type(draft: Any) -> str:
+    """The model type of an MTP draft's layers ("" for other drafts)."""
+    config = getattr(getattr(draft, "draft_model_config", None), "hf_config", None) if draft.method == "mtp" else None
+    return str(getattr(config, "model_type", "") or "")
 
 
 def _unsupported_by_vllm_runtime(model_config: Any) -> str:

@@ -87,7 +87,7 @@ from cacheflow_services.vllm_connector.ranks import (
 from cacheflow_services.vllm_connector.restorer import PREFILL_TOKENS, engine_settings
 from cacheflow_services.vllm_connector.runtime import Drafter, LoraManager, RuntimeChoice, VllmModel
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
-from cacheflow_services.vllm_connector.support import OnceLog, draft_reads_rows, restores_draft
+from cacheflow_services.vllm_connector.support import OnceLog, draft_reads_output, draft_reads_rows, restores_draft
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,7 @@ class WorkerEngine:
         self.draft_method = restores_draft(vllm_config) if vllm_config is not None else ""  # a draft's with KV
         self.drafts = bool(self.draft_method)  # restores rerun the draft (draft.py)
         self.draft_rows = vllm_config is not None and draft_reads_rows(vllm_config)  # over the target's rows too
+        self.draft_output = vllm_config is not None and draft_reads_output(vllm_config)  # its output rows (EAGLE, MTP)
         self._drafter = drafter
         self._draft: DraftPass | None = None  # at the first restore that reruns the draft
         self._once = OnceLog()
@@ -191,9 +192,9 @@ class WorkerEngine:
 
     def captured(self) -> list[tuple[int, str]]:
         """How the captured rows are stored, side by side (layer, kind): the boundary activations entering the
-        rank's first layer; with an EAGLE draft the model's output rows, at its layer count; with an EAGLE-3
-        draft the boundary activations at each of its auxiliary layers."""
-        if self.draft_method == "eagle":
+        rank's first layer; with an EAGLE or MTP draft the model's output rows, at its layer count; with an
+        EAGLE-3 draft the boundary activations at each of its auxiliary layers."""
+        if self.draft_output:
             return [(self.config.num_layers, OUTPUT_KIND)]
         if self.draft_method == "eagle3":
             return [(layer, BOUNDARY_KIND) for layer in aux_layers(self._vllm_model())]
