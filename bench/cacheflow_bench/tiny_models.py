@@ -1,7 +1,7 @@
 """Tiny random checkpoints of the model families vLLM users run, built locally (no download) with
 transformers' own model classes and saved as config.json + model.safetensors, plus an FP8-weight variant,
-a MiMo (a Qwen2 with a multi-token-prediction layer) and a tiny random LoRA adapter (adapter_config.json +
-adapter_model.safetensors).
+two families with a multi-token-prediction layer (MiMo, GLM-4.5) and a tiny random LoRA adapter
+(adapter_config.json + adapter_model.safetensors).
 
 Every model: hidden 128, 2 layers, 4 query / 2 KV heads of 32 dims (vLLM's CPU attention runs its `vec`
 kernel on multiples of 32), vocab 1024, float32; DeepSeek-V2's MLA latent is 256 + 64 rope dims (vLLM's MLA
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +55,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # FP8 weights with block scales (see `to_fp8`); 64-dim heads: o_proj's input split over 2 TP ranks must
     # still hold whole 128-column blocks
     "llama_fp8": ("llama", {"head_dim": 64}),
-    # Xiaomi's MiMo: a Qwen2 with one multi-token-prediction layer (`add_mtp_layer`), vLLM's MTP draft
+    # with one multi-token-prediction layer each (`add_mtp_layer`: vLLM's MTP draft): Xiaomi's MiMo (a Qwen2),
+    # GLM-4.5 (MoE after a dense first layer, shared expert, sigmoid routing, half the head's dims rotated)
     "mimo": ("qwen2", {"num_nextn_predict_layers": 1}),
+    "glm4_moe": ("glm4_moe", {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                              "moe_intermediate_size": 64, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                              "partial_rotary_factor": 0.5, "attention_bias": True, "num_nextn_predict_layers": 1}),
 }
 FP8_FAMILIES = {"llama_fp8"}
-MTP_FAMILIES = {"mimo"}
 # the dtype vLLM runs a family in where float32 is refused on its CPU build: fp8 quantization ("torch.float32
 # is not supported for quantization method fp8"), DeepSeek's MLA / MoE kernels ("expect weight to be bfloat16, ...")
 RUN_DTYPE = {"llama_fp8": "bfloat16", "deepseek_v2": "bfloat16"}
@@ -113,7 +117,7 @@ def save(family: str, path: Path, seed: int = 0) -> Path:
     if family in FP8_FAMILIES:
         to_fp8(path)
     if family in MTP_FAMILIES:
-        add_mtp_layer(path)
+        add_mtp_layer(path, family)
     return path
 
 
@@ -220,48 +224,77 @@ def save_copying_eagle(target: Path, draft: Path, seed: int = 0) -> tuple[Path, 
     return target, draft
 
 
-def copied_target(family: str, seed: int = 0) -> Any:
+def copied_target(family: str, seed: int = 0, **overrides: Any) -> Any:
     """A one-layer tiny model of `family` whose embedding rows have an RMS of 1 (its input norm leaves them as
     they are): a draft made of its layer computes at position i what it computes at i + 1."""
-    model = build(family, seed, num_hidden_layers=1)
+    model = build(family, seed, num_hidden_layers=1, **overrides)
     with torch.no_grad():
         embed = model.model.embed_tokens.weight  # [vocab, hidden]
         embed /= embed.pow(2).mean(dim=-1, keepdim=True).sqrt()
     return model
 
 
-def add_mtp_layer(path: Path, *, copying: bool = False, seed: int = 5) -> Path:
-    """Give the Qwen2 checkpoint saved at `path` one multi-token-prediction layer as MiMo's checkpoints hold it,
-    and call it MiMoForCausalLM (vLLM serves it with `"method": "mtp"`): `model.mtp_layers.0.*`, a token and a
-    hidden norm, `input_proj` over [the target's output row, the next token's embedding] (2 hidden -> hidden),
-    a decoder layer (a copy of the target's first) and a final norm; vLLM shares the target's embedding and LM
-    head with it. `copying`: `input_proj` passes the embedding through and drops the row, so over a
-    `copied_target` the layer drafts the target's own tokens (`save_copying_eagle`'s argument; vLLM zeroes the
-    embedding at position 0)."""
+@dataclass(frozen=True)
+class MtpLayout:
+    """How a family's checkpoint holds its multi-token-prediction layer: under `prefix` ("{layers}": the
+    target's layer count) a decoder layer, a norm of the next token's embedding and one of the target's output
+    row, a projection of the two side by side (2 hidden -> hidden) and a final norm; vLLM shares the target's
+    embedding and LM head with it."""
+
+    architecture: str
+    prefix: str
+    embedding_norm: str
+    row_norm: str
+    projection: str
+    final_norm: str
+    embedding_first: bool  # the projection reads [embedding, row] (else [row, embedding])
+
+
+MTP_LAYOUTS = {
+    "mimo": MtpLayout("MiMoForCausalLM", "model.mtp_layers.0.", "token_layernorm", "hidden_layernorm", "input_proj",
+                      "final_layernorm", embedding_first=False),
+    "glm4_moe": MtpLayout("Glm4MoeForCausalLM", "model.layers.{layers}.", "enorm", "hnorm", "eh_proj",
+                          "shared_head.norm", embedding_first=True),
+}
+MTP_FAMILIES = set(MTP_LAYOUTS)
+COPYING_SETTINGS = {"glm4_moe": {"first_k_dense_replace": 0}}  # the copied layer is MoE, as the MTP layer is
+
+
+def add_mtp_layer(path: Path, family: str, *, copying: bool = False, seed: int = 5) -> Path:
+    """Give `family`'s checkpoint saved at `path` one multi-token-prediction layer as the family's checkpoints
+    hold it (`MTP_LAYOUTS`; vLLM serves it with `"method": "mtp"`): its decoder layer a copy of the target's last,
+    its norms as the target's, its projection random. `copying`: the projection passes the embedding through and
+    drops the row, so over a `copied_target` the layer drafts the target's own tokens (`save_copying_eagle`'s
+    argument; vLLM zeroes the embedding at position 0)."""
     from safetensors.torch import load_file, save_file
 
+    layout = MTP_LAYOUTS[family]
     tensors = load_file(path / "model.safetensors")
     config = json.loads((path / "config.json").read_text())
-    hidden, mtp = config["hidden_size"], "model.mtp_layers.0."
-    first = "model.layers.0."
-    layer = {name.removeprefix(first): w for name, w in tensors.items() if name.startswith(first)}
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    last = f"model.layers.{layers - 1}."
+    layer = {name.removeprefix(last): w for name, w in tensors.items() if name.startswith(last)}
     if copying:
-        proj = torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1)  # [hidden, 2 hidden]
+        halves = [torch.eye(hidden), torch.zeros(hidden, hidden)]  # [embedding, row]
+        proj = torch.cat(halves if layout.embedding_first else halves[::-1], dim=1)  # [hidden, 2 hidden]
     else:
         proj = OTHER_STD * torch.randn(hidden, 2 * hidden, generator=torch.Generator().manual_seed(seed))
-    extra = {"input_proj.weight": proj, "final_layernorm.weight": tensors["model.norm.weight"].clone(),
-             "token_layernorm.weight": torch.ones(hidden), "hidden_layernorm.weight": torch.ones(hidden)}
-    tensors |= {mtp + name: w.clone() for name, w in (layer | extra).items()}
+    extra = {layout.projection: proj, layout.final_norm: tensors["model.norm.weight"],
+             layout.embedding_norm: torch.ones(hidden), layout.row_norm: torch.ones(hidden)}
+    prefix = layout.prefix.format(layers=layers)
+    tensors |= {prefix + name: w.clone() for name, w in layer.items()}
+    tensors |= {f"{prefix}{name}.weight": w.clone() for name, w in extra.items()}
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config |= {"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1}
+    config |= {"architectures": [layout.architecture], "num_nextn_predict_layers": 1}
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 
-def save_copying_mtp(path: Path, seed: int = 0) -> Path:
-    """A one-layer tiny MiMo whose MTP layer drafts its own greedy tokens (`add_mtp_layer`, copying)."""
-    copied_target("qwen2", seed).save_pretrained(path, safe_serialization=True)
-    return add_mtp_layer(path, copying=True)
+def save_copying_mtp(family: str, path: Path, seed: int = 0) -> Path:
+    """A one-layer tiny model of `family` (MTP_LAYOUTS) whose MTP layer drafts its own greedy tokens
+    (`add_mtp_layer`, copying)."""
+    copied_target(family, seed, **COPYING_SETTINGS.get(family, {})).save_pretrained(path, safe_serialization=True)
+    return add_mtp_layer(path, family, copying=True)
 
 
 EAGLE3_AUX_LAYERS = (0, 1, 2)  # the tiny models' residual streams an EAGLE-3 draft reads: entering each layer, then out

@@ -185,11 +185,17 @@ def test_speculative_cells_have_their_own_columns_drafts_and_summary():
         "tokens, 2 accepted |" in rep.report(body)
 
 
+def drafted_with(spec: str, family: str, as_cold: bool | None) -> dict:
+    """A restored cell of `spec` whose warm pass drafted 9 tokens (`as_cold`: as its cold pass did; None: not
+    recorded)."""
+    recorded = {} if as_cold is None else {"drafts_as_cold": as_cold}
+    return cell(family, spec=spec, name=f"{family}-tp1-auto-base-{spec}", drafts=3, draft_tokens=9,
+                accepted_tokens=9, **recorded)
+
+
 def test_draft_model_cells_say_whether_vllm_drafted_after_the_restore_as_after_its_own_prefill():
     def draft_model(family: str, as_cold: bool | None) -> dict:
-        recorded = {} if as_cold is None else {"drafts_as_cold": as_cold}
-        return cell(family, spec="draft_model", name=f"{family}-tp1-auto-base-draft_model", drafts=3,
-                    draft_tokens=9, accepted_tokens=9, **recorded)
+        return drafted_with("draft_model", family, as_cold)
 
     assert rep.summarize([draft_model("llama", True), draft_model("qwen2", None)])["draft_model_drafts_as_vllm"]
     cells = [draft_model("llama", True), draft_model("qwen2", False)]
@@ -200,6 +206,14 @@ def test_draft_model_cells_say_whether_vllm_drafted_after_the_restore_as_after_i
         "**no**)" in rep.block(body)
     assert "9 accepted (**not** as in the cold pass) |" in rep.report(body)
     assert rep.summarize([cell()])["draft_model_drafts_as_vllm"] is None  # no draft-model cell ran
+
+
+def test_mtp_cells_are_summarized_apart_from_draft_model_cells():
+    cells = [drafted_with("mtp", "mimo", True), drafted_with("draft_model", "mimo", False)]
+    s = rep.summarize(cells)
+    assert (s["mtp_outcomes"], s["mtp_drafts_as_vllm"], s["draft_model_drafts_as_vllm"]) == (["restored"], True, False)
+    body = {"cells": cells, "summary": s, "machine": {"git": "abc1234"}, "command": "c"}
+    assert "with an MTP draft: restored (drafting as after vLLM's own prefill: yes)" in rep.block(body)
 
 
 def test_a_speculative_cell_keeps_its_restored_passs_draft_counters_and_whether_they_are_the_cold_passs():

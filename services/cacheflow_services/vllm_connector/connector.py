@@ -109,7 +109,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
         self._refused: set[str] = set()  # worker side: background loads refused, reported by the next get_finished
         self._declined: set[str] = set()  # scheduler side: requests the connector neither restores nor stores
         pipeline = vllm_config.parallel_config.pipeline_parallel_size > 1
-        # ranks after the first capture boundary activations; with an EAGLE draft, the model's output rows
+        # ranks after the first capture boundary activations; with an EAGLE or MTP draft, the model's output rows
         self._captured = (pipeline or draft_reads_rows(vllm_config)) and self.cfg.save
         # Restores have their meeting point planned before they start under tensor parallelism (a rank's forward
         # needs every other rank's in lockstep: planned_split.py).
@@ -357,7 +357,7 @@ def find_vllm_model(vllm_config: VllmConfig) -> Any:
     the worker or model runner on the call stack (the connector is created, handed its caches and asked to
     load by them), and accepted only if it holds this engine's own attention layers."""
     attn_layers = {name: attn for name, attn in vllm_config.compilation_config.static_forward_context.items()
-                   if not draft_model_layer(name)}  # the target's (and an EAGLE draft's)
+                   if not draft_model_layer(name)}  # the target's (and an EAGLE or MTP draft's)
     if not attn_layers:
         return None
     name, attn = min(attn_layers.items())  # e.g. "model.layers.0.self_attn.attn" -> its Attention module
@@ -382,8 +382,8 @@ def find_lora_manager(vllm_config: VllmConfig, model: Any) -> Any:
 
 
 def find_drafter(model: Any) -> Any:
-    """The draft model (an EAGLE draft or a draft model) of the model runner holding `model`, or None where that
-    runner is not on the call stack or has no draft model."""
+    """The draft model (an EAGLE or MTP draft, or a draft model) of the model runner holding `model`, or None
+    where that runner is not on the call stack or has no draft model."""
     for owner in _vllm_owners():
         for runner in (owner, getattr(owner, "model_runner", None)):  # a model runner, or a worker's
             drafter = getattr(getattr(runner, "drafter", None), "model", None)

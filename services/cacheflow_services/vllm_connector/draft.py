@@ -29,6 +29,11 @@ forwards, in lockstep: the restores run in vLLM's step (not in the background, w
 when they do), and the ranks agree on how far each restore's draft goes (the least any rank reached:
 `restore_drafts`) before any of them runs it.
 
+An MTP draft (`"method": "mtp"`: the model's own multi-token-prediction layers, e.g. MiMo's, GLM-4.5's) is fed
+by vLLM's EAGLE proposer the same way: the next token and the target's output row at each position, its layers
+(`model.layers.<L>...`) writing KV of their own. It is restored as an EAGLE draft is (MTP layers that vLLM feeds
+with proposers of their own make the connector step aside: `support.py`).
+
 A draft model (`"method": "draft_model"`: a smaller model of the target's vocabulary, under the prefix
 `draft_model.`) reads the tokens alone: vLLM's drafter runs it over the target's tokens at their own
 positions (not shifted), so its rerun needs no rows, and a chunk of any instance can give it its KV. Its rerun
@@ -56,7 +61,7 @@ class DraftPass:
     def __init__(self, runtime: VllmRuntime, drafter: Any, *, sources: Sequence[tuple[int, str]],
                  combine: bool = False) -> None:
         """`drafter`: vLLM's loaded draft model (its runner's `drafter.model`); `sources`: the stored rows it
-        reads, side by side, each (layer, kind): the output rows at the target's layer count (EAGLE), the
+        reads, side by side, each (layer, kind): the output rows at the target's layer count (EAGLE, MTP), the
         boundary activations at its auxiliary layers (EAGLE-3); none: a draft model, which reads the tokens
         alone; `combine`: the draft first combines them (EAGLE-3's `combine_hidden_states`, as vLLM's proposer
         calls it)."""

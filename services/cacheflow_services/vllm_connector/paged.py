@@ -119,8 +119,8 @@ DRAFT_MODEL_PREFIX = "draft_model"  # vLLM's prefix for a draft model's modules 
 
 def draft_layer(layer_name: str, num_layers: int) -> bool:
     """Whether vLLM's attention layer `layer_name` is a speculative draft's, not one of the target's
-    `num_layers`: an EAGLE draft's layers follow the target's ("model.layers.<num_layers>..."), a draft model's
-    are under its own prefix (`draft_model_layer`)."""
+    `num_layers`: an EAGLE or MTP draft's layers follow the target's ("model.layers.<num_layers>..."), a draft
+    model's are under its own prefix (`draft_model_layer`)."""
     return draft_model_layer(layer_name) or layer_index(layer_name) >= num_layers
 
 

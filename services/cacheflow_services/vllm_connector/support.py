@@ -51,7 +51,8 @@ KV_FREE_DRAFTS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
 DRAFTS_FROM_OUTPUT = ("eagle", "mtp")
 DRAFTS_FROM_ROWS = (*DRAFTS_FROM_OUTPUT, "eagle3")
 RESTORED_DRAFTS = (*DRAFTS_FROM_ROWS, "draft_model")
-# MTP layers vLLM feeds with proposers of their own (not its EAGLE proposer over the target's output rows)
+# MTP layers vLLM runs with proposers of their own (Gemma 4's shares the target's KV; Step-3.5's picks a layer per
+# draft step), not with its EAGLE proposer over the target's output rows
 MTP_OWN_PROPOSERS = ("gemma4_mtp", "step3p5_mtp")
 
 

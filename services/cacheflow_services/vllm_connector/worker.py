@@ -107,7 +107,8 @@ class WorkerEngine:
         rank's, under tensor parallelism (its chunks hold its KV heads). `step_slots`: the slot mapping of the forward
         running now (vLLM's forward context), which files a pipeline rank's boundary rows by request.
         `lora_manager` finds, for vLLM's model, its runner's LoRA manager (LoRA on: vLLM's model recomputes under
-        each request's adapter); `drafter`, its runner's draft model (an EAGLE draft: restores rerun it, draft.py)."""
+        each request's adapter); `drafter`, its runner's draft model (an EAGLE or MTP draft, a draft model:
+        restores rerun it, draft.py)."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown paged KV layout {layout!r}; known: {LAYOUTS}")
         self.cfg = cfg
@@ -187,7 +188,7 @@ class WorkerEngine:
     @property
     def captures(self) -> bool:
         """Whether this rank stores boundary activations (a rank after the first that saves), or the model's
-        output rows (an EAGLE draft's input, draft.py)."""
+        output rows (an EAGLE or MTP draft's input, draft.py)."""
         return (self.layers.start > 0 or self.draft_rows) and self.cfg.save
 
     def captured(self) -> list[tuple[int, str]]:
@@ -416,7 +417,7 @@ class WorkerEngine:
 
     def _restore_drafts(self, restored: Sequence[Restored]) -> set[int]:
         """Rerun the draft over what each restore wrote (draft.py); the blocks vLLM must recompute (from where a
-        draft stopped: a chunk without an EAGLE draft's rows, or a draft that could not run)."""
+        draft stopped: a chunk without the rows an EAGLE or MTP draft reads, or a draft that could not run)."""
         try:
             reached = restore_drafts(restored, self._draft_pass, self.store, agree=self._agree_min,
                                      event=self.stats.event)
