@@ -151,9 +151,9 @@ def block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def save_lora(family: str, model_dir: Path, path: Path, seed: int = 1) -> Path:
+def save_lora(family: str, model_dir: Path, path: Path, seed: int = 1, b_std: float = 0.1) -> Path:
     """A random rank-8 LoRA adapter for the family's tiny model (on the first two of `LORA_TARGETS` it has,
-    every layer), saved as PEFT writes one; B is random too, so the adapter changes the outputs."""
+    every layer), saved as PEFT writes one; B is random too (`b_std`), so the adapter changes the outputs."""
     from safetensors.torch import save_file
 
     model = build(family)
@@ -164,7 +164,7 @@ def save_lora(family: str, model_dir: Path, path: Path, seed: int = 1) -> Path:
     for name, m in linears.items():
         if name.rsplit(".", 1)[-1] in targets:
             tensors[f"base_model.model.{name}.lora_A.weight"] = torch.randn(LORA_RANK, m.in_features, generator=gen)
-            tensors[f"base_model.model.{name}.lora_B.weight"] = 0.1 * torch.randn(m.out_features, LORA_RANK,
+            tensors[f"base_model.model.{name}.lora_B.weight"] = b_std * torch.randn(m.out_features, LORA_RANK,
                                                                                   generator=gen)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})

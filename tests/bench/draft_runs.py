@@ -14,11 +14,11 @@ from cacheflow_services.storage.launch import launch_pod, write_tokens
 TENANT = "eagle"
 
 
-def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool, tp: int, method: str = "eagle"
-        ) -> dict[str, Any]:
+def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool, tp: int, method: str = "eagle",
+        adapter: Path | None = None) -> dict[str, Any]:
     """One fresh vLLM process of `models[0]` over the pod in `root`: its prompts once; `draft`: with the draft
-    `models[1]` (its `method`); `tp` tensor-parallel ranks. Its tokens, vLLM's draft counters and the
-    connector's events."""
+    `models[1]` (its `method`); `tp` tensor-parallel ranks; `adapter`: LoRA on, every prompt under it. Its
+    tokens, vLLM's draft counters and the connector's events."""
     target, draft_model = models
     connector = {"pods": [f"pod-0=127.0.0.1:{(root / 'port').read_text()}"], "tenant": TENANT,
                  "pod_token_file": str(root / "tokens"), "chunk_size": CHUNK, "stats_file": str(root / f"{name}.jsonl"),
@@ -27,7 +27,7 @@ def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool, tp: in
             "speculative_config": {"method": method, "model": str(draft_model), "num_speculative_tokens": SPEC_TOKENS}
             if draft else None,
             "block_size": BLOCK, "max_model_len": 1024, "tensor_parallel_size": tp, "connector": connector,
-            "passes": [{"label": name}]}
+            "enable_lora": adapter is not None, "passes": [{"label": name, "lora": str(adapter) if adapter else None}]}
     result, log = drive(spec, root, name)
     assert result is not None, log[-3000:]
     events = [json.loads(line) for line in (root / f"{name}.jsonl").read_text().splitlines()]
@@ -36,9 +36,10 @@ def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool, tp: in
 
 
 def run_pods(root: Path, passes: Mapping[str, Sequence[tuple[str, bool, int]]], models: tuple[Path, Path],
-             method: str = "eagle") -> dict[str, Any]:
+             method: str = "eagle", adapter: Path | None = None) -> dict[str, Any]:
     """Per pod (its name in `passes`, a fresh pod under root/<name>), its passes in order, each (name, with the
-    draft, TP) a fresh process (`run`): what each gave, by name, and each pod's folder as "<pod>-dir"."""
+    draft, TP) a fresh process (`run`; `adapter`: under it, but for passes named "base..."): what each gave,
+    by name, and each pod's folder as "<pod>-dir"."""
     out: dict[str, Any] = {}
     for pod_name, pod_passes in passes.items():
         work = root / pod_name
@@ -47,7 +48,8 @@ def run_pods(root: Path, passes: Mapping[str, Sequence[tuple[str, bool, int]]], 
         (work / "port").write_text(str(pod.data_port))
         try:
             for name, draft, tp in pod_passes:
-                out[name] = run(work, name, models, draft=draft, tp=tp, method=method)
+                under = None if name.startswith("base") else adapter
+                out[name] = run(work, name, models, draft=draft, tp=tp, method=method, adapter=under)
         finally:
             pod.stop()
         out[f"{pod_name}-dir"] = work / "pod"

@@ -1,12 +1,11 @@
 """Which speculative decoding methods the connector serves, decided from vLLM's config alone: a draft without
 KV of its own (n-gram or suffix lookups, Medusa or MLP heads) leaves the target's cache the whole of the KV,
 so the connector serves it; an EAGLE or EAGLE-3 draft's KV, an MTP layer's or a draft model's, it restores by
-rerunning the draft (with vLLM's model, without LoRA or pipeline parallelism: tests/bench/test_eagle_restore.py,
-test_mtp_restore.py and test_draft_model_restore.py run them); any other draft with KV of its own (DFlash, MTP
-layers vLLM feeds with proposers of their own) makes it step aside, naming it. The config here is a stand-in
-with the fields
-`unsupported` reads (vLLM's `VllmConfig` needs vLLM, which this environment does not have); the real vLLM
-runs both kinds in tests/bench/test_vllm_compat_smoke.py."""
+rerunning the draft (with vLLM's model, without pipeline parallelism: tests/bench/test_eagle_restore.py,
+test_mtp_restore.py, test_draft_model_restore.py and, under LoRA, test_draft_lora_restore.py run them); any
+other draft with KV of its own (DFlash, MTP layers vLLM runs with proposers of their own) makes it step aside,
+naming it. The config here is a stand-in with the fields `unsupported` reads (vLLM's `VllmConfig` needs vLLM,
+which this environment does not have); the real vLLM runs both kinds in tests/bench/test_vllm_compat_smoke.py."""
 
 from __future__ import annotations
 
@@ -43,12 +42,12 @@ def test_drafts_without_kv_of_their_own_are_served(method: str) -> None:
 
 @pytest.mark.parametrize(("method", "reads_rows", "reads_output"), [
     ("eagle", True, True), ("mtp", True, True), ("eagle3", True, False), ("draft_model", False, False)])
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(("tp", "lora"), [(1, False), (2, False), (1, True)])
 def test_an_eagle_or_mtp_draft_or_a_draft_model_is_served_with_vllms_model_and_its_kv_restored(
-        method: str, reads_rows: bool, reads_output: bool, tp: int) -> None:
+        method: str, reads_rows: bool, reads_output: bool, tp: int, lora: bool) -> None:
     """An EAGLE or MTP draft reads the target's output rows (stored with the chunks), an EAGLE-3 draft the
-    residual streams at its auxiliary layers, a draft model the tokens alone."""
-    config = vllm_config(method, tp=tp)
+    residual streams at its auxiliary layers, a draft model the tokens alone; with LoRA too."""
+    config = vllm_config(method, tp=tp, lora=lora)
     assert unsupported(config, "unused", "vllm") == "" and restores_draft(config) == method
     assert (draft_reads_rows(config), draft_reads_output(config)) == (reads_rows, reads_output)
     assert restores_draft(vllm_config("ngram")) == restores_draft(vllm_config(None)) == ""
@@ -56,8 +55,7 @@ def test_an_eagle_or_mtp_draft_or_a_draft_model_is_served_with_vllms_model_and_i
 
 @pytest.mark.parametrize("method", ["eagle", "mtp", "draft_model"])
 @pytest.mark.parametrize(("settings", "runtime", "where"), [
-    ({"pp": 2}, "vllm", "pipeline parallelism"),
-    ({"lora": True}, "vllm", "LoRA"), ({}, "cacheflow", "CacheFlow's runtime")])
+    ({"pp": 2}, "vllm", "pipeline parallelism"), ({}, "cacheflow", "CacheFlow's runtime")])
 def test_a_restored_draft_elsewhere_makes_the_connector_step_aside_saying_where(method: str, settings: dict[str, Any],
                                                                                 runtime: str, where: str) -> None:
     reason = unsupported(vllm_config(method, **settings), "unused", runtime)

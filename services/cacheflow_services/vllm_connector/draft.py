@@ -34,6 +34,11 @@ by vLLM's EAGLE proposer the same way: the next token and the target's output ro
 (`model.layers.<L>...`) writing KV of their own. It is restored as an EAGLE draft is (MTP layers that vLLM feeds
 with proposers of their own make the connector step aside: `support.py`).
 
+Under LoRA, vLLM applies a request's adapter to the target alone: its draft runs with the base weights over the
+adapted target's rows (stored under the adapter's keys, or returned by the recompute under it). The rerun's
+forwards set the same LoRA mapping as the recompute's (`VllmRuntime.forward_context`), so a draft that shares the
+target's LoRA-wrapped embedding reads it as in vLLM's step.
+
 A draft model (`"method": "draft_model"`: a smaller model of the target's vocabulary, under the prefix
 `draft_model.`) reads the tokens alone: vLLM's drafter runs it over the target's tokens at their own
 positions (not shifted), so its rerun needs no rows, and a chunk of any instance can give it its KV. Its rerun

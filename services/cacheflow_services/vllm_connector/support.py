@@ -13,8 +13,8 @@ agree without talking. Refused, whatever recomputes the restore's front:
   own: chunks hold the target model's layers only); drafts without attention layers are served
   (`KV_FREE_DRAFTS`: n-gram and suffix lookups over the tokens, Medusa and MLP heads over the target's last
   hidden state), and so are EAGLE and EAGLE-3 drafts, MTP layers and draft models with vLLM's model, without
-  pipeline parallelism or LoRA (`restores_draft`: their KV is recomputed, an EAGLE or MTP draft's from the
-  target's stored rows, a draft model's from the tokens: `draft.py`);
+  pipeline parallelism (`restores_draft`: their KV is recomputed, an EAGLE or MTP draft's from the target's
+  stored rows, a draft model's from the tokens, under LoRA too: `draft.py`);
 * a cache of other than full-attention blocks: several groups (hybrid models: one block table per group),
   sliding-window blocks (dropped outside the window), state caches.
 
@@ -120,8 +120,8 @@ def draft_reads_output(vllm_config: Any) -> bool:
 
 def _unsupported_draft(vllm_config: Any, runtime: str) -> str:
     """Why the connector cannot serve `vllm_config`'s speculative decoding ("" if it can): a draft's KV is
-    either none (`KV_FREE_DRAFTS`) or an EAGLE draft's or a draft model's, which vLLM's model recomputes (one
-    pipeline rank, no LoRA)."""
+    either none (`KV_FREE_DRAFTS`) or an EAGLE or MTP draft's or a draft model's, which vLLM's model recomputes
+    (one pipeline rank)."""
     draft = vllm_config.speculative_config
     if draft is None or draft.method in KV_FREE_DRAFTS:
         return ""
@@ -131,12 +131,11 @@ def _unsupported_draft(vllm_config: Any, runtime: str) -> str:
         return f"speculative decoding with {mtp} layers: vLLM feeds them with a proposer of their own, not " \
                "over the target's output rows"
     parallel = vllm_config.parallel_config
-    where = {"CacheFlow's runtime": runtime != "vllm", "LoRA": vllm_config.lora_config is not None,
-             "pipeline parallelism": parallel.pipeline_parallel_size > 1}
+    where = {"CacheFlow's runtime": runtime != "vllm", "pipeline parallelism": parallel.pipeline_parallel_size > 1}
     for name, on in where.items():
         if on:
             return f"speculative decoding with {draft.method} under {name}: its draft's KV is recomputed with " \
-                   "vLLM's model, on one pipeline rank, with no adapter"
+                   "vLLM's model, on one pipeline rank"
     return ""
 
 
