@@ -3,10 +3,11 @@ storage pod.
 
 The model is a one-layer tiny MiMo (a Qwen2) or GLM-4.5 (MoE) whose multi-token-prediction layer copies its
 target layer (`tiny_models.save_copying_mtp`): vLLM accepts every token it drafts after its own prefill, and
-fewer where the MTP layer's KV is wrong (measured on the MiMo with the connector's draft pass left out: 66 of 93
-drafted tokens accepted against 72 of 72). vLLM feeds an MTP layer as it does an EAGLE draft (its EAGLE
-proposer: the next token and the target's output row), so the connector stores the output rows beside the
-chunks and reruns the layer over them. Each warm process is fresh (nothing of the prompts in its cache): its
+fewer where the MTP layer's KV is wrong (measured with the connector's draft pass left out: 66 of 93 drafted
+tokens accepted against 72 of 72 on the MiMo, 59 of 111 on the GLM-4.5). vLLM feeds an MTP layer as it does
+an EAGLE draft (its EAGLE proposer: the next token and the target's output row), so the connector stores the
+output rows beside the chunks and reruns the layer over them. Each warm process is fresh (nothing of the
+prompts in its cache): its
 greedy tokens and vLLM's draft counters must equal those after vLLM's own prefill, at TP 1 and at TP 2 (from
 chunks and rows the TP 1 process stored; each rank reruns its half of the layer's heads, in lockstep).
 """
