@@ -7,9 +7,9 @@ fewer where the MTP layer's KV is wrong (measured with the connector's draft pas
 tokens accepted against 72 of 72 on the MiMo, 59 of 111 on the GLM-4.5). vLLM feeds an MTP layer as it does
 an EAGLE draft (its EAGLE proposer: the next token and the target's output row), so the connector stores the
 output rows beside the chunks and reruns the layer over them. Each warm process is fresh (nothing of the
-prompts in its cache): its
-greedy tokens and vLLM's draft counters must equal those after vLLM's own prefill, at TP 1 and at TP 2 (from
-chunks and rows the TP 1 process stored; each rank reruns its half of the layer's heads, in lockstep).
+prompts in its cache): its greedy tokens and vLLM's draft counters must equal those after vLLM's own prefill,
+at TP 1 and at TP 2 (from chunks and rows the TP 1 process stored; each rank reruns its half of the layer's
+heads, in lockstep).
 """
 
 from __future__ import annotations
