@@ -18,13 +18,14 @@ makes the "shared" pass, which restores from those chunks (its ranks take their 
 objects): its tokens must equal the cold pass's.
 
 A speculative-decoding cell (`spec`) runs vLLM with a draft: n-gram lookup or Medusa heads (no KV of their own:
-the connector serves them), an EAGLE or EAGLE-3 head, the model's own MTP layer (MiMo's) or a draft model (KV
-of their own, which the connector restores by rerunning the draft).
-The draft model is the target itself: it drafts the target's own greedy tokens,
-so a wrong draft KV shows in how many vLLM accepts. Its prompts repeat a random stretch, so the n-gram lookup
-finds matches and drafts; vLLM's draft counters for the last pass are kept (a draft's tokens are verified by the
-target model: greedy tokens must still be equal), and whether they equal the cold pass's (`drafts_as_cold`:
-vLLM drafted and accepted after the restore exactly as after its own prefill).
+the connector serves them), an EAGLE or EAGLE-3 head, the model's own MTP layer (MiMo's, GLM-4.5's) or a draft
+model (KV of their own, which the connector restores by rerunning the draft). The draft model is the target
+itself: it drafts the target's own greedy tokens, so a wrong draft KV shows in how many vLLM accepts (vLLM
+resolves a model with MTP layers, drafting for itself, to those layers: `method='mtp'`). Its prompts repeat a
+random stretch, so the n-gram lookup finds matches and drafts; vLLM's draft counters for the last pass are kept
+(a draft's tokens are verified by the target model: greedy tokens must still be equal), and whether they equal
+the cold pass's (`drafts_as_cold`: vLLM drafted and accepted after the restore exactly as after its own
+prefill).
 """
 
 from __future__ import annotations

@@ -31,13 +31,16 @@ PASSES = {"eagle": (("cold", True, 1), ("warm", True, 1), ("tp2-warm", True, 2),
           "draft_model": (("cold", True, 1), ("warm", True, 1))}  # (name, with the draft, TP); "base": no adapter
 
 
-def models(method: str, root: Path) -> tuple[tuple[Path, Path], str]:
-    """The copying target and draft for `method`, and the target's family."""
+FAMILY = {"eagle": "llama", "mtp": "mimo", "draft_model": "llama"}  # the copying target's family, by method
+
+
+def models(method: str, root: Path) -> tuple[Path, Path]:
+    """The copying target and draft for `method`."""
     if method == "mtp":
-        target = tiny_models.save_copying_mtp("mimo", root / "mimo")
-        return (target, target), "qwen2"
+        target = tiny_models.save_copying_mtp(FAMILY[method], root / "mimo")
+        return target, target
     target, eagle = tiny_models.save_copying_eagle(root / "target", root / "eagle")
-    return (target, eagle if method == "eagle" else target), "llama"
+    return target, eagle if method == "eagle" else target
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +51,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     out = {}
     for method, passes in PASSES.items():
         root = tmp_path_factory.mktemp(f"lora-{method}")
-        pair, family = models(method, root)
-        adapter = tiny_models.save_lora(family, pair[0], root / "adapter", b_std=WEAK)
+        pair = models(method, root)
+        adapter = tiny_models.save_lora(FAMILY[method], pair[0], root / "adapter", b_std=WEAK)
         out[method] = run_pods(root, {"pod": passes}, pair, method=method, adapter=adapter)
     return out
 
