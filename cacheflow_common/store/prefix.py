@@ -9,7 +9,9 @@ with a chunk missing. The restore itself re-checks every object it reads (a chun
 corrupted in between is recomputed).
 
 With `boundaries`, a chunk also needs each later stage's boundary activation (a vLLM pipeline rank restores
-only from it; a stage worker can fall back to a pipelined restore, so the coordinator does not ask).
+only from it; a stage worker can fall back to a pipelined restore, so the coordinator does not ask). With
+`draft_rows`, it needs the rows a speculative draft reads too (without them, a restore that reruns the draft ends
+before the chunk).
 
 Under tensor parallelism each rank stores its KV heads as objects of their own (`head_sources.py`): a chunk
 counts if its heads are stored split the instance's way, or (looked up only for a chunk missing so) any
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from cacheflow_common.kv.keys import ChunkKey, HeadRange, chunk_keys, object_name, tenant_salt
-from cacheflow_common.restore.boundary import OUTPUT_KIND, boundary_name
+from cacheflow_common.restore.boundary import boundary_name
 from cacheflow_common.restore.head_sources import head_splits
 from cacheflow_common.store.base import ChunkStore
 
@@ -32,25 +34,27 @@ _LOOKUPS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="prefix-lookup"
 
 def cached_prefix_tokens(token_ids: Sequence[int], *, fingerprint: str, tenant: str, chunk_size: int,
                          stage_layers: Sequence[range], store: ChunkStore, limit: int, kv_heads: int = 0,
-                         head_split: int = 1, boundaries: bool = False, output_rows: bool = False) -> int:
+                         head_split: int = 1, boundaries: bool = False,
+                         draft_rows: Sequence[tuple[int, str]] = ()) -> int:
     """Tokens [0, n) of `token_ids` whose KV is stored for every stage, n a multiple of the chunk size <= limit.
 
     `head_split`: how many runs the instance splits the model's `kv_heads` into (its tensor-parallel ranks'
     objects); a chunk not stored that way counts if every stage's heads are stored split some other way
     (0 `kv_heads`: not looked for). `boundaries`: the stages after the first need their boundary activations
-    too; `output_rows`: the model's output rows too (an EAGLE draft's input, at the last stage's end)."""
+    too; `draft_rows`: the rows a speculative draft reads too, each (layer, kind) as stored (an EAGLE or MTP
+    draft's: the model's output rows at its layer count; an EAGLE-3 draft's: the boundary activations entering
+    its auxiliary layers)."""
     keys = [k for k in chunk_keys(token_ids[: max(0, limit)], chunk_size, tenant_salt(fingerprint, tenant))
             if k.n_tokens == chunk_size]
     own = _split(kv_heads, head_split)
     others = [n for n in head_splits(kv_heads) if n != head_split] if kv_heads else []
     later = [layers.start for layers in stage_layers[1:]] if boundaries else []
-    last = stage_layers[-1].stop if output_rows else None
     cached = 0
     for first in range(0, len(keys), WINDOW):
         window = keys[first : first + WINDOW]
         # per key, two groups in one round of requests: its KV objects (the instance's split), its boundaries
-        found = iter(_all_stored([group for key in window for group in (_names(key, stage_layers, own),
-                                                                        _boundary_names(key, later, last))], store))
+        groups = [(_names(key, stage_layers, own), _boundary_names(key, later, draft_rows)) for key in window]
+        found = iter(_all_stored([group for pair in groups for group in pair], store))
         for key, kv_stored, boundaries_stored in zip(window, found, found, strict=True):
             if not boundaries_stored or not (kv_stored or any(_all_stored(
                     [_names(key, stage_layers, _split(kv_heads, n)) for n in others], store))):  # split another way
@@ -68,10 +72,9 @@ def _names(key: ChunkKey, stage_layers: Sequence[range], runs: list[HeadRange | 
     return [object_name(key, "kv", r.start, r.stop, heads) for r in stage_layers for heads in runs]
 
 
-def _boundary_names(key: ChunkKey, layers: Sequence[int], output_at: int | None = None) -> list[str]:
-    """The chunk's boundary activations entering each of `layers`, and its output rows at `output_at`."""
-    outputs = [] if output_at is None else [boundary_name(key, output_at, OUTPUT_KIND)]
-    return [boundary_name(key, layer) for layer in layers] + outputs
+def _boundary_names(key: ChunkKey, layers: Sequence[int], rows: Sequence[tuple[int, str]]) -> list[str]:
+    """The chunk's boundary activations entering each of `layers`, and its `rows` (layer, kind)."""
+    return [boundary_name(key, layer) for layer in layers] + [boundary_name(key, layer, kind) for layer, kind in rows]
 
 
 def _all_stored(groups: list[list[str]], store: ChunkStore) -> list[bool]:

@@ -57,10 +57,12 @@ def run_pods(root: Path, passes: Mapping[str, Sequence[tuple[str, bool, int]]], 
 
 
 def check_restored_as_cold(cold: dict[str, Any], warm: dict[str, Any], tp: int) -> None:
-    """`warm` restored every prefix on each of its `tp` ranks (loading and recomputing chunks), reran the draft over
-    all of it, and gave `cold`'s greedy tokens and draft counters (drafted, draft tokens, accepted: all equal)."""
+    """`warm` restored every prefix on each of its `tp` ranks in the background (loading and recomputing chunks),
+    reran the draft over all of it, and gave `cold`'s greedy tokens and draft counters (drafted, draft tokens,
+    accepted: all equal)."""
     restores = [e for e in warm["events"] if e["event"] == "restore"]
     assert len(restores) == len(PREFIXES) * tp and all(e["loaded"] > 0 for e in restores), restores
+    assert all(e["asynchronous"] for e in restores)  # vLLM stepped the batch meanwhile
     assert sum(e["computed"] for e in restores) > 0  # the profile's plan recomputes the front of some
     assert sum(e["computed"] + e["loaded"] for e in restores) == sum(n // CHUNK for n in PREFIXES) * tp
     draft_passes = [e for e in warm["events"] if e["event"] == "draft"]  # one per rank

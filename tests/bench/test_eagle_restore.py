@@ -68,6 +68,12 @@ def test_the_stored_output_rows_are_the_targets_output(runs: dict[str, Any]) -> 
 def test_chunks_stored_without_output_rows_are_left_to_vllm(runs: dict[str, Any]) -> None:
     """Chunks an instance without the draft stored have no output rows, which the draft cannot restore without:
     the scheduler's lookup does not count them, and vLLM computes the prompts (target and draft) itself."""
+    check_left_to_vllm(runs)
+
+
+def check_left_to_vllm(runs: dict[str, Any]) -> None:
+    """plain-warm (with the draft) restored nothing of what plain-cold (without it) stored, not even a front:
+    vLLM computed it all, with the tokens and draft counters of cold (with the draft, vLLM's own prefill)."""
     warm, cold = runs["plain-warm"], runs["cold"]
     assert sum(1 for e in runs["plain-cold"]["events"] if e["event"] == "save") == len(PREFIXES)  # chunks stored
     assert not [e for e in warm["events"] if e["event"] in ("restore", "draft", "load_error")]
@@ -77,11 +83,13 @@ def test_chunks_stored_without_output_rows_are_left_to_vllm(runs: dict[str, Any]
 
 @pytest.fixture(scope="module")
 def eagle3_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """An EAGLE-3 draft (`tiny_models.save_eagle3`) over the two-layer tiny Llama: cold stores, warm restores."""
+    """An EAGLE-3 draft (`tiny_models.save_eagle3`) over the two-layer tiny Llama: cold stores, warm restores;
+    plain-cold stores without the draft, plain-warm runs with it over another pod."""
     root = tmp_path_factory.mktemp("eagle3")
     target = tiny_models.save("llama", root / "target")
     draft = tiny_models.save_eagle3("llama", root / "draft")
-    passes = {"pod": (("cold", True, 1), ("warm", True, 1))}
+    passes = {"pod": (("cold", True, 1), ("warm", True, 1)), "plain-pod": (("plain-cold", False, 1),
+                                                                           ("plain-warm", True, 1))}
     return {"target": target, **run_pods(root, passes, (target, draft), method="eagle3")}
 
 
@@ -112,3 +120,10 @@ def test_an_eagle3_draft_is_restored_from_the_residual_streams_of_its_auxiliary_
             expected = next(s[layer][start:end] for prompt, s in streams.items()
                             if list(prompt[start:end]) == trailer["token_ids"])
             torch.testing.assert_close(rows, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_chunks_stored_without_an_eagle3_drafts_rows_are_left_to_vllm(eagle3_runs: dict[str, Any]) -> None:
+    """The scheduler's lookup asks each chunk for the residual streams at the auxiliary layers vLLM's config
+    names (here the draft's `eagle_config`): chunks stored without them are not counted (before, they were,
+    and each restore ended at its start, its loads wasted)."""
+    check_left_to_vllm(eagle3_runs)

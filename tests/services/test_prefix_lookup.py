@@ -79,8 +79,23 @@ def test_with_output_rows_a_chunk_counts_only_if_its_output_rows_are_stored():
         store.put(boundary_name(key, STAGES[-1].stop, OUTPUT_KIND), b"h")
     store.put(boundary_name(keys[3], STAGES[-1].stop), b"h")
 
-    def lookup(output_rows: bool) -> int:
+    def lookup(draft_rows: list[tuple[int, str]]) -> int:
         return cached_prefix_tokens(PROMPT, fingerprint="fp", tenant="t", chunk_size=CHUNK, stage_layers=STAGES,
-                                    store=store, limit=len(PROMPT), output_rows=output_rows)
+                                    store=store, limit=len(PROMPT), draft_rows=draft_rows)
 
-    assert lookup(True) == 3 * CHUNK and lookup(False) == WHOLE * CHUNK
+    assert lookup([(STAGES[-1].stop, OUTPUT_KIND)]) == 3 * CHUNK and lookup([]) == WHOLE * CHUNK
+
+
+def test_with_an_eagle3_drafts_rows_a_chunk_counts_only_if_each_auxiliary_layers_rows_are_stored():
+    """An EAGLE-3 draft's restore needs each chunk's boundary activations entering every auxiliary layer."""
+    from cacheflow_common.restore.boundary import BOUNDARY_KIND, boundary_name
+
+    store = _store({(i, s) for i in range(WHOLE + 1) for s in range(len(STAGES))})
+    keys = chunk_keys(PROMPT, CHUNK, tenant_salt("fp", "t"))
+    aux = [(0, BOUNDARY_KIND), (2, BOUNDARY_KIND)]
+    for i, key in enumerate(keys[:4]):
+        for layer, kind in aux[: 1 if i == 2 else 2]:  # chunk 2 lacks layer 2's
+            store.put(boundary_name(key, layer, kind), b"h")
+    found = cached_prefix_tokens(PROMPT, fingerprint="fp", tenant="t", chunk_size=CHUNK, stage_layers=STAGES,
+                                 store=store, limit=len(PROMPT), draft_rows=aux)
+    assert found == 2 * CHUNK

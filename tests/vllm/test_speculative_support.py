@@ -18,6 +18,7 @@ from cacheflow_services.vllm_connector.support import (
     KV_FREE_DRAFTS,
     draft_reads_output,
     draft_reads_rows,
+    draft_sources,
     restores_draft,
     unsupported,
 )
@@ -77,3 +78,18 @@ def test_mtp_layers_with_proposers_of_their_own_make_the_connector_step_aside(mt
 
 def test_no_speculative_decoding_is_served() -> None:
     assert unsupported(vllm_config(None), "unused", "vllm") == ""
+
+
+@pytest.mark.parametrize(("method", "hf_config", "sources"), [
+    ("eagle", {}, [(12, "output")]), ("mtp", {}, [(12, "output")]), ("draft_model", {}, []),
+    ("eagle3", {}, [(2, "hidden"), (6, "hidden"), (9, "hidden")]),  # vLLM's default: 2, L // 2, L - 3
+    ("eagle3", {"eagle_aux_hidden_state_layer_ids": [5, 1, 10]}, [(1, "hidden"), (5, "hidden"), (10, "hidden")]),
+    ("eagle3", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3]}}, [(0, "hidden"), (3, "hidden")])])
+def test_the_rows_a_chunk_needs_for_a_restored_draft_are_those_the_draft_reads(
+        method: str, hf_config: dict[str, Any], sources: list[tuple[int, str]]) -> None:
+    """What the scheduler's lookup asks each chunk for (12 layers): an EAGLE or MTP draft's output rows; an
+    EAGLE-3 draft's boundary activations at the auxiliary layers vLLM's runner picks (its draft config's, else
+    the model's default), in layer order; a draft model's none."""
+    config = vllm_config(method)
+    config.speculative_config.draft_model_config.hf_config = SimpleNamespace(**hf_config)
+    assert draft_sources(config, 12) == sources

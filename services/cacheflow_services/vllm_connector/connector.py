@@ -56,11 +56,10 @@ from cacheflow_services.vllm_connector.plan import Keying, LoadSpec, PromptRows,
 from cacheflow_services.vllm_connector.support import (
     OnceLog,
     declined,
-    draft_reads_output,
     draft_reads_rows,
+    draft_sources,
     model_dir,
     request_keying,
-    restores_draft,
     unsupported,
     unsupported_cache,
 )
@@ -113,12 +112,8 @@ class CacheFlowConnector(KVConnectorBase_V1):
         self._captured = (pipeline or draft_reads_rows(vllm_config)) and self.cfg.save
         # Restores have their meeting point planned before they start under tensor parallelism (a rank's forward
         # needs every other rank's in lockstep: planned_split.py).
-        tensor_parallel = vllm_config.parallel_config.tensor_parallel_size > 1
-        if tensor_parallel:
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
             log.info("CacheFlow restores with a meeting point planned up front (tensor parallelism)")
-        # A draft rerun on tensor-parallel ranks runs its forwards in lockstep: restores run in the step
-        # (in the background each rank's loads end when they do: draft.py).
-        self._in_background = self.cfg.async_loads and not (tensor_parallel and restores_draft(vllm_config))
         self.inactive = self._resolve_model(model_config.revision) \
             or unsupported(vllm_config, self.cfg.model, self.cfg.runtime) or unsupported_cache(kv_cache_config)
         try:
@@ -170,7 +165,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
             return 0, False
         matched = self._plan.matched(request.request_id, list(request.prompt_token_ids or ()), num_computed_tokens,
                                      keying)
-        return matched, matched > 0 and self._in_background
+        return matched, matched > 0 and self.cfg.async_loads
 
     def _keying(self, request: Request) -> Keying | None:
         """How the request's chunks are keyed, or None where the connector leaves it to vLLM (said once per
@@ -193,7 +188,7 @@ class CacheFlowConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._plan is None or request.request_id in self._declined:
             return
-        if self._in_background:
+        if self.cfg.async_loads:
             self._plan.allocated_in_background(request.request_id, list(request.prompt_token_ids or ()),
                                                blocks.get_block_ids()[0], num_external_tokens)
         else:
@@ -473,10 +468,10 @@ def _scheduler_plan(cfg: ConnectorConfig, vllm_config: VllmConfig, layout: str) 
     def lookup(prompt: Any, limit: int, salt: str) -> int:
         """Tokens whose chunks every rank finds: the heads of each tensor-parallel rank, stored split as this
         instance's ranks split them or any other way, each later pipeline rank's boundary activations
-        (without them that rank's restore fails) and, for an EAGLE or MTP draft, the model's output rows."""
+        (without them that rank's restore fails) and the rows a restored draft reads (`draft_sources`)."""
         return cached_prefix_tokens(prompt, fingerprint=salted(fingerprint, salt), tenant=cfg.tenant,
                                     chunk_size=cfg.chunk_size, stage_layers=layers, store=store, limit=limit,
                                     kv_heads=kv_heads, head_split=split, boundaries=True,
-                                    output_rows=draft_reads_output(vllm_config))  # its draft's input
+                                    draft_rows=draft_sources(vllm_config, num_layers))  # its draft's input
 
     return SchedulerPlan(chunk_size=cfg.chunk_size, block_size=block_size, lookup=lookup, save=cfg.save)

@@ -25,9 +25,9 @@ and the target's rows, so a restored draft drafts exactly what it would have aft
 drafts never change the output (the target verifies them), only how many are accepted.
 
 Under tensor parallelism the draft's layers are split like the target's, so every rank runs the same draft
-forwards, in lockstep: the restores run in vLLM's step (not in the background, where each rank's loads end
-when they do), and the ranks agree on how far each restore's draft goes (the least any rank reached:
-`restore_drafts`) before any of them runs it.
+forwards, in lockstep: the ranks agree on how far each restore's draft goes (the least any rank reached:
+`restore_drafts`) before any of them runs it. A restore in the background (`planned_loads.py`) reruns its draft
+once its loads ended on every rank (each rank's end when they do: the ranks agree on that first).
 
 An MTP draft (`"method": "mtp"`: the model's own multi-token-prediction layers, e.g. MiMo's, GLM-4.5's) is fed
 by vLLM's EAGLE proposer the same way: the next token and the target's output row at each position, its layers

@@ -12,6 +12,12 @@ blocks, so ranks whose loads end at different steps still agree.
 Every load is reported exactly once: when its loads end, when vLLM finished the request meanwhile (its
 loads stop, nothing is recomputed), or when it runs past `timeout_s` (its loads stop, vLLM recomputes from
 the last chunk landed). The blocks are sealed before the report: vLLM may reuse them as soon as it reads it.
+
+With a draft whose KV restores rerun (`draft.py`), a restore's draft reruns once its loads ended, in `collect`,
+before it is reported. On tensor-parallel ranks those forwards run the ranks' collectives, so the ranks first
+agree which restores ended on every rank (a MIN over the group, at each `collect` while any is in flight: every
+rank calls it after every step, with the same restores in flight, in the order the step started them) and
+rerun the drafts of those alone, together; a restore that could not start stays listed, as ended, until then.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cacheflow_services.vllm_connector.async_loads import IDLE_SLICE_S
+from cacheflow_services.vllm_connector.draft import Restored
 from cacheflow_services.vllm_connector.plan import LoadSpec
 from cacheflow_services.vllm_connector.planned_split import RunningSplit, Split
 
@@ -34,13 +41,22 @@ class PlannedRestorer(Protocol):
                      ) -> list[RunningSplit | BaseException]: ...
     def split_done(self, spec: LoadSpec, done: Split, *, elapsed_s: float, asynchronous: bool) -> set[int]: ...
     def failed_load(self, spec: LoadSpec, exc: BaseException) -> set[int]: ...
+    @property
+    def drafts(self) -> bool: ...  # restores rerun a draft
+    def agree_min(self, values: list[int]) -> list[int]: ...  # each value's least over the tensor-parallel ranks
+    def rerun_drafts(self, restored: Sequence[Restored]) -> set[int]: ...  # the blocks vLLM must recompute
 
 
 @dataclass
 class _Running:
     spec: LoadSpec
-    split: RunningSplit
+    split: RunningSplit | None  # None: it could not start (a draft's restore, kept for the ranks' agreement)
     started_s: float
+    failed: frozenset[int] = frozenset()  # the blocks of one that could not start
+
+    @property
+    def ended(self) -> bool:
+        return self.split is None or self.split.loads.ended
 
 
 class PlannedLoads:
@@ -56,7 +72,11 @@ class PlannedLoads:
         started = time.perf_counter()
         for spec, split in zip(specs, self.restorer.start_splits(specs, on_loaded=self._notify), strict=True):
             if isinstance(split, BaseException):  # it never started (or the fronts failed, its loads stopped)
-                self._finished[spec.req_id] = self.restorer.failed_load(spec, split)  # vLLM recomputes it
+                failed = self.restorer.failed_load(spec, split)  # vLLM recomputes it
+                if self.restorer.drafts:  # reported when every rank's ended
+                    self._running[spec.req_id] = _Running(spec, None, started, frozenset(failed))
+                else:
+                    self._finished[spec.req_id] = failed
             else:
                 self._running[spec.req_id] = _Running(spec, split, started)
 
@@ -67,14 +87,28 @@ class PlannedLoads:
         if idle and self._running and not self._any_ended():
             with self._ended:
                 self._ended.wait_for(self._any_ended, timeout=IDLE_SLICE_S)
-        aborted, now = set(finished_requests), time.perf_counter()
-        for request_id, running in list(self._running.items()):
-            late = now - running.started_s > self.timeout_s
-            if request_id in aborted or late or running.split.loads.ended:
-                del self._running[request_id]
-                self._finished[request_id] = self._end(running, aborted=request_id in aborted, late=late)
+        aborted = set(finished_requests)
+        restored = []
+        for request_id, late in self._ending(aborted).items():
+            running = self._running.pop(request_id)
+            self._finished[request_id], end = self._end(running, aborted=request_id in aborted, late=late)
+            if self.restorer.drafts and request_id not in aborted:
+                split = running.split
+                restored.append(Restored(running.spec, split.job if split else None, split.kv if split else None, end))
+        failed = self.restorer.rerun_drafts(restored) if restored else set()  # before vLLM reads the blocks
         finished, self._finished = self._finished, {}
-        return set(finished), set().union(*finished.values())
+        return set(finished), failed.union(*finished.values())
+
+    def _ending(self, aborted: set[str]) -> dict[str, bool]:
+        """The restores to report now, each with whether it ran past its timeout: those whose loads ended, that
+        vLLM finished, or that are late; with a draft, those that did on every rank."""
+        now = time.perf_counter()
+        late = {request_id: now - running.started_s > self.timeout_s for request_id, running in self._running.items()}
+        ended = [int(request_id in aborted or late[request_id] or running.ended)
+                 for request_id, running in self._running.items()]
+        if self.restorer.drafts and ended:
+            ended = self.restorer.agree_min(ended)  # a collective: every rank, with as many values
+        return {request_id: late[request_id] for request_id, ok in zip(self._running, ended, strict=True) if ok}
 
     @property
     def in_flight(self) -> int:
@@ -83,18 +117,22 @@ class PlannedLoads:
     def close(self) -> None:
         """Stop every restore still loading (vLLM is shutting down)."""
         for running in self._running.values():
-            running.split.result(stop=True)
+            if running.split is not None:
+                running.split.result(stop=True)
         self._running.clear()
 
-    def _end(self, running: _Running, *, aborted: bool, late: bool) -> set[int]:
+    def _end(self, running: _Running, *, aborted: bool, late: bool) -> tuple[set[int], int]:
+        """The blocks vLLM must recompute, and where what the restore wrote ends."""
+        if running.split is None:
+            return set(running.failed), running.spec.start
         done = running.split.result(stop=aborted or late)
         if aborted:  # nobody reads the blocks
-            return set()
+            return set(), done.end
         return self.restorer.split_done(running.spec, done, elapsed_s=time.perf_counter() - running.started_s,
-                                        asynchronous=True)
+                                        asynchronous=True), done.end
 
     def _any_ended(self) -> bool:
-        return any(running.split.loads.ended for running in self._running.values())
+        return any(running.ended for running in self._running.values())
 
     def _notify(self) -> None:
         with self._ended:

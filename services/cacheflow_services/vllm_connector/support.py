@@ -39,6 +39,7 @@ from typing import Any
 
 from cacheflow_common.errors import ConfigError
 from cacheflow_common.model.config import ModelConfig
+from cacheflow_common.restore.boundary import BOUNDARY_KIND, OUTPUT_KIND
 from cacheflow_services.vllm_connector.model_identity import FP8, adapter_fingerprint
 from cacheflow_services.vllm_connector.plan import Adapter, Keying
 
@@ -116,6 +117,30 @@ def draft_reads_output(vllm_config: Any) -> bool:
     """Whether that draft reads the target's output rows (EAGLE, MTP), stored at one known place with the
     chunks (EAGLE-3's rows are at layers the model chooses)."""
     return restores_draft(vllm_config) in DRAFTS_FROM_OUTPUT
+
+
+def draft_sources(vllm_config: Any, num_layers: int) -> list[tuple[int, str]]:
+    """The rows, as stored beside each chunk (layer, kind), that the draft whose KV restores rerun reads: an
+    EAGLE or MTP draft's the model's output rows, at its layer count; an EAGLE-3 draft's the boundary
+    activations entering its auxiliary layers; a draft model's none."""
+    if draft_reads_output(vllm_config):
+        return [(num_layers, OUTPUT_KIND)]
+    if restores_draft(vllm_config) == "eagle3":
+        return [(layer, BOUNDARY_KIND) for layer in eagle3_aux_layers(vllm_config, num_layers)]
+    return []
+
+
+def eagle3_aux_layers(vllm_config: Any, num_layers: int) -> tuple[int, ...]:
+    """The layers whose entering residual streams an EAGLE-3 draft reads, in order, as vLLM 0.32's runner picks
+    them (`_setup_eagle3_aux_hidden_state_outputs`): the draft config's `eagle_aux_hidden_state_layer_ids` (or
+    its `eagle_config`'s), else the model's default, (2, L // 2, L - 3) but for the few model classes that
+    override it (the worker checks against the model's own: `WorkerEngine.check_aux_layers`)."""
+    hf_config = getattr(getattr(vllm_config.speculative_config, "draft_model_config", None), "hf_config", None)
+    ids = getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None)
+    eagle_config = getattr(hf_config, "eagle_config", None)
+    if not ids and isinstance(eagle_config, dict):
+        ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    return tuple(sorted(set(ids or (2, num_layers // 2, num_layers - 3))))
 
 
 def _unsupported_draft(vllm_config: Any, runtime: str) -> str:

@@ -41,7 +41,7 @@ from cacheflow_common.kv.keys import ChunkKey
 from cacheflow_common.model.config import ModelConfig
 from cacheflow_common.model.kv_buffer import KVBuffer
 from cacheflow_common.model.transformer import Transformer
-from cacheflow_common.restore.boundary import BOUNDARY_KIND, OUTPUT_KIND
+from cacheflow_common.restore.boundary import BOUNDARY_KIND
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.save import dtype_name, make_job
 from cacheflow_common.sched.policies import make_policy, usable_policy
@@ -87,7 +87,13 @@ from cacheflow_services.vllm_connector.ranks import (
 from cacheflow_services.vllm_connector.restorer import PREFILL_TOKENS, engine_settings
 from cacheflow_services.vllm_connector.runtime import Drafter, LoraManager, RuntimeChoice, VllmModel
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
-from cacheflow_services.vllm_connector.support import OnceLog, draft_reads_output, draft_reads_rows, restores_draft
+from cacheflow_services.vllm_connector.support import (
+    OnceLog,
+    draft_reads_output,
+    draft_reads_rows,
+    draft_sources,
+    restores_draft,
+)
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 log = logging.getLogger(__name__)
@@ -136,6 +142,8 @@ class WorkerEngine:
         self.drafts = bool(self.draft_method)  # restores rerun the draft (draft.py)
         self.draft_rows = vllm_config is not None and draft_reads_rows(vllm_config)  # over the target's rows too
         self.draft_output = vllm_config is not None and draft_reads_output(vllm_config)  # its output rows (EAGLE, MTP)
+        # the rows the scheduler's lookup asks each chunk for
+        self.draft_sources = draft_sources(vllm_config, self.config.num_layers) if self.draft_rows else []
         self._drafter = drafter
         self._draft: DraftPass | None = None  # at the first restore that reruns the draft
         self._once = OnceLog()
@@ -196,7 +204,7 @@ class WorkerEngine:
         rank's first layer; with an EAGLE or MTP draft the model's output rows, at its layer count; with an
         EAGLE-3 draft the boundary activations at each of its auxiliary layers."""
         if self.draft_output:
-            return [(self.config.num_layers, OUTPUT_KIND)]
+            return self.draft_sources
         if self.draft_method == "eagle3":
             return [(layer, BOUNDARY_KIND) for layer in aux_layers(self._vllm_model())]
         return [(self.layers.start, BOUNDARY_KIND)]
@@ -211,6 +219,16 @@ class WorkerEngine:
         """Hook the boundary capture into vLLM's model once it can be reached (ranks that store boundaries)."""
         if self.captures and not self.capture.attached and (module := self._vllm_model()) is not None:
             self.capture.attach(module, self._first_layer, output=self.draft_rows)
+            self._check_aux_layers(module)
+
+    def _check_aux_layers(self, module: Any) -> None:
+        """An EAGLE-3 draft's rows are stored at the layers vLLM's model returns them for, which the scheduler's
+        lookup reads from vLLM's config (`eagle3_aux_layers`); where the model overrides that choice, the lookup
+        finds no chunk (nothing is restored, nothing wrong)."""
+        looked_up = [layer for layer, _ in self.draft_sources]
+        if self.draft_method == "eagle3" and (own := aux_layers(module)) != looked_up:
+            log.warning("vLLM's model returns the residual streams entering layers %s for its EAGLE-3 draft, not %s as "
+                        "CacheFlow's lookup reads from its config: no chunk will be found to restore", own, looked_up)
 
     def finished(self, req_ids: Sequence[str]) -> None:
         for req_id in req_ids:
@@ -292,7 +310,7 @@ class WorkerEngine:
             done = running.result()
             failed |= self.split_done(spec, done, elapsed_s=time.perf_counter() - started, asynchronous=False)
             restored.append(Restored(spec, running.job, running.kv, done.end))
-        return failed | self._restore_drafts(restored) if self.drafts else failed
+        return failed | self.rerun_drafts(restored) if self.drafts else failed
 
     def start_splits(self, specs: Sequence[LoadSpec], *, on_loaded: Callable[[], None] = lambda: None
                      ) -> list[RunningSplit | BaseException]:
@@ -322,7 +340,7 @@ class WorkerEngine:
         """Whether `ok` holds on every tensor-parallel rank of this pipeline rank (with none, this one's)."""
         return ok if self.tp_rank is None else tensor_parallel_agree(ok)
 
-    def _agree_min(self, values: list[int]) -> list[int]:
+    def agree_min(self, values: list[int]) -> list[int]:
         """Each of `values` at its least over the tensor-parallel ranks (with none, this one's)."""
         return values if self.tp_rank is None else tensor_parallel_min(values)
 
@@ -412,14 +430,14 @@ class WorkerEngine:
         failed = self._after_misses(spec, job, result)
         if self.drafts and isinstance(result.kv, BlockKV):
             end = restored_end(spec, failed, self.block_size)
-            failed |= self._restore_drafts([Restored(spec, job, result.kv, end)])
+            failed |= self.rerun_drafts([Restored(spec, job, result.kv, end)])
         return failed
 
-    def _restore_drafts(self, restored: Sequence[Restored]) -> set[int]:
+    def rerun_drafts(self, restored: Sequence[Restored]) -> set[int]:
         """Rerun the draft over what each restore wrote (draft.py); the blocks vLLM must recompute (from where a
         draft stopped: a chunk without the rows an EAGLE or MTP draft reads, or a draft that could not run)."""
         try:
-            reached = restore_drafts(restored, self._draft_pass, self.store, agree=self._agree_min,
+            reached = restore_drafts(restored, self._draft_pass, self.store, agree=self.agree_min,
                                      event=self.stats.event)
         except Exception as exc:  # a forward that failed: vLLM recomputes all of it
             return set().union(*(self.failed_load(r.spec, exc) for r in restored))
