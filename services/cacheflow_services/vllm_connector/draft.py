@@ -18,11 +18,10 @@ the rows stored with them, which the saving side captures from vLLM's own forwar
 boundary activations entering each auxiliary layer (the objects a pipeline rank starting there restores from).
 
 A chunk stored without its rows (by an instance without the draft) cannot give the draft its KV: the restore
-ends before it, and vLLM computes the rest (target and draft); with EAGLE the scheduler's lookup does not count
-such a chunk at all (its rows are at one known place; EAGLE-3's layers are the model's choice, known to the
-workers only). Draft KV is a function of the tokens
-and the target's rows, so a restored draft drafts exactly what it would have after vLLM's own prefill; its
-drafts never change the output (the target verifies them), only how many are accepted.
+ends before it, and vLLM computes the rest (target and draft); the scheduler's lookup does not count such a chunk
+at all (`support.draft_sources`: EAGLE-3's layers as vLLM's config names them). Draft KV is a function of the
+tokens and the target's rows, so a restored draft drafts exactly what it would have after vLLM's own prefill;
+its drafts never change the output (the target verifies them), only how many are accepted.
 
 Under tensor parallelism the draft's layers are split like the target's, so every rank runs the same draft
 forwards, in lockstep: the ranks agree on how far each restore's draft goes (the least any rank reached:
