@@ -24,7 +24,8 @@ COMMANDS = {"restore_single": "cacheflow bench restore", "storage": "cacheflow b
             "sched_scale": "cacheflow bench sched-scale", "chaos": "cacheflow bench chaos",
             "vllm": "cacheflow bench vllm", "vllm_memory": "python -m cacheflow_bench.vllm_memory",
             "vllm_stall": "cacheflow bench vllm-stall", "vllm_eagle": "cacheflow bench vllm-eagle",
-            "vllm_draft_model": "cacheflow bench vllm-eagle --draft draft_model"}
+            "vllm_draft_model": "cacheflow bench vllm-eagle --draft draft_model",
+            "vllm_stall_eagle": "cacheflow bench vllm-stall --draft eagle"}
 Results = dict[str, dict[str, Any]]
 
 
@@ -300,8 +301,9 @@ def vllm_stall_row(r: Row) -> tuple[str, str]:
         parts.append(f"TP {tp}: longest gap **{stall['background']} s** in the background, {stall['in-step']} s in "
                      f"vLLM's step, {stall['vllm']} s without the connector; the restored request's TTFT "
                      f"{ttft['background']} / {ttft['in-step']} / {ttft['vllm']} s")
+    draft = f", every process drafting with a random one-layer {r.body['draft']} draft" if r.body.get("draft") else ""
     headline = (f"{r.body['decoders']} requests decoding when a {r.body['prefix_tokens']}-token cached prefix "
-                f"arrives (Tio/Tcomp = 1): " + "; ".join(parts))
+                f"arrives (Tio/Tcomp = 1){draft}: " + "; ".join(parts))
     return headline, target
 
 
@@ -333,6 +335,7 @@ ROWS: tuple[tuple[str, str, Callable[[Row], tuple[str, str]]], ...] = (
     ("vllm", "vLLM with the connector", vllm_row),
     ("vllm_memory", "vLLM memory with the connector", vllm_memory_row),
     ("vllm_stall", "a restore beside decoding requests, vLLM", vllm_stall_row),
+    ("vllm_stall_eagle", "a restore beside decoding requests with an EAGLE draft, vLLM", vllm_stall_row),
     ("vllm_eagle", "an EAGLE draft in a restore, vLLM", vllm_eagle_row),
     ("vllm_draft_model", "a draft model in a restore, vLLM", vllm_eagle_row),
 )

@@ -89,7 +89,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return list(out["results"])
 
     bench.start_pod()
-    for tp in args.tp:  # chunks as each TP size stores them
+    # the largest TP size stores first: a smaller one then finds its chunks and stores none, and reads exactly its
+    # heads from them (the other way round, each rank of the larger one reads whole objects: twice the bytes)
+    for tp in sorted(args.tp, reverse=True):
         run_column(tp, "save", bench.connector())
     columns: dict[int, dict[str, Any]] = {tp: {"vllm": measure(run_column(tp, "vllm", None), batches)}
                                           for tp in args.tp}
