@@ -27,6 +27,7 @@ COMMANDS = {"restore_single": "cacheflow bench restore", "storage": "cacheflow b
             "vllm_draft_model": "cacheflow bench vllm-eagle --draft draft_model",
             "vllm_stall_eagle": "cacheflow bench vllm-stall --draft eagle"}
 Results = dict[str, dict[str, Any]]
+DRAFT_NAMES = {"eagle": "EAGLE draft", "draft_model": "draft model"}  # a speculative method's draft, in words
 
 
 def num(x: float) -> str:
@@ -289,6 +290,11 @@ def _over_reference(over: dict[str, float] | None) -> str:
     return f", {_percent(over['trimmed_rss_bytes'])} over vLLM with its reference connector" if over else ""
 
 
+def drafting(body: dict[str, Any]) -> str:
+    """How a vllm-stall result's processes drafted, as a clause ("" without a draft)."""
+    return f", every process drafting with a random one-layer {DRAFT_NAMES[body['draft']]}" if body.get("draft") else ""
+
+
 def vllm_stall_row(r: Row) -> tuple[str, str]:
     target = "the decoders stall less than with the restore in vLLM's step"
     columns = r.body.get("columns", {})
@@ -301,9 +307,8 @@ def vllm_stall_row(r: Row) -> tuple[str, str]:
         parts.append(f"TP {tp}: longest gap **{stall['background']} s** in the background, {stall['in-step']} s in "
                      f"vLLM's step, {stall['vllm']} s without the connector; the restored request's TTFT "
                      f"{ttft['background']} / {ttft['in-step']} / {ttft['vllm']} s")
-    draft = f", every process drafting with a random one-layer {r.body['draft']} draft" if r.body.get("draft") else ""
     headline = (f"{r.body['decoders']} requests decoding when a {r.body['prefix_tokens']}-token cached prefix "
-                f"arrives (Tio/Tcomp = 1){draft}: " + "; ".join(parts))
+                f"arrives (Tio/Tcomp = 1){drafting(r.body)}: " + "; ".join(parts))
     return headline, target
 
 

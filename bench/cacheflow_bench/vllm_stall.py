@@ -41,6 +41,7 @@ from cacheflow_bench.common import (
     provenance,
     publish,
 )
+from cacheflow_bench.readme_table import drafting
 from cacheflow_bench.vllm import BLOCK, SUFFIX, VOCAB, Bench, kv_bytes, require_vllm
 from cacheflow_bench.vllm_compat_cell import drive
 from cacheflow_bench.vllm_eagle import DRAFT_TOKENS, DRAFTS, save_draft
@@ -156,11 +157,10 @@ def report(body: dict[str, Any]) -> str:
               "first token = vLLM's"]
     rows = [[tp, name, f"{row['stall_s']:.3f}", f"{row['median_gap_s']:.3f}", f"{row['late_ttft_s']:.3f}",
              row["next_token_matches"]] for tp, by_name in body["columns"].items() for name, row in by_name.items()]
-    draft = f", every process drafting with a random one-layer {body['draft']} draft" if body.get("draft") else ""
     return (f"# A restore beside decoding requests (vLLM on CPU)\n\n`{body['command']}`\n\n"
             f"{body['decoders']} requests decoding {body['decode_tokens']} tokens; a {body['prefix_tokens']}-token "
             f"cached prefix arrives once each has {body['late_after_tokens']}; link emulated at "
-            f"{body['rate_gbps']:.3f} Gbit/s; medians of {body['repeats']} batches{draft}.\n\n"
+            f"{body['rate_gbps']:.3f} Gbit/s; medians of {body['repeats']} batches{drafting(body)}.\n\n"
             + markdown_table(header, rows) + "\n\n" + "\n".join(f"- {k}: {v:.3f}" if isinstance(v, float)
                                                                 else f"- {k}: {v}" for k, v in body["summary"].items())
             + "\n")
