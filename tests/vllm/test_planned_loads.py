@@ -251,3 +251,14 @@ def test_with_a_draft_a_request_vllm_finished_reruns_no_draft(model):
     assert loads.collect(["r"], idle=False) == ({"r"}, set())
     store.gate.set()
     assert not restorer.reruns
+
+
+def test_with_a_draft_a_restore_that_could_not_start_and_that_vllm_finished_reports_no_blocks(model):
+    """Its blocks may be another request's by then."""
+    restorer, _store, loads, spec, _ = _rig(model)
+    restorer.drafts, restorer.cannot_start = True, {"r"}
+    restorer.other_rank = [0]  # it started on the other rank
+    loads.start([spec])
+    assert loads.collect([], idle=False) == (set(), set())
+    restorer.other_rank = [1]
+    assert loads.collect(["r"], idle=False) == ({"r"}, set()) and not restorer.reruns

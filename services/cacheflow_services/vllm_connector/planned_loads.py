@@ -123,11 +123,11 @@ class PlannedLoads:
 
     def _end(self, running: _Running, *, aborted: bool, late: bool) -> tuple[set[int], int]:
         """The blocks vLLM must recompute, and where what the restore wrote ends."""
-        if running.split is None:
+        done = running.split.result(stop=aborted or late) if running.split is not None else None
+        if aborted:  # nobody reads the blocks (vLLM may have handed them to another request)
+            return set(), running.spec.start
+        if done is None:
             return set(running.failed), running.spec.start
-        done = running.split.result(stop=aborted or late)
-        if aborted:  # nobody reads the blocks
-            return set(), done.end
         return self.restorer.split_done(running.spec, done, elapsed_s=time.perf_counter() - running.started_s,
                                         asynchronous=True), done.end
 
