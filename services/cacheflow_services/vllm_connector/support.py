@@ -134,7 +134,7 @@ def eagle3_aux_layers(vllm_config: Any, num_layers: int) -> tuple[int, ...]:
     """The layers whose entering residual streams an EAGLE-3 draft reads, in order, as vLLM 0.32's runner picks
     them (`_setup_eagle3_aux_hidden_state_outputs`): the draft config's `eagle_aux_hidden_state_layer_ids` (or
     its `eagle_config`'s), else the model's default, (2, L // 2, L - 3) but for the few model classes that
-    override it (the worker checks against the model's own: `WorkerEngine.check_aux_layers`)."""
+    override it (the worker warns where the model picks others: `WorkerEngine._check_aux_layers`)."""
     hf_config = getattr(getattr(vllm_config.speculative_config, "draft_model_config", None), "hf_config", None)
     ids = getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None)
     eagle_config = getattr(hf_config, "eagle_config", None)
