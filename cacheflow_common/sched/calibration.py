@@ -25,9 +25,16 @@ class Calibration:
 
     def load_landed(self, load: InFlightLoad, now: float | None) -> None:
         """`load` landed at `now` (None: the caller keeps no clock, nothing is learned)."""
-        if now is not None and load.predicted_s > 0:
-            measured = (now - load.started_s) / load.predicted_s * self.load_scale
-            self.load_scale += CALIBRATION_WEIGHT * (measured - self.load_scale)
+        if now is not None and load.predicted_s > 0:  # its prediction was calibrated: undo that
+            self._learn_load_scale((now - load.started_s) / load.predicted_s * self.load_scale)
+
+    def loads_measured(self, predicted_s: float, measured_s: float) -> None:
+        """Loads the cost model predicted (uncalibrated) would take `predicted_s` took `measured_s`."""
+        if predicted_s > 0:
+            self._learn_load_scale(measured_s / predicted_s)
+
+    def _learn_load_scale(self, measured: float) -> None:
+        self.load_scale += CALIBRATION_WEIGHT * (measured - self.load_scale)
 
     def step_done(self, stage: int, seconds: float) -> None:
         """A compute step of `stage` took `seconds`: what the next one is expected to take."""

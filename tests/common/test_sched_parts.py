@@ -21,6 +21,19 @@ def test_loads_slower_than_predicted_scale_later_predictions_up_by_the_weight():
     calibration.load_landed(InFlightLoad(channel=0, started_s=1.0, predicted_s=1.0), 3.0)  # took 2x
     assert calibration.load_scale == pytest.approx(1 + CALIBRATION_WEIGHT)
 
+    calibration.load_landed(InFlightLoad(channel=0, started_s=0.0, predicted_s=1 + CALIBRATION_WEIGHT), 2.0)
+    scale = 1 + CALIBRATION_WEIGHT
+    assert calibration.load_scale == pytest.approx(scale + CALIBRATION_WEIGHT * (2 - scale))  # 2x its uncalibrated 1 s
+
+
+def test_loads_measured_against_an_uncalibrated_prediction_teach_the_same_scale():
+    calibration = Calibration()
+    calibration.loads_measured(0.0, 5.0)  # nothing predicted: nothing learned
+    calibration.loads_measured(1.0, 2.0)
+    calibration.loads_measured(1.0, 2.0)
+    scale = 1 + CALIBRATION_WEIGHT
+    assert calibration.load_scale == pytest.approx(scale + CALIBRATION_WEIGHT * (2 - scale))
+
 
 def test_the_first_step_is_taken_as_measured_then_averaged():
     calibration = Calibration()

@@ -24,12 +24,16 @@ from cacheflow_common.restore.loader import KVLoader, staging_buffer
 from cacheflow_common.restore.save import make_job, save_prefix
 from cacheflow_common.sched.policies import POLICIES
 from cacheflow_common.store.memory import MemoryStore
+from cacheflow_common.store.shaped import ShapedStore
+from cacheflow_common.transport.shaping import TokenBucket
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.paged import LAYOUTS, gather
 from cacheflow_services.vllm_connector.planned_split import (
     SplitPlan,
+    chunk_load_times,
     front_forwards,
     front_inputs,
+    latest_fronts,
     planned_front,
     restore_split,
 )
@@ -51,7 +55,8 @@ def _job(model, n_tokens: int):
 
 
 def _front(job, policy: str, *, start: int = 0, costs=TINY_COSTS, kv_bytes: int = KV_BYTES) -> int:
-    return planned_front(job, start=start, costs=costs, policy=POLICIES[policy], kv_bytes=kv_bytes)
+    load_s = chunk_load_times(job, costs, kv_bytes) if costs is not None else []
+    return planned_front(job, start=start, costs=costs, policy=POLICIES[policy], load_s=load_s)
 
 
 def test_the_front_is_the_split_that_ends_first_or_what_the_policy_fixes(model):
@@ -67,6 +72,33 @@ def test_the_front_is_the_split_that_ends_first_or_what_the_policy_fixes(model):
     held = _front(job, "compute-only", start=3 * CHUNK + BS)
     assert held == 8 * CHUNK  # vLLM holds a prefix: the split is over the chunks from it on
     assert _front(job, "cacheflow", start=8 * CHUNK) == 8 * CHUNK
+
+
+def test_ranks_take_the_latest_front_any_of_them_planned(model):
+    job = _job(model, 8 * CHUNK)
+    kv = _blocks(model, 8 * CHUNK, 0)[0]
+    mine: list[SplitPlan | BaseException] = [SplitPlan(job, kv, 0, 2 * CHUNK), ValueError("no plan"),
+                                             SplitPlan(job, kv, CHUNK, 5 * CHUNK)]
+    others = [-4 * CHUNK, -3 * CHUNK, -CHUNK]  # the other rank's fronts, negated (a MIN over the ranks)
+    agreed = latest_fronts(mine, lambda values: [min(a, b) for a, b in zip(values, others, strict=True)])
+    assert [plan.front if isinstance(plan, SplitPlan) else plan for plan in agreed] == [4 * CHUNK, mine[1], 5 * CHUNK]
+
+
+def test_a_splits_loads_are_timed_and_set_against_the_loaded_chunks_predictions(model):
+    n, rate = 6 * CHUNK, 2e6  # bytes per second: each chunk's read takes a few milliseconds
+    job, raw = _job(model, n), MemoryStore()
+    save_prefix(model, job, raw)
+    raw.delete(object_name(job.keys[4], "kv", 0, model.config.num_layers))
+    store = ShapedStore(raw, TokenBucket(rate, burst_bytes=0))
+    predicted = [0.001 * (unit + 1) for unit in range(len(job.keys))]
+    done = restore_split(job, store, _blocks(model, n, CHUNK)[0], None, start=CHUNK, front=CHUNK,
+                         prefill_tokens=2048, load_s=predicted)
+    assert (done.loaded, done.miss) == (3, "absent")  # chunks 1, 2, 3
+    assert done.predicted_load_s == pytest.approx(sum(predicted[1:4]))
+    assert done.load_s >= done.bytes_read / rate * 0.99  # no sooner than the link lets them land
+    unpredicted = restore_split(job, store, _blocks(model, n, CHUNK)[0], None, start=CHUNK, front=CHUNK,
+                                prefill_tokens=2048)
+    assert unpredicted.predicted_load_s == 0.0 and unpredicted.load_s > 0
 
 
 def _blocks(model, n_tokens: int, start: int, layout: str = "split", fill: float = 0.0

@@ -161,6 +161,7 @@ def test_tensor_parallel_ranks_restore_their_own_heads(cluster: dict[str, Any]) 
     assert all(not e["misses"] and e["written"] == e["tokens"] for e in restores)
     assert all(e["asynchronous"] for e in restores)  # the back loaded while vLLM stepped on (planned_loads.py)
     assert all(e["batch"] == len(cluster["prompts"]) for e in restores)  # started in one step, fronts together
+    assert all(e["load_s"] > 0 and e["predicted_load_s"] > 0 for e in restores)  # each rank's loads timed, learnt
 
 
 def test_tensor_parallel_sizes_share_chunks(cluster: dict[str, Any]) -> None:

@@ -5,7 +5,9 @@ same forwards, of the same sizes, in the same order. The two-pointer restore dec
 as loads land, differently on each rank, and a rank that computed one unit more would wait forever on the
 others. So a tensor-parallel rank plans its meeting point up front from what every rank knows alike (the
 prefix's chunks, the profile's costs, the policy): the split that ends first by the bound's formula
-(`best_split`). It recomputes the chunks before it with vLLM's model, in forwards of at most
+(`best_split`), its loads' predicted times scaled by what this rank's loads measured (`planned_loads_measured`);
+where the ranks' measurements differ, they agree on the latest meeting point, which the slowest rank's
+loads need (the worker's `agree_min`). It recomputes the chunks before it with vLLM's model, in forwards of at most
 `prefill_tokens`, while a thread loads the chunks from it on (its own slice of the KV heads, keyed by its
 rank). Restores that start in one step recompute their fronts together: each forward takes the next slice of
 every front, in the step's order, up to `prefill_tokens` in all (`front_forwards`), so a step with several
@@ -25,6 +27,7 @@ Without a profile there is no cost to plan with, and where nothing may recompute
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -49,6 +52,7 @@ class SplitPlan(NamedTuple):
     kv: BlockKV
     start: int
     front: int
+    load_s: Sequence[float] = ()  # each of the job's chunks' predicted load seconds, uncalibrated (none: unknown)
 
 
 class Split(NamedTuple):
@@ -58,29 +62,49 @@ class Split(NamedTuple):
     bytes_read: int
     miss: str  # why the chunk at `end` missed, or "" (all restored)
     batch: int = 1  # restores started together (their fronts shared forwards)
+    load_s: float = 0.0  # measured: from the loads' start until the last chunk loaded landed
+    predicted_load_s: float = 0.0  # the chunks loaded, as their plan predicted them (0: no prediction)
 
 
-def planned_front(job: RestoreJob, *, start: int, costs: CostModel | None, policy: Policy, kv_bytes: int) -> int:
+def chunk_load_times(job: RestoreJob, costs: CostModel, kv_bytes: int) -> list[float]:
+    """Each of the job's chunks' predicted load seconds (`kv_bytes`: one token's KV in one layer, as stored)."""
+    return [costs.chunk_load_s(key.n_tokens * len(job.layers) * kv_bytes) for key in job.keys]
+
+
+def planned_front(job: RestoreJob, *, start: int, costs: CostModel | None, policy: Policy,
+                  load_s: Sequence[float]) -> int:
     """The position the loads start from: chunks before it are recomputed, the others loaded (a policy that
-    fixes the split fixes it here too). `start`: the first position vLLM does not hold; `kv_bytes`: one
-    token's KV in one layer, as stored."""
-    units = [key for key in job.keys if key.token_end > start]
-    if not units or costs is None or not policy.computes_pending:
+    fixes the split fixes it here too). `start`: the first position vLLM does not hold; `load_s`: each of the
+    job's chunks' load seconds, as expected (`chunk_load_times`, calibrated)."""
+    if costs is None or not policy.computes_pending:
+        return start
+    units = [(key, seconds) for key, seconds in zip(job.keys, load_s, strict=True) if key.token_end > start]
+    if not units:
         return start
     if not policy.loads:
-        return units[-1].token_end
+        return units[-1][0].token_end
     n_layers = len(job.layers)
-    compute_s = [chunk_costs(costs, max(key.token_start, start), key.token_end, n_layers)[0] for key in units]
-    load_s = [costs.chunk_load_s(key.n_tokens * n_layers * kv_bytes) for key in units]
-    k, _ = best_split(compute_s, load_s)
-    return units[k - 1].token_end if k else start
+    compute_s = [chunk_costs(costs, max(key.token_start, start), key.token_end, n_layers)[0] for key, _ in units]
+    k, _ = best_split(compute_s, [seconds for _, seconds in units])
+    return units[k - 1][0].token_end if k else start
+
+
+def latest_fronts(plans: Sequence[SplitPlan | BaseException], agree_min: Callable[[list[int]], list[int]]
+                  ) -> list[SplitPlan | BaseException]:
+    """The plans with each one's latest front over the tensor-parallel ranks (`agree_min`: a MIN over them): each
+    rank's fronts follow its own loads' measurements, and the slowest rank's loads need the latest. Every rank
+    calls it with the same restores, in the same order (a plan that failed to be made counts for none)."""
+    latest = agree_min([-plan.front if isinstance(plan, SplitPlan) else 0 for plan in plans])
+    return [plan._replace(front=-front) if isinstance(plan, SplitPlan) else plan
+            for plan, front in zip(plans, latest, strict=True)]
 
 
 def restore_split(job: RestoreJob, store: ChunkStore, kv: BlockKV, model: VllmRuntime | None, *, start: int,
-                  front: int, prefill_tokens: int) -> Split:
+                  front: int, prefill_tokens: int, load_s: Sequence[float] = ()) -> Split:
     """Recompute positions [start, front) with vLLM's `model` while a thread loads the job's chunks from
-    `front` on, in order, until one misses (each written into the blocks as it lands); returns once both end."""
-    [running] = start_splits([SplitPlan(job, kv, start, front)], store, model, prefill_tokens=prefill_tokens)
+    `front` on, in order, until one misses (each written into the blocks as it lands); returns once both end.
+    `load_s`: each chunk's predicted load seconds, as `SplitPlan`'s."""
+    [running] = start_splits([SplitPlan(job, kv, start, front, load_s)], store, model, prefill_tokens=prefill_tokens)
     running.join()
     return running.result()
 
@@ -105,7 +129,7 @@ def start_splits(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRunti
             plan.kv.seal()
         raise
     return [RunningSplit(plan.job, plan.kv, back, _chunks_between(plan.job, plan.start, plan.front),
-                         max(plan.start, plan.front), batch=len(plans))
+                         max(plan.start, plan.front), batch=len(plans), predicted_s=plan.load_s)
             for plan, back in zip(plans, loads, strict=True)]
 
 
@@ -116,6 +140,7 @@ class BackLoads:
         self.loader = loader
         self.units = units
         self.reasons: list[str] = []  # each chunk's miss reason ("": loaded), in order, up to the first miss
+        self.landed_s: list[float] = []  # when each of `reasons` was known, in seconds from the loads' start
         self._stopped = threading.Event()
         self._ended = threading.Event()
         self._on_loaded = on_loaded
@@ -123,11 +148,14 @@ class BackLoads:
         self._thread.start()
 
     def _run(self) -> None:
+        started = time.perf_counter()
         try:
             for unit in self.units:
                 if self._stopped.is_set():
                     return
-                self.reasons.append(self.loader.load_chunk(unit))
+                reason = self.loader.load_chunk(unit)
+                self.landed_s.append(time.perf_counter() - started)  # before `reasons`: read after it
+                self.reasons.append(reason)
                 if self.reasons[-1]:
                     return
         finally:
@@ -151,13 +179,14 @@ class RunningSplit:
     """A planned restore whose front is in the blocks and whose back may still be loading."""
 
     def __init__(self, job: RestoreJob, kv: BlockKV, loads: BackLoads, computed: int, front: int, *,
-                 batch: int = 1) -> None:
+                 batch: int = 1, predicted_s: Sequence[float] = ()) -> None:
         self.job = job
         self.kv = kv
         self.loads = loads
         self.computed = computed
         self.front = front  # the back's loads start here
         self.batch = batch  # restores started with it
+        self.predicted_s = predicted_s  # each of the job's chunks' predicted load seconds (none: unknown)
 
     def join(self) -> None:
         self.loads.join()
@@ -174,7 +203,9 @@ class RunningSplit:
         units = self.loads.units
         end = self.job.keys[units[len(hits) - 1]].token_end if hits else self.front
         miss = reasons[-1] if reasons and reasons[-1] else ("stopped" if len(hits) < len(units) else "")
-        return Split(end, self.computed, len(hits), self.loads.loader.bytes_read, miss, self.batch)
+        load_s = self.loads.landed_s[len(hits) - 1] if hits else 0.0
+        predicted = sum(self.predicted_s[unit] for unit in units[: len(hits)]) if self.predicted_s else 0.0
+        return Split(end, self.computed, len(hits), self.loads.loader.bytes_read, miss, self.batch, load_s, predicted)
 
 
 def front_forwards(fronts: Sequence[tuple[int, int]], prefill_tokens: int) -> list[list[tuple[int, int, int]]]:

@@ -44,6 +44,7 @@ from cacheflow_common.model.transformer import Transformer
 from cacheflow_common.restore.boundary import BOUNDARY_KIND
 from cacheflow_common.restore.profile import Profile
 from cacheflow_common.restore.save import dtype_name, make_job
+from cacheflow_common.sched.calibration import Calibration
 from cacheflow_common.sched.policies import make_policy, usable_policy
 from cacheflow_common.transport.shaping import gbps
 from cacheflow_services.vllm_connector.async_loads import AsyncLoads
@@ -74,6 +75,8 @@ from cacheflow_services.vllm_connector.planned_split import (
     RunningSplit,
     Split,
     SplitPlan,
+    chunk_load_times,
+    latest_fronts,
     planned_front,
     start_splits,
 )
@@ -156,6 +159,7 @@ class WorkerEngine:
         self.capture = BoundaryCapture(step_slots)  # the hidden state entering layer a (ranks with a > 0 that save)
         self._first_layer = ""  # the name of the rank's first attention layer, set at `register`
         self.policy, self.link = connector_policy(cfg, self.profile)  # the link: bytes/s, if known
+        self.load_calibration = Calibration()  # planned restores' measured / predicted load times (planned_split.py)
         self.attention_isa = attention_isa if cfg.attention == "vllm" else ""
         self._engine: Engine | None = None  # started at the first restore
         self._async = AsyncLoads(self, timeout_s=cfg.restore_timeout_s) if cfg.async_loads else None
@@ -323,12 +327,16 @@ class WorkerEngine:
         for spec in specs:
             try:
                 job = self.job(spec)
+                load_s: list[float] = chunk_load_times(job, costs, model.kv_bytes_per_token_per_layer) \
+                    if costs and model else []
                 front = spec.start if spec.load_only or model is None else planned_front(
                     job, start=spec.start, costs=costs, policy=make_policy(self.policy),
-                    kv_bytes=model.kv_bytes_per_token_per_layer)
-                plans.append(SplitPlan(job, self._block_kv(spec, job), spec.start, front))
+                    load_s=[seconds * self.load_calibration.load_scale for seconds in load_s])
+                plans.append(SplitPlan(job, self._block_kv(spec, job), spec.start, front, load_s))
             except Exception as exc:
                 plans.append(exc)
+        if self.tp_rank is not None and costs is not None and model is not None:
+            plans = latest_fronts(plans, self.agree_min)  # each rank's follow its own loads' times
         try:
             running = iter(start_splits([p for p in plans if isinstance(p, SplitPlan)], self.store, model,
                                         prefill_tokens=PREFILL_TOKENS, on_loaded=on_loaded, agree=self._agree))
@@ -345,12 +353,15 @@ class WorkerEngine:
         return values if self.tp_rank is None else tensor_parallel_min(values)
 
     def split_done(self, spec: LoadSpec, done: Split, *, elapsed_s: float, asynchronous: bool) -> set[int]:
-        """Log a planned restore that ended; the blocks vLLM must recompute (from its first miss on)."""
+        """Log a planned restore that ended, learn from its loads' times; the blocks vLLM must recompute (from its
+        first miss on)."""
+        self.load_calibration.loads_measured(done.predicted_load_s, done.load_s)
         self.stats.event("restore", req=spec.req_id, tokens=len(spec.token_ids), written=done.end - spec.start,
                          policy=self.policy if done.computed else "load-only", mode="token",
                          computed=done.computed, loaded=done.loaded, misses={done.miss: 1} if done.miss else {},
                          bytes_loaded=done.bytes_read, batch=done.batch, elapsed_s=elapsed_s, runtime=self.runtime,
-                         asynchronous=asynchronous, attention="vllm", tp_rank=self.tp_rank,
+                         asynchronous=asynchronous, attention="vllm", tp_rank=self.tp_rank, load_s=done.load_s,
+                         predicted_load_s=done.predicted_load_s, load_scale=self.load_calibration.load_scale,
                          layers=[self.layers.start, self.layers.stop])
         return blocks_from(spec, done.end, self.block_size) if done.miss else set()
 
