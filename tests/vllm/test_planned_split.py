@@ -84,7 +84,7 @@ def test_ranks_take_the_latest_front_any_of_them_planned(model):
     assert [plan.front if isinstance(plan, SplitPlan) else plan for plan in agreed] == [4 * CHUNK, mine[1], 5 * CHUNK]
 
 
-def test_a_splits_loads_are_timed_and_set_against_the_loaded_chunks_predictions(model):
+def test_each_loaded_chunk_is_timed_and_set_against_its_prediction(model):
     n, rate = 6 * CHUNK, 2e6  # bytes per second: each chunk's read takes a few milliseconds
     job, raw = _job(model, n), MemoryStore()
     save_prefix(model, job, raw)
@@ -94,6 +94,7 @@ def test_a_splits_loads_are_timed_and_set_against_the_loaded_chunks_predictions(
     done = restore_split(job, store, _blocks(model, n, CHUNK)[0], None, start=CHUNK, front=CHUNK,
                          prefill_tokens=2048, load_s=predicted)
     assert (done.loaded, done.miss) == (3, "absent")  # chunks 1, 2, 3
+    assert [p for p, _ in done.timed] == predicted[1:4] and all(measured > 0 for _, measured in done.timed)
     assert done.predicted_load_s == pytest.approx(sum(predicted[1:4]))
     assert done.load_s >= done.bytes_read / rate * 0.99  # no sooner than the link lets them land
     unpredicted = restore_split(job, store, _blocks(model, n, CHUNK)[0], None, start=CHUNK, front=CHUNK,

@@ -5,7 +5,8 @@ same forwards, of the same sizes, in the same order. The two-pointer restore dec
 as loads land, differently on each rank, and a rank that computed one unit more would wait forever on the
 others. So a tensor-parallel rank plans its meeting point up front from what every rank knows alike (the
 prefix's chunks, the profile's costs, the policy): the split that ends first by the bound's formula
-(`best_split`), its loads' predicted times scaled by what this rank's loads measured (`planned_loads_measured`);
+(`best_split`), its loads' predicted times scaled by what this rank's loads measured (each chunk's, the worker's
+`load_calibration`);
 where the ranks' measurements differ, they agree on the latest meeting point, which the slowest rank's
 loads need (the worker's `agree_min`). It recomputes the chunks before it with vLLM's model, in forwards of at most
 `prefill_tokens`, while a thread loads the chunks from it on (its own slice of the KV heads, keyed by its
@@ -62,8 +63,17 @@ class Split(NamedTuple):
     bytes_read: int
     miss: str  # why the chunk at `end` missed, or "" (all restored)
     batch: int = 1  # restores started together (their fronts shared forwards)
-    load_s: float = 0.0  # measured: from the loads' start until the last chunk loaded landed
-    predicted_load_s: float = 0.0  # the chunks loaded, as their plan predicted them (0: no prediction)
+    timed: tuple[tuple[float, float], ...] = ()  # per chunk loaded, in order: (predicted, measured) seconds
+
+    @property
+    def load_s(self) -> float:
+        """Measured: from the loads' start until the last chunk loaded landed."""
+        return sum(measured for _, measured in self.timed)
+
+    @property
+    def predicted_load_s(self) -> float:
+        """The chunks loaded, as their plan predicted them (0: no prediction)."""
+        return sum(predicted for predicted, _ in self.timed)
 
 
 def chunk_load_times(job: RestoreJob, costs: CostModel, kv_bytes: int) -> list[float]:
@@ -203,9 +213,10 @@ class RunningSplit:
         units = self.loads.units
         end = self.job.keys[units[len(hits) - 1]].token_end if hits else self.front
         miss = reasons[-1] if reasons and reasons[-1] else ("stopped" if len(hits) < len(units) else "")
-        load_s = self.loads.landed_s[len(hits) - 1] if hits else 0.0
-        predicted = sum(self.predicted_s[unit] for unit in units[: len(hits)]) if self.predicted_s else 0.0
-        return Split(end, self.computed, len(hits), self.loads.loader.bytes_read, miss, self.batch, load_s, predicted)
+        landed = [0.0, *self.loads.landed_s[: len(hits)]]
+        timed = tuple((self.predicted_s[unit] if self.predicted_s else 0.0, landed[i + 1] - landed[i])
+                      for i, unit in enumerate(units[: len(hits)]))
+        return Split(end, self.computed, len(hits), self.loads.loader.bytes_read, miss, self.batch, timed)
 
 
 def front_forwards(fronts: Sequence[tuple[int, int]], prefill_tokens: int) -> list[list[tuple[int, int, int]]]:

@@ -355,7 +355,8 @@ class WorkerEngine:
     def split_done(self, spec: LoadSpec, done: Split, *, elapsed_s: float, asynchronous: bool) -> set[int]:
         """Log a planned restore that ended, learn from its loads' times; the blocks vLLM must recompute (from its
         first miss on)."""
-        self.load_calibration.loads_measured(done.predicted_load_s, done.load_s)
+        for predicted_s, measured_s in done.timed:  # each chunk's, as the batch scheduler learns from each load
+            self.load_calibration.loads_measured(predicted_s, measured_s)
         self.stats.event("restore", req=spec.req_id, tokens=len(spec.token_ids), written=done.end - spec.start,
                          policy=self.policy if done.computed else "load-only", mode="token",
                          computed=done.computed, loaded=done.loaded, misses={done.miss: 1} if done.miss else {},
