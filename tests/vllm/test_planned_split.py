@@ -5,6 +5,7 @@ tensor-parallel vLLM ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import cast
@@ -14,9 +15,11 @@ import torch
 
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.restore.boundary import (
+    OUTPUT_KIND,
     BoundaryInput,
     BoundaryMissingError,
     boundary_name,
+    save_boundaries,
     save_prefix_by_stage,
     stage_jobs,
 )
@@ -100,6 +103,26 @@ def test_each_loaded_chunk_is_timed_and_set_against_its_prediction(model):
     unpredicted = restore_split(job, store, _blocks(model, n, CHUNK)[0], None, start=CHUNK, front=CHUNK,
                                 prefill_tokens=2048)
     assert unpredicted.predicted_load_s == 0.0 and unpredicted.load_s > 0
+
+
+def test_the_rows_a_draft_reads_are_loaded_with_each_chunk_and_counted_in_its_predicted_time(model):
+    n, layers = 6 * CHUNK, model.config.num_layers
+    job, store = _job(model, n), MemoryStore()
+    save_prefix(model, job, store)
+    rows = torch.randn(n, model.config.hidden_size)  # [N, hidden]: the model's output rows, as an EAGLE draft reads
+    output = dataclasses.replace(job, layers=range(layers, layers + 1))
+    save_boundaries(output, rows, store, model_fingerprint="fp", keys=job.keys[1:3], kind=OUTPUT_KIND)  # chunks 1, 2
+    kv = _blocks(model, n, CHUNK)[0]
+    kv.keep_outputs()
+    done = restore_split(job, store, kv, None, start=CHUNK, front=CHUNK, prefill_tokens=2048,
+                         draft_sources=[(layers, OUTPUT_KIND)])
+    assert (done.end, done.loaded) == (n, 5)  # chunk 3 without its rows still loads: the draft stops there
+    for key in job.keys[1:3]:
+        store.delete(boundary_name(key, layers, OUTPUT_KIND))
+    assert torch.equal(kv.outputs(CHUNK, 3 * CHUNK), rows[CHUNK : 3 * CHUNK])  # kept with the KV, read with it
+    assert kv.outputs(3 * CHUNK, 4 * CHUNK) is None
+    with_rows = chunk_load_times(job, TINY_COSTS, KV_BYTES, row_bytes=4 * model.config.hidden_size)
+    assert all(a > b for a, b in zip(with_rows, chunk_load_times(job, TINY_COSTS, KV_BYTES), strict=True))
 
 
 def _blocks(model, n_tokens: int, start: int, layout: str = "split", fill: float = 0.0

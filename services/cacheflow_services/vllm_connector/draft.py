@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from cacheflow_common.kv.keys import ChunkKey
 from cacheflow_common.model.transformer import Span
 from cacheflow_common.restore.boundary import BoundaryInput, BoundaryMissingError
 from cacheflow_common.restore.job import RestoreJob
@@ -80,8 +81,6 @@ class DraftPass:
         first chunk with neither. A draft model reads no rows: [0, 0], and end."""
         if not self.sources:
             return torch.empty(0, 0), end
-        stored = [BoundaryInput(replace(job, layers=range(layer, layer + 1)), store, prefetch=0, kind=kind)
-                  for layer, kind in self.sources]
         parts, reached = [], spec.start
         for key in job.keys:
             if key.token_end <= spec.start or key.token_start >= end:
@@ -90,7 +89,7 @@ class DraftPass:
             rows = kv.outputs(first, last)
             if rows is None:
                 try:
-                    rows = torch.cat([read(key.token_start, key.token_end) for read in stored], dim=-1)
+                    rows = stored_rows(job, store, self.sources, key)
                 except BoundaryMissingError:
                     break
                 rows = rows[first - key.token_start : last - key.token_start]  # [T, k * hidden]
@@ -131,6 +130,13 @@ class Restored:
     job: RestoreJob | None
     kv: BlockKV | None
     end: int
+
+
+def stored_rows(job: RestoreJob, store: Any, sources: Sequence[tuple[int, str]], key: ChunkKey) -> torch.Tensor:
+    """The rows a draft reads at chunk `key`, as stored with it: [C, k * hidden], its `sources` side by side
+    (see `DraftPass`). BoundaryMissingError where one is missing or wrong."""
+    return torch.cat([BoundaryInput(replace(job, layers=range(layer, layer + 1)), store, prefetch=0, kind=kind)(
+        key.token_start, key.token_end) for layer, kind in sources], dim=-1)
 
 
 def restore_drafts(restored: Sequence[Restored], draft: Callable[[], DraftPass], store: Any, *,

@@ -43,6 +43,7 @@ from cacheflow_common.sched.plan import chunk_costs
 from cacheflow_common.sched.policies import Policy
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.vllm_connector.block_kv import BlockKV
+from cacheflow_services.vllm_connector.draft import stored_rows
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 
@@ -76,9 +77,10 @@ class Split(NamedTuple):
         return sum(predicted for predicted, _ in self.timed)
 
 
-def chunk_load_times(job: RestoreJob, costs: CostModel, kv_bytes: int) -> list[float]:
-    """Each of the job's chunks' predicted load seconds (`kv_bytes`: one token's KV in one layer, as stored)."""
-    return [costs.chunk_load_s(key.n_tokens * len(job.layers) * kv_bytes) for key in job.keys]
+def chunk_load_times(job: RestoreJob, costs: CostModel, kv_bytes: int, row_bytes: int = 0) -> list[float]:
+    """Each of the job's chunks' predicted load seconds (`kv_bytes`: one token's KV in one layer, as stored;
+    `row_bytes`: one token's rows a draft reads, read with it: `start_splits`' `draft_sources`)."""
+    return [costs.chunk_load_s(key.n_tokens * (len(job.layers) * kv_bytes + row_bytes)) for key in job.keys]
 
 
 def planned_front(job: RestoreJob, *, start: int, costs: CostModel | None, policy: Policy,
@@ -110,27 +112,31 @@ def latest_fronts(plans: Sequence[SplitPlan | BaseException], agree_min: Callabl
 
 
 def restore_split(job: RestoreJob, store: ChunkStore, kv: BlockKV, model: VllmRuntime | None, *, start: int,
-                  front: int, prefill_tokens: int, load_s: Sequence[float] = ()) -> Split:
+                  front: int, prefill_tokens: int, load_s: Sequence[float] = (),
+                  draft_sources: Sequence[tuple[int, str]] = ()) -> Split:
     """Recompute positions [start, front) with vLLM's `model` while a thread loads the job's chunks from
     `front` on, in order, until one misses (each written into the blocks as it lands); returns once both end.
-    `load_s`: each chunk's predicted load seconds, as `SplitPlan`'s."""
-    [running] = start_splits([SplitPlan(job, kv, start, front, load_s)], store, model, prefill_tokens=prefill_tokens)
+    `load_s`: each chunk's predicted load seconds, as `SplitPlan`'s; `draft_sources`: as `start_splits`'."""
+    [running] = start_splits([SplitPlan(job, kv, start, front, load_s)], store, model, prefill_tokens=prefill_tokens,
+                             draft_sources=draft_sources)
     running.join()
     return running.result()
 
 
 def start_splits(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRuntime | None, *, prefill_tokens: int,
-                 on_loaded: Callable[[], None] = lambda: None, agree: Callable[[bool], bool] = lambda ok: ok
-                 ) -> list[RunningSplit]:
+                 on_loaded: Callable[[], None] = lambda: None, agree: Callable[[bool], bool] = lambda ok: ok,
+                 draft_sources: Sequence[tuple[int, str]] = ()) -> list[RunningSplit]:
     """Start every plan's back loading on a thread of its own, recompute their fronts (positions [start, front))
     together with vLLM's `model` meanwhile, and return with the loads still running (`on_loaded`: called on a
     load thread once its loads end; `agree`: whether every tensor-parallel rank read its fronts' inputs, see
-    `front_inputs`). Fronts that fail stop every plan's loads (and seal its blocks) first."""
+    `front_inputs`; `draft_sources`: the stored rows a draft reads, each (layer, kind): read with each chunk
+    loaded and kept with the plan's KV, where its rerun finds them). Fronts that fail stop every plan's loads
+    (and seal its blocks) first."""
     inputs = front_inputs(plans, store, model, agree)
     loads = [BackLoads(KVLoader(store=store, keys=plan.job.keys, layers=plan.job.layers, kv=plan.kv,
                                 dtype=plan.job.kv_dtype, quant=plan.job.quant, heads=plan.job.heads),
                        [unit for unit, key in enumerate(plan.job.keys) if key.token_end > max(plan.start, plan.front)],
-                       on_loaded) for plan in plans]
+                       on_loaded, _keep_draft_rows(plan, store, draft_sources)) for plan in plans]
     try:
         _recompute(plans, inputs, model, prefill_tokens)
     except BaseException:
@@ -146,7 +152,8 @@ def start_splits(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRunti
 class BackLoads:
     """A planned restore's back: its chunks loaded in order on a thread of its own, until one misses or `stop`."""
 
-    def __init__(self, loader: KVLoader, units: list[int], on_loaded: Callable[[], None]) -> None:
+    def __init__(self, loader: KVLoader, units: list[int], on_loaded: Callable[[], None],
+                 after_chunk: Callable[[int], None] = lambda unit: None) -> None:
         self.loader = loader
         self.units = units
         self.reasons: list[str] = []  # each chunk's miss reason ("": loaded), in order, up to the first miss
@@ -154,6 +161,7 @@ class BackLoads:
         self._stopped = threading.Event()
         self._ended = threading.Event()
         self._on_loaded = on_loaded
+        self._after_chunk = after_chunk  # after each chunk loaded, on the thread (and in its time)
         self._thread = threading.Thread(target=self._run, name="cacheflow-planned-loads", daemon=True)
         self._thread.start()
 
@@ -164,6 +172,8 @@ class BackLoads:
                 if self._stopped.is_set():
                     return
                 reason = self.loader.load_chunk(unit)
+                if not reason:
+                    self._after_chunk(unit)
                 self.landed_s.append(time.perf_counter() - started)  # before `reasons`: read after it
                 self.reasons.append(reason)
                 if self.reasons[-1]:
@@ -217,6 +227,20 @@ class RunningSplit:
         timed = tuple((self.predicted_s[unit] if self.predicted_s else 0.0, landed[i + 1] - landed[i])
                       for i, unit in enumerate(units[: len(hits)]))
         return Split(end, self.computed, len(hits), self.loads.loader.bytes_read, miss, self.batch, timed)
+
+
+def _keep_draft_rows(plan: SplitPlan, store: ChunkStore, sources: Sequence[tuple[int, str]]
+                     ) -> Callable[[int], None]:
+    """After each chunk of the plan's back lands: the rows its draft reads there (`sources`), read with it and kept
+    with the plan's KV; a chunk without them is left for the draft's rerun, which stops there."""
+    def keep(unit: int) -> None:
+        key = plan.job.keys[unit]
+        try:
+            plan.kv.keep(key.token_start, stored_rows(plan.job, store, sources, key))  # [C, k * hidden]
+        except Exception:  # missing, wrong, its pod unreachable: the rerun reads it again and stops there
+            return
+
+    return keep if sources else lambda unit: None
 
 
 def front_forwards(fronts: Sequence[tuple[int, int]], prefill_tokens: int) -> list[list[tuple[int, int, int]]]:

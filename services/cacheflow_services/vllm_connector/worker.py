@@ -213,6 +213,11 @@ class WorkerEngine:
             return [(layer, BOUNDARY_KIND) for layer in aux_layers(self._vllm_model())]
         return [(self.layers.start, BOUNDARY_KIND)]
 
+    def draft_inputs(self) -> list[tuple[int, str]]:
+        """The stored rows a restore's draft reads, side by side (layer, kind); none without a draft that reads
+        the target's rows."""
+        return self.captured() if self.draft_rows else []
+
     def begin_step(self, rows: PromptRows) -> None:
         """Where the step's prompt rows go, before its forward."""
         if self.captures:
@@ -323,12 +328,14 @@ class WorkerEngine:
         fails every restore of the step: they shared its forwards)."""
         model = self.model if isinstance(self.model, VllmRuntime) else None
         costs = self.profile.cost_model(self.link) if self.profile is not None else None
+        sources = self.draft_inputs()
         plans: list[SplitPlan | BaseException] = []
         for spec in specs:
             try:
                 job = self.job(spec)
-                load_s: list[float] = chunk_load_times(job, costs, model.kv_bytes_per_token_per_layer) \
-                    if costs and model else []
+                load_s: list[float] = chunk_load_times(
+                    job, costs, model.kv_bytes_per_token_per_layer,
+                    row_bytes=len(sources) * self.config.hidden_size * model.dtype.itemsize) if costs and model else []
                 front = spec.start if spec.load_only or model is None else planned_front(
                     job, start=spec.start, costs=costs, policy=make_policy(self.policy),
                     load_s=[seconds * self.load_calibration.load_scale for seconds in load_s])
@@ -339,7 +346,8 @@ class WorkerEngine:
             plans = latest_fronts(plans, self.agree_min)  # each rank's follow its own loads' times
         try:
             running = iter(start_splits([p for p in plans if isinstance(p, SplitPlan)], self.store, model,
-                                        prefill_tokens=PREFILL_TOKENS, on_loaded=on_loaded, agree=self._agree))
+                                        prefill_tokens=PREFILL_TOKENS, on_loaded=on_loaded, agree=self._agree,
+                                        draft_sources=sources))
         except Exception as exc:  # the shared fronts failed: every restore that started fails with them
             return [p if isinstance(p, BaseException) else exc for p in plans]
         return [p if isinstance(p, BaseException) else next(running) for p in plans]
@@ -465,7 +473,7 @@ class WorkerEngine:
             drafter = self._drafter(model.module)
             if drafter is None:
                 raise RuntimeError("vLLM's draft model could not be reached from the connector")
-            self._draft = DraftPass(model, drafter, sources=self.captured() if self.draft_rows else (),
+            self._draft = DraftPass(model, drafter, sources=self.draft_inputs(),
                                     combine=self.draft_method == "eagle3")
         return self._draft
 
