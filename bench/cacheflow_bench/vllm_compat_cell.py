@@ -85,6 +85,13 @@ def write_profile(path: Path) -> Path:
     return path
 
 
+def fixed_plan(path: Path) -> dict[str, Any]:
+    """Connector settings that plan with the cells' profile (written to `path`) as it is: its costs are written to
+    put the split inside the prefix, not measured, so the planned restores must not learn what loads and recompute
+    really take (on these tiny models they would soon recompute every chunk and load none)."""
+    return {"profile": str(write_profile(path)), "calibrate": False}
+
+
 @dataclass(frozen=True)
 class Cell:
     family: str
@@ -190,7 +197,7 @@ def run_cell(cell: Cell, root: Path) -> dict[str, Any]:
     try:
         connector = {"pods": [f"pod-0=127.0.0.1:{pod.data_port}"], "tenant": TENANT,
                      "pod_token_file": str(work / "tokens"), "chunk_size": CHUNK, "stats_file": str(stats),
-                     "profile": str(write_profile(work / "profile.json"))}
+                     **fixed_plan(work / "profile.json")}
         result, log = drive_cell(cell, work, spec_for(cell, model, adapter, connector))
     finally:
         pod.stop()

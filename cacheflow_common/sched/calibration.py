@@ -17,24 +17,28 @@ CALIBRATION_WEIGHT = 0.3
 
 
 class Calibration:
-    """Measured / predicted load time (one scale for every channel) and each stage's measured step time."""
+    """Measured / predicted load time (one scale for every channel) and each stage's measured step time; for
+    restores planned before they start (the connector's `planned_split.py`), measured / predicted compute time."""
 
     def __init__(self) -> None:
         self.load_scale = 1.0  # measured / predicted load time
+        self.compute_scale = 1.0  # measured / predicted compute time (planned restores)
         self._step_s: dict[int, float] = {}  # stage -> measured seconds per compute step (moving average)
 
     def load_landed(self, load: InFlightLoad, now: float | None) -> None:
         """`load` landed at `now` (None: the caller keeps no clock, nothing is learned)."""
         if now is not None and load.predicted_s > 0:  # its prediction was calibrated: undo that
-            self._learn_load_scale((now - load.started_s) / load.predicted_s * self.load_scale)
+            self.load_scale = _moved(self.load_scale, (now - load.started_s) / load.predicted_s * self.load_scale)
 
     def loads_measured(self, predicted_s: float, measured_s: float) -> None:
         """Loads the cost model predicted (uncalibrated) would take `predicted_s` took `measured_s`."""
         if predicted_s > 0:
-            self._learn_load_scale(measured_s / predicted_s)
+            self.load_scale = _moved(self.load_scale, measured_s / predicted_s)
 
-    def _learn_load_scale(self, measured: float) -> None:
-        self.load_scale += CALIBRATION_WEIGHT * (measured - self.load_scale)
+    def compute_measured(self, predicted_s: float, measured_s: float) -> None:
+        """Compute the cost model predicted (uncalibrated) would take `predicted_s` took `measured_s`."""
+        if predicted_s > 0:
+            self.compute_scale = _moved(self.compute_scale, measured_s / predicted_s)
 
     def step_done(self, stage: int, seconds: float) -> None:
         """A compute step of `stage` took `seconds`: what the next one is expected to take."""
@@ -48,3 +52,8 @@ class Calibration:
     def load_s(self, work: StageWork, unit: int) -> float:
         """The predicted seconds to load `unit` of `work`, scaled by what loads have measured."""
         return work.plan.load_s[unit] * self.load_scale
+
+
+def _moved(average: float, measured: float) -> float:
+    """A moving average after one more measurement."""
+    return average + CALIBRATION_WEIGHT * (measured - average)

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cacheflow_bench.vllm_compat_cell import BLOCK, CHUNK, PREFIXES, SPEC_TOKENS, drive, prompts, write_profile
+from cacheflow_bench.vllm_compat_cell import BLOCK, CHUNK, PREFIXES, SPEC_TOKENS, drive, fixed_plan, prompts
 from cacheflow_services.storage.launch import launch_pod, write_tokens
 
 TENANT = "eagle"
@@ -22,7 +22,7 @@ def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool, tp: in
     target, draft_model = models
     connector = {"pods": [f"pod-0=127.0.0.1:{(root / 'port').read_text()}"], "tenant": TENANT,
                  "pod_token_file": str(root / "tokens"), "chunk_size": CHUNK, "stats_file": str(root / f"{name}.jsonl"),
-                 "profile": str(write_profile(root / "profile.json"))}
+                 **fixed_plan(root / "profile.json")}
     spec = {"model": str(target), "dtype": "float32", "prompts": prompts(), "max_tokens": 32, "ignore_eos": True,
             "speculative_config": {"method": method, "model": str(draft_model), "num_speculative_tokens": SPEC_TOKENS}
             if draft else None,

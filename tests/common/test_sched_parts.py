@@ -26,13 +26,16 @@ def test_loads_slower_than_predicted_scale_later_predictions_up_by_the_weight():
     assert calibration.load_scale == pytest.approx(scale + CALIBRATION_WEIGHT * (2 - scale))  # 2x its uncalibrated 1 s
 
 
-def test_loads_measured_against_an_uncalibrated_prediction_teach_the_same_scale():
+def test_loads_and_compute_measured_against_uncalibrated_predictions_teach_their_own_scales():
     calibration = Calibration()
     calibration.loads_measured(0.0, 5.0)  # nothing predicted: nothing learned
+    calibration.compute_measured(0.0, 5.0)
     calibration.loads_measured(1.0, 2.0)
     calibration.loads_measured(1.0, 2.0)
+    calibration.compute_measured(2.0, 1.0)
     scale = 1 + CALIBRATION_WEIGHT
     assert calibration.load_scale == pytest.approx(scale + CALIBRATION_WEIGHT * (2 - scale))
+    assert calibration.compute_scale == pytest.approx(1 - CALIBRATION_WEIGHT / 2)
 
 
 def test_the_first_step_is_taken_as_measured_then_averaged():

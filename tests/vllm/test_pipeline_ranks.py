@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from cacheflow_bench.vllm_compat_cell import write_profile
+from cacheflow_bench.vllm_compat_cell import fixed_plan
 from cacheflow_common.kv.chunk import decode_hidden_chunk, decode_kv_chunk
 from cacheflow_common.kv.keys import object_name
 from cacheflow_common.model.transformer import Span, Transformer
@@ -433,7 +433,7 @@ def test_tensor_and_pipeline_parallel_ranks_restore_together(ranks: Ranks, tmp_p
     pipeline rank's from its stored boundary activations), the back loaded. The warm pass gives the cold pass's
     tokens, every one of the four ranks restores each prompt with both pointers moving, and none fails."""
     model_dir, prompts, stats, pod, connector = _vllm_run(ranks, tmp_path, "tp-pp", seed=8)
-    connector["profile"] = str(write_profile(tmp_path / "profile.json"))
+    connector |= fixed_plan(tmp_path / "profile.json")
     spec = {"model": str(model_dir), "prompts": prompts, "max_tokens": 6, "block_size": 32,
             "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "connector": connector,
             "passes": [{"label": "cold"}, {"label": "warm"}]}

@@ -119,7 +119,8 @@ def test_the_rows_a_draft_reads_are_loaded_with_each_chunk_and_counted_in_its_pr
     assert (done.end, done.loaded) == (n, 5)  # chunk 3 without its rows still loads: the draft stops there
     for key in job.keys[1:3]:
         store.delete(boundary_name(key, layers, OUTPUT_KIND))
-    assert torch.equal(kv.outputs(CHUNK, 3 * CHUNK), rows[CHUNK : 3 * CHUNK])  # kept with the KV, read with it
+    kept = kv.outputs(CHUNK, 3 * CHUNK)
+    assert kept is not None and torch.equal(kept, rows[CHUNK : 3 * CHUNK])  # kept with the KV, read with it
     assert kv.outputs(3 * CHUNK, 4 * CHUNK) is None
     with_rows = chunk_load_times(job, TINY_COSTS, KV_BYTES, row_bytes=4 * model.config.hidden_size)
     assert all(a > b for a, b in zip(with_rows, chunk_load_times(job, TINY_COSTS, KV_BYTES), strict=True))

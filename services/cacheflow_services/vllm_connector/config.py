@@ -23,6 +23,7 @@ class ConnectorConfig:
     policy: str = "cacheflow"  # restore policy (sched.policies.POLICIES); "load-only" turns recomputation off
     profile: str = ""  # `cacheflow profile` output; without it the CacheFlow policies run as Cake (no cost model)
     link_gbps: float = 0.0  # the link the profile's costs are taken for; 0: the profile's own default
+    calibrate: bool = True  # planned restores learn what loads and recompute really take; off: the profile's costs
     on_miss: str = "cacheflow"  # a chunk that misses: recomputed inside the restore, or handed to vLLM ("vllm")
     save: bool = True  # store the prompt's whole chunks as vLLM computes them
     replicas: int = 1  # copies of each chunk over the pods

@@ -5,8 +5,8 @@ same forwards, of the same sizes, in the same order. The two-pointer restore dec
 as loads land, differently on each rank, and a rank that computed one unit more would wait forever on the
 others. So a tensor-parallel rank plans its meeting point up front from what every rank knows alike (the
 prefix's chunks, the profile's costs, the policy): the split that ends first by the bound's formula
-(`best_split`), its loads' predicted times scaled by what this rank's loads measured (each chunk's, the worker's
-`load_calibration`);
+(`best_split`), its predicted times scaled by what this rank measured (each chunk's load, each step's fronts: the
+worker's `calibration`);
 where the ranks' measurements differ, they agree on the latest meeting point, which the slowest rank's
 loads need (the worker's `agree_min`). It recomputes the chunks before it with vLLM's model, in forwards of at most
 `prefill_tokens`, while a thread loads the chunks from it on (its own slice of the KV heads, keyed by its
@@ -84,21 +84,34 @@ def chunk_load_times(job: RestoreJob, costs: CostModel, kv_bytes: int, row_bytes
 
 
 def planned_front(job: RestoreJob, *, start: int, costs: CostModel | None, policy: Policy,
-                  load_s: Sequence[float]) -> int:
+                  load_s: Sequence[float], compute_scale: float = 1.0) -> int:
     """The position the loads start from: chunks before it are recomputed, the others loaded (a policy that
     fixes the split fixes it here too). `start`: the first position vLLM does not hold; `load_s`: each of the
-    job's chunks' load seconds, as expected (`chunk_load_times`, calibrated)."""
+    job's chunks' load seconds, as expected (`chunk_load_times`, calibrated); `compute_scale`: measured / predicted
+    compute seconds."""
     if costs is None or not policy.computes_pending:
         return start
-    units = [(key, seconds) for key, seconds in zip(job.keys, load_s, strict=True) if key.token_end > start]
+    units = [unit for unit, key in enumerate(job.keys) if key.token_end > start]
     if not units:
         return start
     if not policy.loads:
-        return units[-1][0].token_end
+        return job.keys[units[-1]].token_end
+    compute_s = chunk_compute_times(job, start, costs)
+    k, _ = best_split([compute_s[unit] * compute_scale for unit in units], [load_s[unit] for unit in units])
+    return job.keys[units[k - 1]].token_end if k else start
+
+
+def chunk_compute_times(job: RestoreJob, start: int, costs: CostModel) -> list[float]:
+    """Each of the job's chunks' predicted seconds to recompute its positions from `start` on (uncalibrated)."""
     n_layers = len(job.layers)
-    compute_s = [chunk_costs(costs, max(key.token_start, start), key.token_end, n_layers)[0] for key, _ in units]
-    k, _ = best_split(compute_s, [seconds for _, seconds in units])
-    return units[k - 1][0].token_end if k else start
+    return [chunk_costs(costs, max(key.token_start, start), key.token_end, n_layers)[0] if key.token_end > start
+            else 0.0 for key in job.keys]
+
+
+def front_compute_s(plan: SplitPlan, costs: CostModel) -> float:
+    """The predicted seconds (uncalibrated) to recompute the plan's front, positions [start, front)."""
+    compute_s = chunk_compute_times(plan.job, plan.start, costs)
+    return sum(seconds for key, seconds in zip(plan.job.keys, compute_s, strict=True) if key.token_end <= plan.front)
 
 
 def latest_fronts(plans: Sequence[SplitPlan | BaseException], agree_min: Callable[[list[int]], list[int]]

@@ -76,6 +76,7 @@ from cacheflow_services.vllm_connector.planned_split import (
     Split,
     SplitPlan,
     chunk_load_times,
+    front_compute_s,
     latest_fronts,
     planned_front,
     start_splits,
@@ -159,7 +160,8 @@ class WorkerEngine:
         self.capture = BoundaryCapture(step_slots)  # the hidden state entering layer a (ranks with a > 0 that save)
         self._first_layer = ""  # the name of the rank's first attention layer, set at `register`
         self.policy, self.link = connector_policy(cfg, self.profile)  # the link: bytes/s, if known
-        self.load_calibration = Calibration()  # planned restores' measured / predicted load times (planned_split.py)
+        self.calibration = Calibration()  # planned restores' measured / predicted times (planned_split.py)
+        self._fronts_warm = False  # a planned front was computed (the first is not learned from)
         self.attention_isa = attention_isa if cfg.attention == "vllm" else ""
         self._engine: Engine | None = None  # started at the first restore
         self._async = AsyncLoads(self, timeout_s=cfg.restore_timeout_s) if cfg.async_loads else None
@@ -338,19 +340,30 @@ class WorkerEngine:
                     row_bytes=len(sources) * self.config.hidden_size * model.dtype.itemsize) if costs and model else []
                 front = spec.start if spec.load_only or model is None else planned_front(
                     job, start=spec.start, costs=costs, policy=make_policy(self.policy),
-                    load_s=[seconds * self.load_calibration.load_scale for seconds in load_s])
+                    load_s=[seconds * self.calibration.load_scale for seconds in load_s],
+                    compute_scale=self.calibration.compute_scale)
                 plans.append(SplitPlan(job, self._block_kv(spec, job), spec.start, front, load_s))
             except Exception as exc:
                 plans.append(exc)
         if self.tp_rank is not None and costs is not None and model is not None:
-            plans = latest_fronts(plans, self.agree_min)  # each rank's follow its own loads' times
+            plans = latest_fronts(plans, self.agree_min)  # each rank's follow its own measurements
+        started = [p for p in plans if isinstance(p, SplitPlan)]
+        began = time.perf_counter()
         try:
-            running = iter(start_splits([p for p in plans if isinstance(p, SplitPlan)], self.store, model,
-                                        prefill_tokens=PREFILL_TOKENS, on_loaded=on_loaded, agree=self._agree,
-                                        draft_sources=sources))
+            running = iter(start_splits(started, self.store, model, prefill_tokens=PREFILL_TOKENS,
+                                        on_loaded=on_loaded, agree=self._agree, draft_sources=sources))
         except Exception as exc:  # the shared fronts failed: every restore that started fails with them
             return [p if isinstance(p, BaseException) else exc for p in plans]
+        if costs is not None and self.cfg.calibrate:  # the fronts' forwards, as the step ran them
+            self._fronts_timed(sum(front_compute_s(p, costs) for p in started), time.perf_counter() - began)
         return [p if isinstance(p, BaseException) else next(running) for p in plans]
+
+    def _fronts_timed(self, predicted_s: float, measured_s: float) -> None:
+        """Learn from a step's fronts, but the process's first (it warms vLLM's kernels and metadata builders up:
+        2-3 s at TP 2 on CPU, against tenths of a second after)."""
+        if predicted_s > 0 and self._fronts_warm:
+            self.calibration.compute_measured(predicted_s, measured_s)
+        self._fronts_warm = self._fronts_warm or predicted_s > 0
 
     def _agree(self, ok: bool) -> bool:
         """Whether `ok` holds on every tensor-parallel rank of this pipeline rank (with none, this one's)."""
@@ -363,14 +376,15 @@ class WorkerEngine:
     def split_done(self, spec: LoadSpec, done: Split, *, elapsed_s: float, asynchronous: bool) -> set[int]:
         """Log a planned restore that ended, learn from its loads' times; the blocks vLLM must recompute (from its
         first miss on)."""
-        for predicted_s, measured_s in done.timed:  # each chunk's, as the batch scheduler learns from each load
-            self.load_calibration.loads_measured(predicted_s, measured_s)
+        for predicted_s, measured_s in done.timed if self.cfg.calibrate else ():  # each chunk's, as the
+            self.calibration.loads_measured(predicted_s, measured_s)  # batch scheduler learns from each load
         self.stats.event("restore", req=spec.req_id, tokens=len(spec.token_ids), written=done.end - spec.start,
                          policy=self.policy if done.computed else "load-only", mode="token",
                          computed=done.computed, loaded=done.loaded, misses={done.miss: 1} if done.miss else {},
                          bytes_loaded=done.bytes_read, batch=done.batch, elapsed_s=elapsed_s, runtime=self.runtime,
                          asynchronous=asynchronous, attention="vllm", tp_rank=self.tp_rank, load_s=done.load_s,
-                         predicted_load_s=done.predicted_load_s, load_scale=self.load_calibration.load_scale,
+                         predicted_load_s=done.predicted_load_s, load_scale=self.calibration.load_scale,
+                         compute_scale=self.calibration.compute_scale,
                          layers=[self.layers.start, self.layers.stop])
         return blocks_from(spec, done.end, self.block_size) if done.miss else set()
 
