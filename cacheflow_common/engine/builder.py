@@ -50,11 +50,13 @@ class RestoreBuilder:
 
     def build(self, request_id: str, job: RestoreJob, store: ChunkStore, kv: KVBuffer, policy_name: str, *,
               input_mode: str, arrival_s: float, inputs: StageInput | None = None,
-              on_computed: ChunkComputed | None = None) -> StageRestore:
+              on_computed: ChunkComputed | None = None, on_loaded: Callable[[int], None] | None = None
+              ) -> StageRestore:
         """`arrival_s`: when the request arrived, on this process's perf_counter clock (the scheduler's).
         `inputs`: where the compute side's input comes from, if not from the stage's own (the embeddings on
         stage 0, else the stored boundary activations): an `UpstreamInput` fed by the previous stage, or any
-        `StageInput` of the caller's. `on_computed` hears of every chunk computed (token-wise)."""
+        `StageInput` of the caller's. `on_computed` hears of every chunk computed (token-wise), `on_loaded` of
+        every chunk loaded (token-wise, on the loading channel's thread, in the load's time)."""
         upstream = isinstance(inputs, UpstreamInput)
         if isinstance(inputs, UpstreamInput):
             inputs.on_wake(self.on_input)  # a delivery may make a unit computable: the loop re-checks
@@ -73,7 +75,7 @@ class RestoreBuilder:
         if isinstance(inputs, BoundaryInput) and units:
             inputs.ready(*units[0])  # its first read starts now, not when a compute step first looks at it
         return StageRestore(spec, plan=plan, kv=kv, loader=loader, inputs=inputs, unit_tokens=units,
-                            on_computed=on_computed, closers=closers)
+                            on_computed=on_computed, on_loaded=on_loaded, closers=closers)
 
     def spec(self, request_id: str, job: RestoreJob, policy_name: str, *, input_mode: str, upstream: bool,
              delivers: bool) -> RestoreSpec:

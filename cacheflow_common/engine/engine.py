@@ -112,14 +112,17 @@ class Engine:
     # -- restores -----------------------------------------------------------------------------
     def submit(self, request_id: str, job: RestoreJob, store: ChunkStore, kv: KVBuffer, *, policy: str = "",
                input_mode: str = "boundary", arrival_s: float | None = None, inputs: StageInput | None = None,
-               on_computed: ChunkComputed | None = None) -> StageRestore:
+               on_computed: ChunkComputed | None = None, on_loaded: Callable[[int], None] | None = None
+               ) -> StageRestore:
         """Start restoring `job` into `kv`; the restore's `done` future answers with its summary.
 
         `policy`: the settings' by default; `arrival_s`: when the request arrived, on this process's
-        perf_counter clock (the scheduler's; default now); `inputs`, `on_computed`: see `RestoreBuilder.build`.
+        perf_counter clock (the scheduler's; default now); `inputs`, `on_computed`, `on_loaded`: see
+        `RestoreBuilder.build`.
         An error here means the restore never started."""
         restore = self._builder.build(request_id, job, store, kv, policy or self.settings.policy,
                                       input_mode=input_mode, inputs=inputs, on_computed=on_computed,
+                                      on_loaded=on_loaded,
                                       arrival_s=time.perf_counter() if arrival_s is None else arrival_s)
         self._core.admit_restore(restore)
         return restore

@@ -44,7 +44,8 @@ class RestoreSpec:
 class StageRestore:
     def __init__(self, spec: RestoreSpec, *, plan: RequestPlan, kv: KVBuffer, loader: KVLoader,
                  inputs: StageInput, unit_tokens: list[tuple[int, int]],
-                 on_computed: ChunkComputed | None = None, closers: tuple[Callable[[], None], ...] = ()) -> None:
+                 on_computed: ChunkComputed | None = None, on_loaded: Callable[[int], None] | None = None,
+                 closers: tuple[Callable[[], None], ...] = ()) -> None:
         self.spec = spec
         self.plan = plan
         self.kv = kv
@@ -52,6 +53,7 @@ class StageRestore:
         self.inputs = inputs
         self.unit_tokens = unit_tokens  # token mode: each unit's token range; layer mode: (0, N) per layer
         self.on_computed = on_computed
+        self.on_loaded = on_loaded  # after each token-wise unit (a chunk) loaded, on its channel's thread
         self.done: Future[RestoreSummary] = Future()
         # Each unit's two-pointer state, kept by the batch scheduler (a live view it hands out on arrival);
         # this object logs only when units ran and why loads missed.
@@ -107,9 +109,12 @@ class StageRestore:
 
     # -- loads (a channel's thread) -------------------------------------------------------------
     def load(self, unit: int, staging: memoryview) -> str:
-        """Load `unit` (bytes only, no torch ops); "" or the reason it missed."""
+        """Load `unit` (bytes only, no torch ops but `on_loaded`'s); "" or the reason it missed."""
         if self.spec.mode == "token":
-            return self.loader.load_chunk(unit, staging)
+            miss = self.loader.load_chunk(unit, staging)
+            if not miss and self.on_loaded is not None:
+                self.on_loaded(unit)
+            return miss
         return self.loader.load_layer(self.spec.job.layers.start + unit, staging)
 
     def loaded(self, unit: int, started: float, ended: float, miss: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,7 @@ class Restorer:
         self.landed: dict[str, RestoreResult] = {}
         self.failed: dict[str, BaseException] = {}
         self.events: list[str] = []
+        self.chunks_loaded: dict[str, list[int]] = {}  # by the first token of the prompt: each chunk, as it lands
         self._engine: Engine | None = None
 
     def engine(self) -> Engine:
@@ -69,6 +70,9 @@ class Restorer:
     def land(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult, *, batch: int) -> set[int]:
         self.landed[spec.req_id] = result
         return set()
+
+    def after_chunk(self, job: RestoreJob, kv: KVBuffer) -> Callable[[int], None]:
+        return self.chunks_loaded.setdefault(str(job.token_ids[0]), []).append  # the channel's thread
 
     def failed_load(self, spec: LoadSpec, exc: BaseException) -> set[int]:
         self.failed[spec.req_id] = exc
@@ -130,6 +134,7 @@ def test_every_load_is_reported_once_with_what_it_restored(rig):
     assert sorted(done) == ["a", "b"] and blocks == set() and not rig.restorer.failed
     for name, result in rig.restorer.landed.items():
         assert torch.equal(result.kv.data, rig.kvs[name].data)  # loaded chunks, bit for bit
+        assert sorted(rig.restorer.chunks_loaded[str(rig.prompts[name][0])]) == [0, 1, 2, 3]  # each told after it
     assert rig.loads.collect(set(), idle=False) == (set(), set()) and rig.loads.in_flight == 0
 
 

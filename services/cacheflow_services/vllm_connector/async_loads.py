@@ -57,6 +57,7 @@ class Restorer(Protocol):
     def job(self, spec: LoadSpec) -> RestoreJob: ...
     def buffer(self, spec: LoadSpec, job: RestoreJob) -> KVBuffer: ...
     def land(self, spec: LoadSpec, job: RestoreJob, result: RestoreResult, *, batch: int) -> set[int]: ...
+    def after_chunk(self, job: RestoreJob, kv: KVBuffer) -> Callable[[int], None] | None: ...
     def failed_load(self, spec: LoadSpec, exc: BaseException) -> set[int]: ...
     def event(self, kind: str, **fields: object) -> None: ...
 
@@ -176,8 +177,9 @@ class AsyncLoads:
         spec, r = pending.spec, self.restorer
         job = r.job(spec)
         engine = r.engine()
-        restore = engine.submit(spec.req_id, job, r.store, r.buffer(spec, job), policy=r.policy,
-                                input_mode="boundary", arrival_s=pending.started_s)
+        kv = r.buffer(spec, job)
+        restore = engine.submit(spec.req_id, job, r.store, kv, policy=r.policy, input_mode="boundary",
+                                arrival_s=pending.started_s, on_loaded=r.after_chunk(job, kv))
         # nothing after this may fail: the restore now owns the request's blocks
         with self._cond:
             pending.job, pending.restore = job, restore

@@ -139,6 +139,22 @@ def stored_rows(job: RestoreJob, store: Any, sources: Sequence[tuple[int, str]],
         key.token_start, key.token_end) for layer, kind in sources], dim=-1)
 
 
+def keep_draft_rows(job: RestoreJob, kv: BlockKV, store: Any, sources: Sequence[tuple[int, str]]
+                    ) -> Callable[[int], None]:
+    """What to do after each chunk a restore loads (called with its index, on the loading thread): read the rows
+    its draft reads there (`sources`; none: nothing) and keep them with the restore's KV, where the draft's rerun
+    finds them (`DraftPass.rows`) instead of reading them one by one after the loads. A chunk without them is
+    left for the rerun, which stops there."""
+    def keep(unit: int) -> None:
+        key = job.keys[unit]
+        try:
+            kv.keep(key.token_start, stored_rows(job, store, sources, key))  # [C, k * hidden]
+        except Exception:  # missing, wrong, its pod unreachable: the rerun reads it again and stops there
+            return
+
+    return keep if sources else lambda unit: None
+
+
 def restore_drafts(restored: Sequence[Restored], draft: Callable[[], DraftPass], store: Any, *,
                    agree: Callable[[list[int]], list[int]], event: Callable[..., None]) -> list[int]:
     """Rerun the draft over each restore, every tensor-parallel rank the same forwards (`agree`: the least of each

@@ -43,7 +43,7 @@ from cacheflow_common.sched.plan import chunk_costs
 from cacheflow_common.sched.policies import Policy
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.vllm_connector.block_kv import BlockKV
-from cacheflow_services.vllm_connector.draft import stored_rows
+from cacheflow_services.vllm_connector.draft import keep_draft_rows
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 
@@ -149,7 +149,7 @@ def start_splits(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRunti
     loads = [BackLoads(KVLoader(store=store, keys=plan.job.keys, layers=plan.job.layers, kv=plan.kv,
                                 dtype=plan.job.kv_dtype, quant=plan.job.quant, heads=plan.job.heads),
                        [unit for unit, key in enumerate(plan.job.keys) if key.token_end > max(plan.start, plan.front)],
-                       on_loaded, _keep_draft_rows(plan, store, draft_sources)) for plan in plans]
+                       on_loaded, keep_draft_rows(plan.job, plan.kv, store, draft_sources)) for plan in plans]
     try:
         _recompute(plans, inputs, model, prefill_tokens)
     except BaseException:
@@ -240,20 +240,6 @@ class RunningSplit:
         timed = tuple((self.predicted_s[unit] if self.predicted_s else 0.0, landed[i + 1] - landed[i])
                       for i, unit in enumerate(units[: len(hits)]))
         return Split(end, self.computed, len(hits), self.loads.loader.bytes_read, miss, self.batch, timed)
-
-
-def _keep_draft_rows(plan: SplitPlan, store: ChunkStore, sources: Sequence[tuple[int, str]]
-                     ) -> Callable[[int], None]:
-    """After each chunk of the plan's back lands: the rows its draft reads there (`sources`), read with it and kept
-    with the plan's KV; a chunk without them is left for the draft's rerun, which stops there."""
-    def keep(unit: int) -> None:
-        key = plan.job.keys[unit]
-        try:
-            plan.kv.keep(key.token_start, stored_rows(plan.job, store, sources, key))  # [C, k * hidden]
-        except Exception:  # missing, wrong, its pod unreachable: the rerun reads it again and stops there
-            return
-
-    return keep if sources else lambda unit: None
 
 
 def front_forwards(fronts: Sequence[tuple[int, int]], prefill_tokens: int) -> list[list[tuple[int, int, int]]]:

@@ -51,7 +51,7 @@ from cacheflow_services.vllm_connector.async_loads import AsyncLoads
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.both_sides import StatsLog, blocks_from, open_store
 from cacheflow_services.vllm_connector.config import ConnectorConfig
-from cacheflow_services.vllm_connector.draft import DraftPass, Restored, restore_drafts
+from cacheflow_services.vllm_connector.draft import DraftPass, Restored, keep_draft_rows, restore_drafts
 from cacheflow_services.vllm_connector.model_identity import (
     KVGeometry,
     chunk_fingerprint,
@@ -422,6 +422,12 @@ class WorkerEngine:
         return PagedKV(self.config, layers=job.layers, capacity=n, dtype=self.model.dtype,
                        caches=dict(self.caches), block_ids=spec.block_ids, block_size=self.block_size,
                        isa=self.attention_isa, first_writable=spec.start)
+
+    def after_chunk(self, job: RestoreJob, kv: KVBuffer) -> Callable[[int], None] | None:
+        """What a background restore in the engine does after each chunk it loads: read the rows its draft reads
+        there with it (as planned restores do)."""
+        sources = self.draft_inputs()
+        return keep_draft_rows(job, kv, self.store, sources) if sources and isinstance(kv, BlockKV) else None
 
     def event(self, kind: str, **fields: Any) -> None:
         self.stats.event(kind, **fields)
