@@ -140,3 +140,12 @@ def test_the_ranks_rerun_each_draft_as_far_as_every_rank_reached_and_log_each() 
     assert [(f["req"], f["tokens"], f["short"]) for kind, f in events if kind == "draft"] == [
         ("a", 8, 16), ("b", 16, 8), ("c", 0, 24), ("d", 0, 0)]
     assert [f["req"] for kind, f in events if kind == "draft_error"] == ["c"]
+
+
+def test_rows_a_late_load_brings_after_the_seal_are_not_kept() -> None:
+    kv = _kv()
+    kv.keep(0, ROWS[:CHUNK])
+    kv.seal()  # what the restore wrote is fixed: a load still in flight lands nothing, its rows neither
+    kv.keep(CHUNK, ROWS[CHUNK : 2 * CHUNK])
+    kept = kv.outputs(0, CHUNK)
+    assert kept is not None and torch.equal(kept, ROWS[:CHUNK]) and kv.outputs(CHUNK, 2 * CHUNK) is None

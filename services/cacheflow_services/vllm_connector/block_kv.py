@@ -52,14 +52,19 @@ class BlockKV(KVBuffer):
         self._outputs = {}
 
     def keep(self, start: int, rows: torch.Tensor) -> None:
-        """vLLM's model returned `rows` [T, hidden] for positions [start, start + T); kept if asked for."""
-        if self._outputs is not None:
-            self._outputs[start] = rows.clone()
+        """vLLM's model returned `rows` [T, hidden] for positions [start, start + T), or they were read with the
+        chunk loaded there (a load thread's); kept if asked for, until `seal`."""
+        rows = rows.clone()
+        with self._lock:
+            if self._outputs is not None and not self._sealed:
+                self._outputs[start] = rows
 
     def outputs(self, start: int, end: int) -> torch.Tensor | None:
         """The kept output rows of positions [start, end), [end - start, hidden], or None unless all were kept."""
+        with self._lock:
+            kept = sorted((self._outputs or {}).items())
         parts, at = [], start
-        for first, rows in sorted((self._outputs or {}).items()):
+        for first, rows in kept:
             if first <= at < first + len(rows):
                 parts.append(rows[at - first : min(len(rows), end - first)])
                 at += len(parts[-1])

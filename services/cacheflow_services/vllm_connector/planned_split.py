@@ -3,12 +3,11 @@
 Recomputing with vLLM's model on a tensor-parallel rank runs its collectives, so every rank must run the
 same forwards, of the same sizes, in the same order. The two-pointer restore decides how far compute goes
 as loads land, differently on each rank, and a rank that computed one unit more would wait forever on the
-others. So a tensor-parallel rank plans its meeting point up front from what every rank knows alike (the
-prefix's chunks, the profile's costs, the policy): the split that ends first by the bound's formula
-(`best_split`), its predicted times scaled by what this rank measured (each chunk's load, each step's fronts: the
-worker's `calibration`);
-where the ranks' measurements differ, they agree on the latest meeting point, which the slowest rank's
-loads need (the worker's `agree_min`). It recomputes the chunks before it with vLLM's model, in forwards of at most
+others. So a tensor-parallel rank plans its meeting point up front from the prefix's chunks, the profile's
+costs and the policy: the split that ends first by the bound's formula (`best_split`), its predicted times
+scaled by what this rank measured (each chunk's load, each step's fronts: the worker's `calibration`). The
+ranks' measurements differ, so they agree on the latest meeting point, which the slowest rank's loads need
+(`latest_fronts`). Each recomputes the chunks before it with vLLM's model, in forwards of at most
 `prefill_tokens`, while a thread loads the chunks from it on (its own slice of the KV heads, keyed by its
 rank). Restores that start in one step recompute their fronts together: each forward takes the next slice of
 every front, in the step's order, up to `prefill_tokens` in all (`front_forwards`), so a step with several
