@@ -1,6 +1,7 @@
-"""Restores with a meeting point planned before they start (tensor-parallel ranks, LoRA): the split every rank
-plans alike from the chunks, the profile's costs and the policy; and the back's loads into a request's
-blocks up to the first miss. The front's forwards need vLLM's model: `test_step_aside.py` runs them on two
+"""Restores with a meeting point planned before they start (tensor-parallel ranks, LoRA): the split a rank plans
+from the chunks, the costs (the profile's, scaled by what it measured) and the policy, the latest of the ranks'
+taken by all; the back's loads into a request's blocks up to the first miss, each chunk timed, the rows a draft
+reads loaded with it. The front's forwards need vLLM's model: `test_step_aside.py` runs them on two
 tensor-parallel vLLM ranks."""
 
 from __future__ import annotations
