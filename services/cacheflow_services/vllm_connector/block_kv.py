@@ -54,9 +54,11 @@ class BlockKV(KVBuffer):
     def keep(self, start: int, rows: torch.Tensor) -> None:
         """vLLM's model returned `rows` [T, hidden] for positions [start, start + T), or they were read with the
         chunk loaded there (a load thread's); kept if asked for, until `seal`."""
+        if self._outputs is None:  # not asked for (`rows` may be what a pipeline rank sends on, not rows)
+            return
         rows = rows.clone()
         with self._lock:
-            if self._outputs is not None and not self._sealed:
+            if not self._sealed:
                 self._outputs[start] = rows
 
     def outputs(self, start: int, end: int) -> torch.Tensor | None:
