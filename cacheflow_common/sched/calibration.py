@@ -23,6 +23,7 @@ class Calibration:
     def __init__(self) -> None:
         self.load_scale = 1.0  # measured / predicted load time
         self.compute_scale = 1.0  # measured / predicted compute time (planned restores)
+        self._compute_seen = False  # whether compute_scale holds a measurement yet
         self._step_s: dict[int, float] = {}  # stage -> measured seconds per compute step (moving average)
 
     def load_landed(self, load: InFlightLoad, now: float | None) -> None:
@@ -36,9 +37,13 @@ class Calibration:
             self.load_scale = _moved(self.load_scale, measured_s / predicted_s)
 
     def compute_measured(self, predicted_s: float, measured_s: float) -> None:
-        """Compute the cost model predicted (uncalibrated) would take `predicted_s` took `measured_s`."""
+        """Compute the cost model predicted (uncalibrated) would take `predicted_s` took `measured_s`. The first
+        measurement is taken as it is (as `step_done`'s first step): one comes per step of fronts, too few for
+        a moving average to leave its prior soon; loads, measured per chunk, leave it within one restore."""
         if predicted_s > 0:
-            self.compute_scale = _moved(self.compute_scale, measured_s / predicted_s)
+            scale = measured_s / predicted_s
+            self.compute_scale = _moved(self.compute_scale, scale) if self._compute_seen else scale
+            self._compute_seen = True
 
     def step_done(self, stage: int, seconds: float) -> None:
         """A compute step of `stage` took `seconds`: what the next one is expected to take."""

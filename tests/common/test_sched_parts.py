@@ -35,7 +35,9 @@ def test_loads_and_compute_measured_against_uncalibrated_predictions_teach_their
     calibration.compute_measured(2.0, 1.0)
     scale = 1 + CALIBRATION_WEIGHT
     assert calibration.load_scale == pytest.approx(scale + CALIBRATION_WEIGHT * (2 - scale))
-    assert calibration.compute_scale == pytest.approx(1 - CALIBRATION_WEIGHT / 2)
+    assert calibration.compute_scale == pytest.approx(0.5)  # the first compute measured, as it is (one per step)
+    calibration.compute_measured(1.0, 1.5)
+    assert calibration.compute_scale == pytest.approx(0.5 + CALIBRATION_WEIGHT * (1.5 - 0.5))
 
 
 def test_the_first_step_is_taken_as_measured_then_averaged():
