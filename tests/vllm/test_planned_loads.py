@@ -60,7 +60,7 @@ class Restorer:
     def job(self):
         return make_job(self.model, [i % self.model.config.vocab_size for i in range(N)], tenant="t", chunk_size=CHUNK)
 
-    def start_splits(self, specs: Sequence[LoadSpec], *, on_loaded: Callable[[], None]
+    def start_splits(self, specs: Sequence[LoadSpec], *, on_loaded: Callable[[], None], in_steps: bool
                      ) -> list[RunningSplit | BaseException]:
         c = self.model.config
         kvs = [BlockKV(layers=range(c.num_layers), num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, capacity=N,

@@ -32,11 +32,10 @@ from cacheflow_common.store.shaped import ShapedStore
 from cacheflow_common.transport.shaping import TokenBucket
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.paged import LAYOUTS, gather
+from cacheflow_services.vllm_connector.planned_fronts import front_forwards, front_inputs
 from cacheflow_services.vllm_connector.planned_split import (
     SplitPlan,
     chunk_load_times,
-    front_forwards,
-    front_inputs,
     latest_fronts,
     planned_front,
     restore_split,

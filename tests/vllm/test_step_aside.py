@@ -173,6 +173,28 @@ def test_tensor_parallel_ranks_restore_their_own_heads(cluster: dict[str, Any]) 
     assert all(e["load_s"] > 0 and e["predicted_load_s"] > 0 for e in restores)  # each rank's loads timed, learnt
 
 
+def test_tensor_parallel_fronts_step_beside_a_decoding_request(cluster: dict[str, Any]) -> None:
+    """TP 2, fronts recomputed a chunk per vLLM step (`front_step_tokens`): the first prompt restores alone (nothing
+    else runs, so its front runs in the step that starts it), the second arrives while the first decodes and its
+    two-chunk front is spread over two of vLLM's steps, the first prompt decoding between them, on both ranks
+    in lockstep; both with vLLM's own tokens."""
+    model_dir = cluster["root"] / "tiny-qwen3-tp-steps"
+    save_tiny_qwen3(model_dir, seed=7)
+    stats = cluster["root"] / "tp-steps.jsonl"
+    connector = {**_connector(cluster, stats), "profile": _tp_profile(cluster["root"] / "tp-profile.json"),
+                 "calibrate": False, "front_step_tokens": CHUNK}  # the profile's own splits: 1 and 2 chunks
+    spec = {"model": str(model_dir), "prompts": cluster["prompts"], "max_tokens": 16, "block_size": BLOCK,
+            "connector": connector, "tensor_parallel_size": 2, "batches": [[0, 1]], "late": [1],
+            "passes": [{"label": "cold"}, {"label": "warm"}]}
+    results = drive(spec, cluster["root"], "tp2-steps")["results"]
+    n = len(cluster["prompts"])
+    assert [r["tokens"] for r in results[n:]] == [r["tokens"] for r in results[:n]]
+    restores = [e for e in _events(stats, "restore") if e["req"].startswith("warm")]
+    assert sorted((e["tp_rank"], e["tokens"], e["computed"], e["front_steps"]) for e in restores) == [
+        (0, 192, 1, 1), (0, 320, 2, 2), (1, 192, 1, 1), (1, 320, 2, 2)]
+    assert all(not e["misses"] and e["written"] == e["tokens"] and e["asynchronous"] for e in restores)
+
+
 def test_tensor_parallel_sizes_share_chunks(cluster: dict[str, Any]) -> None:
     """Chunks stored by a TP 1 instance (all KV heads in one object) are restored by a TP 2 instance, each rank
     taking its heads out of them; chunks its ranks store (an object per rank's heads) are restored by a TP 1

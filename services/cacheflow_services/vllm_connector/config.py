@@ -33,6 +33,8 @@ class ConnectorConfig:
     share_weights: bool = True  # CacheFlow's runtime over vLLM's loaded weights; off (or not covered): a copy
     batch_restores: bool = True  # a step's loads restored together by the batch engine; off: one after another
     async_loads: bool = True  # restore in the background while vLLM steps the rest of the batch; off: in the step
+    front_step_tokens: int = 0  # a background restore's front recomputes at most this many tokens per vLLM step
+    # (tensor-parallel ranks), vLLM's other requests stepping between; 0: as vLLM chunks a long prefill
     restore_timeout_s: float = 60.0  # a background restore still running after this is cancelled: vLLM recomputes
     attention: str = "vllm"  # CacheFlow's runtime attends with vLLM's CPU kernel over the blocks, or its own
     stats_file: str = ""  # append one JSON line per restore / save / load error (tests, benchmarks)
@@ -50,6 +52,9 @@ class ConnectorConfig:
             raise ConfigError(f"runtime must be one of {RUNTIMES}, got {self.runtime!r}")
         if self.attention not in ATTENTION:
             raise ConfigError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
+        if self.front_step_tokens < 0:
+            raise ConfigError(f"front_step_tokens must be 0 (vLLM's own per-step limit) or positive, got "
+                              f"{self.front_step_tokens}")
         if self.restore_timeout_s <= 0:
             raise ConfigError(f"restore_timeout_s must be positive, got {self.restore_timeout_s}")
 

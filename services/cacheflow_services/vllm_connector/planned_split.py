@@ -7,18 +7,11 @@ others. So a tensor-parallel rank plans its meeting point up front from the pref
 costs and the policy: the split that ends first by the bound's formula (`best_split`), its predicted times
 scaled by what this rank measured (each chunk's load, each step's fronts: the worker's `calibration`). The
 ranks' measurements differ, so they agree on the latest meeting point, which the slowest rank's loads need
-(`latest_fronts`). Each recomputes the chunks before it with vLLM's model, in forwards of at most
-`prefill_tokens`, while a thread loads the chunks from it on (its own slice of the KV heads, keyed by its
-rank). Restores that start in one step recompute their fronts together: each forward takes the next slice of
-every front, in the step's order, up to `prefill_tokens` in all (`front_forwards`), so a step with several
-restores runs as few forwards as their tokens need, and the same forwards on every rank. A chunk that misses
-ends the restore there: vLLM recomputes from its first block on, on every rank together (vLLM takes the
-union of the ranks' failed blocks), so the forwards never depend on a load.
-
-A pipeline rank after the first starts its fronts from their stored boundary activations, read before any
-forward (and before the backs start loading): a forward must not depend on a read either. Its tensor-parallel
-ranks agree that every one of them read them all (`agree`, a collective over vLLM's tensor-parallel group);
-if one could not, the step's restores fail on every rank alike, and vLLM recomputes them.
+(`latest_fronts`). Each recomputes the chunks before it with vLLM's model (`planned_fronts.py`: the fronts of
+restores that start in one step share forwards, spread over vLLM's steps as its chunked prefill spreads a
+prompt), while a thread loads the chunks from it on (its own slice of the KV heads, keyed by its rank). A chunk
+that misses ends the restore there: vLLM recomputes from its first block on, on every rank together (vLLM
+takes the union of the ranks' failed blocks), so the forwards never depend on a load.
 
 Without a profile there is no cost to plan with, and where nothing may recompute beside vLLM (LoRA:
 `connector.py` says why) the front is empty: every chunk is loaded, front to back, up to the first miss.
@@ -31,10 +24,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import torch
-
-from cacheflow_common.model.transformer import Span
-from cacheflow_common.restore.boundary import BoundaryInput, BoundaryMissingError
 from cacheflow_common.restore.costs import CostModel, best_split
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.restore.loader import KVLoader
@@ -43,6 +32,7 @@ from cacheflow_common.sched.policies import Policy
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.draft import keep_draft_rows
+from cacheflow_services.vllm_connector.planned_fronts import Fronts, front_inputs
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 
@@ -64,6 +54,7 @@ class Split(NamedTuple):
     miss: str  # why the chunk at `end` missed, or "" (all restored)
     batch: int = 1  # restores started together (their fronts shared forwards)
     timed: tuple[tuple[float, float], ...] = ()  # per chunk loaded, in order: (predicted, measured) seconds
+    front_steps: int = 0  # vLLM steps its front's forwards took
 
     @property
     def load_s(self) -> float:
@@ -136,29 +127,41 @@ def restore_split(job: RestoreJob, store: ChunkStore, kv: BlockKV, model: VllmRu
 
 
 def start_splits(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRuntime | None, *, prefill_tokens: int,
-                 on_loaded: Callable[[], None] = lambda: None, agree: Callable[[bool], bool] = lambda ok: ok,
-                 draft_sources: Sequence[tuple[int, str]] = ()) -> list[RunningSplit]:
-    """Start every plan's back loading on a thread of its own, recompute their fronts (positions [start, front))
-    together with vLLM's `model` meanwhile, and return with the loads still running (`on_loaded`: called on a
-    load thread once its loads end; `agree`: whether every tensor-parallel rank read its fronts' inputs, see
-    `front_inputs`; `draft_sources`: the stored rows a draft reads, each (layer, kind): read with each chunk
-    loaded and kept with the plan's KV, where its rerun finds them). Fronts that fail stop every plan's loads
-    (and seal its blocks) first."""
-    inputs = front_inputs(plans, store, model, agree)
+                 step_tokens: int | None = None, on_loaded: Callable[[], None] = lambda: None,
+                 agree: Callable[[bool], bool] = lambda ok: ok, draft_sources: Sequence[tuple[int, str]] = (),
+                 on_fronts_done: Callable[[float], None] = lambda seconds: None) -> list[RunningSplit]:
+    """Start every plan's back loading on a thread of its own, recompute the first step of their fronts
+    (positions [start, front)) together with vLLM's model meanwhile (`step_tokens`: the most front tokens a
+    step takes, None: all), and return with the loads still running and the rest of the fronts in the splits'
+    shared `fronts`, one step per later `Fronts.step` (`on_loaded`: called on a load thread once its loads end;
+    `agree`: whether every tensor-parallel rank read its fronts' inputs, see `front_inputs`; `draft_sources`: the
+    stored rows a draft reads, each (layer, kind): read with each chunk loaded and kept with the plan's KV, where
+    its rerun finds them; `on_fronts_done`: `Fronts`' `on_done`). Fronts that fail in this step stop every
+    plan's loads (and seal its blocks) first."""
+    fronts = Fronts(plans, front_inputs(plans, store, model, agree), model, prefill_tokens=prefill_tokens,
+                    step_tokens=step_tokens, on_done=on_fronts_done)
     loads = [BackLoads(KVLoader(store=store, keys=plan.job.keys, layers=plan.job.layers, kv=plan.kv,
                                 dtype=plan.job.kv_dtype, quant=plan.job.quant, heads=plan.job.heads),
                        [unit for unit, key in enumerate(plan.job.keys) if key.token_end > max(plan.start, plan.front)],
                        on_loaded, keep_draft_rows(plan.job, plan.kv, store, draft_sources)) for plan in plans]
-    try:
-        _recompute(plans, inputs, model, prefill_tokens)
-    except BaseException:
-        for plan, back in zip(plans, loads, strict=True):
-            back.stop()
-            plan.kv.seal()
-        raise
-    return [RunningSplit(plan.job, plan.kv, back, _chunks_between(plan.job, plan.start, plan.front),
-                         max(plan.start, plan.front), batch=len(plans), predicted_s=plan.load_s)
-            for plan, back in zip(plans, loads, strict=True)]
+    running = [RunningSplit(plan.job, plan.kv, back, _chunks_between(plan.job, plan.start, plan.front),
+                            max(plan.start, plan.front), batch=len(plans), predicted_s=plan.load_s,
+                            fronts=fronts, plan=i)
+               for i, (plan, back) in enumerate(zip(plans, loads, strict=True))]
+    if fronts.pending:
+        try:
+            fronts.step()
+        except BaseException:
+            stop_fronts(running)
+            raise
+    return running
+
+
+def stop_fronts(splits: Sequence[RunningSplit]) -> None:
+    """Splits whose shared fronts failed: their loads stop and their blocks are sealed (vLLM recomputes them)."""
+    for split in splits:
+        split.loads.stop()
+        split.kv.seal()
 
 
 class BackLoads:
@@ -211,7 +214,8 @@ class RunningSplit:
     """A planned restore whose front is in the blocks and whose back may still be loading."""
 
     def __init__(self, job: RestoreJob, kv: BlockKV, loads: BackLoads, computed: int, front: int, *,
-                 batch: int = 1, predicted_s: Sequence[float] = ()) -> None:
+                 batch: int = 1, predicted_s: Sequence[float] = (), fronts: Fronts | None = None,
+                 plan: int = 0) -> None:
         self.job = job
         self.kv = kv
         self.loads = loads
@@ -219,8 +223,21 @@ class RunningSplit:
         self.front = front  # the back's loads start here
         self.batch = batch  # restores started with it
         self.predicted_s = predicted_s  # each of the job's chunks' predicted load seconds (none: unknown)
+        self.fronts = fronts  # the fronts it shares with the restores started with it (None: it has none)
+        self.plan = plan  # its place among them
+
+    @property
+    def failed(self) -> BaseException | None:
+        """What its front's forwards raised (its loads are stopping, its blocks sealed), if they failed."""
+        return self.fronts.error if self.fronts is not None else None
+
+    @property
+    def ended(self) -> bool:
+        """Its front is in the blocks (or failed) and no chunk loads any more."""
+        return (self.fronts is None or not self.fronts.pending) and self.loads.ended
 
     def join(self) -> None:
+        """Wait for its loads (its front must be done: `Fronts.step`)."""
         self.loads.join()
 
     def result(self, *, stop: bool = False) -> Split:
@@ -238,83 +255,8 @@ class RunningSplit:
         landed = [0.0, *self.loads.landed_s[: len(hits)]]
         timed = tuple((self.predicted_s[unit] if self.predicted_s else 0.0, landed[i + 1] - landed[i])
                       for i, unit in enumerate(units[: len(hits)]))
-        return Split(end, self.computed, len(hits), self.loads.loader.bytes_read, miss, self.batch, timed)
-
-
-def front_forwards(fronts: Sequence[tuple[int, int]], prefill_tokens: int) -> list[list[tuple[int, int, int]]]:
-    """The forwards that recompute every front [start, front) of `fronts`, in order: each a list of (plan, a, b),
-    the next slice [a, b) of each unfinished front in turn until `prefill_tokens` are taken (a slice attends over
-    the ones before it in the blocks, so a front appears at most once per forward)."""
-    at = [start for start, _ in fronts]
-    forwards = []
-    while any(a < end for a, (_, end) in zip(at, fronts, strict=True)):
-        room, forward = prefill_tokens, []
-        for i, (_, end) in enumerate(fronts):
-            if at[i] < end and room > 0:
-                b = min(end, at[i] + room)
-                forward.append((i, at[i], b))
-                room -= b - at[i]
-                at[i] = b
-        forwards.append(forward)
-    return forwards
-
-
-FrontInput = Callable[[int, int], torch.Tensor]  # positions [a, b) -> the rows entering the rank's first layer
-
-
-def front_inputs(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRuntime | None,
-                 agree: Callable[[bool], bool]) -> list[FrontInput | None]:
-    """Per plan, what its front's forwards start from (None: it has no front). A later pipeline rank reads its
-    fronts' boundary activations here, and, where any plan reads some, `agree` says whether every
-    tensor-parallel rank read all of its own (the same plans on each: all call it, or none); if any rank
-    could not, the step's restores fail here, on every rank, before a forward or a load starts."""
-    if model is None:
-        if any(plan.front > plan.start for plan in plans):
-            raise RuntimeError("a planned front needs vLLM's model")
-        return [None] * len(plans)
-    inputs: list[FrontInput | None] = []
-    error: Exception | None = None
-    for plan in plans:
-        try:
-            inputs.append(_front_input(plan, store, model))
-        except Exception as exc:  # missing, wrong, or its pod unreachable: this rank must still answer `agree`
-            error = exc
-            inputs.append(None)
-    reads = any(plan.job.layers.start > 0 and plan.front > plan.start for plan in plans)
-    if not (agree(error is None) if reads else error is None):  # every rank calls `agree`, failed or not
-        raise error or BoundaryMissingError("another tensor-parallel rank could not read a boundary activation")
-    return inputs
-
-
-def _front_input(plan: SplitPlan, store: ChunkStore, model: VllmRuntime) -> FrontInput | None:
-    """The plan's front input: its tokens' embeddings on the first pipeline rank; on a later one, its stored
-    boundary activations (the front's chunks, read now: BoundaryMissingError if one is missing or wrong)."""
-    job = plan.job
-    if plan.front <= plan.start:
-        return None
-    if job.layers.start == 0:
-        ids = torch.tensor(job.token_ids, dtype=torch.long)  # [N]
-        return lambda a, b: model.embed(ids[a:b])  # [b - a, hidden]
-    first = max(key.token_start for key in job.keys if key.token_start <= plan.start)  # the chunk holding `start`
-    with BoundaryInput(job, store, device=model.device, prefetch=0) as boundary:
-        rows = boundary(first, plan.front).to(model.dtype)  # [front - first, hidden]
-    return lambda a, b: rows[a - first : b - first]
-
-
-def _recompute(plans: Sequence[SplitPlan], inputs: Sequence[FrontInput | None], model: VllmRuntime | None,
-               prefill_tokens: int) -> None:
-    """vLLM's model over every plan's positions [start, front), from `inputs`, in the forwards `front_forwards`
-    gives."""
-    for forward in front_forwards([(plan.start, plan.front) for plan in plans], prefill_tokens):
-        assert model is not None  # front_inputs checked it
-        hidden = torch.cat([_input(inputs[i])(a, b) for i, a, b in forward])  # [sum of b - a, hidden]
-        spans = [Span(plans[i].kv, a, b - a) for i, a, b in forward]  # each slice's KV into its request's blocks
-        model.forward_layers(hidden, plans[forward[0][0]].job.layers, spans)
-
-
-def _input(front_input: FrontInput | None) -> FrontInput:
-    assert front_input is not None, "a plan with a front has an input"
-    return front_input
+        steps = self.fronts.plan_steps[self.plan] if self.fronts is not None else 0
+        return Split(end, self.computed, len(hits), self.loads.loader.bytes_read, miss, self.batch, timed, steps)
 
 
 def _chunks_between(job: RestoreJob, start: int, front: int) -> int:

@@ -70,6 +70,7 @@ from cacheflow_services.vllm_connector.paged import (
 )
 from cacheflow_services.vllm_connector.paged_attention import PagedKV
 from cacheflow_services.vllm_connector.plan import LoadSpec, PromptRows, SaveSpec
+from cacheflow_services.vllm_connector.planned_fronts import step_token_budget
 from cacheflow_services.vllm_connector.planned_loads import PlannedLoads
 from cacheflow_services.vllm_connector.planned_split import (
     RunningSplit,
@@ -162,6 +163,7 @@ class WorkerEngine:
         self.policy, self.link = connector_policy(cfg, self.profile)  # the link: bytes/s, if known
         self.calibration = Calibration()  # planned restores' measured / predicted times (planned_split.py)
         self._fronts_warm = False  # a planned front was computed (the first is not learned from)
+        self.front_step_tokens = cfg.front_step_tokens or step_token_budget(vllm_config)  # fronts' tokens per step
         self.attention_isa = attention_isa if cfg.attention == "vllm" else ""
         self._engine: Engine | None = None  # started at the first restore
         self._async = AsyncLoads(self, timeout_s=cfg.restore_timeout_s) if cfg.async_loads else None
@@ -323,11 +325,12 @@ class WorkerEngine:
             restored.append(Restored(spec, running.job, running.kv, done.end))
         return failed | self.rerun_drafts(restored) if self.drafts else failed
 
-    def start_splits(self, specs: Sequence[LoadSpec], *, on_loaded: Callable[[], None] = lambda: None
-                     ) -> list[RunningSplit | BaseException]:
+    def start_splits(self, specs: Sequence[LoadSpec], *, on_loaded: Callable[[], None] = lambda: None,
+                     in_steps: bool = False) -> list[RunningSplit | BaseException]:
         """Planned restores started together: each back loading on a thread, every front recomputed in shared
-        forwards (returns after them). A restore that cannot start is its error instead (a front that fails
-        fails every restore of the step: they shared its forwards)."""
+        forwards: all of them before this returns, or (`in_steps`) the first step of them, the rest in the splits'
+        `fronts`, a step at a time (`front_step_tokens`). A restore that cannot start is its error instead (a
+        front that fails fails every restore of the step: they shared its forwards)."""
         model = self.model if isinstance(self.model, VllmRuntime) else None
         costs = self.profile.cost_model(self.link) if self.profile is not None else None
         sources = self.draft_inputs()
@@ -348,19 +351,21 @@ class WorkerEngine:
         if self.tp_rank is not None and costs is not None and model is not None:
             plans = latest_fronts(plans, self.agree_min)  # each rank's follow its own measurements
         started = [p for p in plans if isinstance(p, SplitPlan)]
-        began = time.perf_counter()
+        predicted_s = sum(front_compute_s(p, costs) for p in started) if costs is not None else 0.0
         try:
             running = iter(start_splits(started, self.store, model, prefill_tokens=PREFILL_TOKENS,
-                                        on_loaded=on_loaded, agree=self._agree, draft_sources=sources))
+                                        step_tokens=self.front_step_tokens if in_steps else None,
+                                        on_loaded=on_loaded, agree=self._agree, draft_sources=sources,
+                                        on_fronts_done=lambda seconds: self._fronts_timed(predicted_s, seconds)))
         except Exception as exc:  # the shared fronts failed: every restore that started fails with them
             return [p if isinstance(p, BaseException) else exc for p in plans]
-        if costs is not None and self.cfg.calibrate:  # the fronts' forwards, as the step ran them
-            self._fronts_timed(sum(front_compute_s(p, costs) for p in started), time.perf_counter() - began)
         return [p if isinstance(p, BaseException) else next(running) for p in plans]
 
     def _fronts_timed(self, predicted_s: float, measured_s: float) -> None:
         """Learn from a step's fronts, but the process's first (it warms vLLM's kernels and metadata builders up:
         2-3 s at TP 2 on CPU, against tenths of a second after)."""
+        if not self.cfg.calibrate:
+            return
         if predicted_s > 0 and self._fronts_warm:
             self.calibration.compute_measured(predicted_s, measured_s)
         self._fronts_warm = self._fronts_warm or predicted_s > 0
@@ -384,7 +389,7 @@ class WorkerEngine:
                          bytes_loaded=done.bytes_read, batch=done.batch, elapsed_s=elapsed_s, runtime=self.runtime,
                          asynchronous=asynchronous, attention="vllm", tp_rank=self.tp_rank, load_s=done.load_s,
                          predicted_load_s=done.predicted_load_s, load_scale=self.calibration.load_scale,
-                         compute_scale=self.calibration.compute_scale,
+                         compute_scale=self.calibration.compute_scale, front_steps=done.front_steps,
                          layers=[self.layers.start, self.layers.stop])
         return blocks_from(spec, done.end, self.block_size) if done.miss else set()
 
