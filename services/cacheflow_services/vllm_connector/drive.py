@@ -5,7 +5,8 @@
 run.json: {"model": dir, "prompts": [[token ids], ...], "max_tokens": 8, "out": path,
            "connector": {extra config} or null, "reference_connector": a folder or null,
            "max_model_len": 4096, "dtype": "float32", "prefix_caching": false,
-           "block_size": 128, "max_num_batched_tokens": vLLM's default, "kv_cache_dtype": "auto",
+           "block_size": 128, "max_num_batched_tokens": vLLM's default, "long_prefill_token_threshold": vLLM's
+           default, "kv_cache_dtype": "auto",
            "batches": [[prompt indices submitted together], ...] (default: each prompt alone, in order),
            "cache_salts": [a prompt's cache_salt or null, ...] (default: none),
            "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enable_lora": false, "max_loras": 1,
@@ -69,8 +70,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     started = time.perf_counter()
     extra = spec.get("connector")  # CacheFlow's settings, or None
-    # the scheduler's token budget per step (vLLM's default on CPU: 4,096, so a longer prompt is prefilled in chunks)
-    budget = {"max_num_batched_tokens": spec["max_num_batched_tokens"]} if "max_num_batched_tokens" in spec else {}
+    # the scheduler's token budget per step (vLLM's default on CPU: 4,096, so a longer prompt is prefilled in chunks),
+    # and the most of it one request's prefill takes while others run (vLLM's default: no limit)
+    budget = {key: spec[key] for key in ("max_num_batched_tokens", "long_prefill_token_threshold") if key in spec}
     slots = {"max_loras": spec.get("max_loras", 1)} if spec.get("enable_lora") else {}
     pipeline = spec.get("pipeline_parallel_size", 1)
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), skip_tokenizer_init=True, seed=0,
