@@ -14,6 +14,9 @@ from cacheflow_common.sched.work import StageWork
 # How fast calibration follows measurements: 0.3 tracks a machine whose speed drifts without chasing
 # one noisy load or step.
 CALIBRATION_WEIGHT = 0.3
+# A process's first compute measured this much slower than predicted is taken for its warm-up (kernels, metadata
+# builders: 2-3 s for a planned front at TP 2 on CPU, against tenths of a second after), not learnt from.
+WARM_UP_RATIO = 3.0
 
 
 class Calibration:
@@ -24,6 +27,7 @@ class Calibration:
         self.load_scale = 1.0  # measured / predicted load time
         self.compute_scale = 1.0  # measured / predicted compute time (planned restores)
         self._compute_seen = False  # whether compute_scale holds a measurement yet
+        self._compute_warm = False  # whether compute was measured at all (the first may be a warm-up)
         self._step_s: dict[int, float] = {}  # stage -> measured seconds per compute step (moving average)
 
     def load_landed(self, load: InFlightLoad, now: float | None) -> None:
@@ -39,8 +43,13 @@ class Calibration:
     def compute_measured(self, predicted_s: float, measured_s: float) -> None:
         """Compute the cost model predicted (uncalibrated) would take `predicted_s` took `measured_s`. The first
         measurement is taken as it is (as `step_done`'s first step): one comes per step of fronts, too few for
-        a moving average to leave its prior soon; loads, measured per chunk, leave it within one restore."""
-        if predicted_s > 0:
+        a moving average to leave its prior soon; loads, measured per chunk, leave it within one restore. The
+        process's very first is not learnt from if it took over `WARM_UP_RATIO` times its calibrated prediction."""
+        if predicted_s <= 0:
+            return
+        warming_up = not self._compute_warm and measured_s > WARM_UP_RATIO * predicted_s * self.compute_scale
+        self._compute_warm = True
+        if not warming_up:
             scale = measured_s / predicted_s
             self.compute_scale = _moved(self.compute_scale, scale) if self._compute_seen else scale
             self._compute_seen = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cacheflow_common.sched.calibration import CALIBRATION_WEIGHT, Calibration
+from cacheflow_common.sched.calibration import CALIBRATION_WEIGHT, WARM_UP_RATIO, Calibration
 from cacheflow_common.sched.loads import InFlightLoad, LoadsInFlight
 from cacheflow_common.sched.tasks import LoadTask
 
@@ -38,6 +38,14 @@ def test_loads_and_compute_measured_against_uncalibrated_predictions_teach_their
     assert calibration.compute_scale == pytest.approx(0.5)  # the first compute measured, as it is (one per step)
     calibration.compute_measured(1.0, 1.5)
     assert calibration.compute_scale == pytest.approx(0.5 + CALIBRATION_WEIGHT * (1.5 - 0.5))
+
+
+def test_a_first_compute_far_slower_than_predicted_is_a_warm_up_not_learnt_from():
+    calibration = Calibration()
+    calibration.compute_measured(1.0, WARM_UP_RATIO + 1)  # the process's first: its warm-up
+    assert calibration.compute_scale == 1.0
+    calibration.compute_measured(1.0, WARM_UP_RATIO + 1)  # a second as slow is what compute takes
+    assert calibration.compute_scale == pytest.approx(WARM_UP_RATIO + 1)
 
 
 def test_the_first_step_is_taken_as_measured_then_averaged():

@@ -162,7 +162,6 @@ class WorkerEngine:
         self._first_layer = ""  # the name of the rank's first attention layer, set at `register`
         self.policy, self.link = connector_policy(cfg, self.profile)  # the link: bytes/s, if known
         self.calibration = Calibration()  # planned restores' measured / predicted times (planned_split.py)
-        self._fronts_warm = False  # a planned front was computed (the first is not learned from)
         self.front_step_tokens = cfg.front_step_tokens or step_token_budget(vllm_config)  # fronts' tokens per step
         self.attention_isa = attention_isa if cfg.attention == "vllm" else ""
         self._engine: Engine | None = None  # started at the first restore
@@ -362,13 +361,9 @@ class WorkerEngine:
         return [p if isinstance(p, BaseException) else next(running) for p in plans]
 
     def _fronts_timed(self, predicted_s: float, measured_s: float) -> None:
-        """Learn from a step's fronts, but the process's first (it warms vLLM's kernels and metadata builders up:
-        2-3 s at TP 2 on CPU, against tenths of a second after)."""
-        if not self.cfg.calibrate:
-            return
-        if predicted_s > 0 and self._fronts_warm:
+        """Learn from a step's fronts (the process's first may be vLLM's warm-up: `Calibration.compute_measured`)."""
+        if self.cfg.calibrate:
             self.calibration.compute_measured(predicted_s, measured_s)
-        self._fronts_warm = self._fronts_warm or predicted_s > 0
 
     def _agree(self, ok: bool) -> bool:
         """Whether `ok` holds on every tensor-parallel rank of this pipeline rank (with none, this one's)."""
