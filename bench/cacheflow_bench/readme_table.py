@@ -25,7 +25,9 @@ COMMANDS = {"restore_single": "cacheflow bench restore", "storage": "cacheflow b
             "vllm": "cacheflow bench vllm", "vllm_memory": "python -m cacheflow_bench.vllm_memory",
             "vllm_stall": "cacheflow bench vllm-stall", "vllm_eagle": "cacheflow bench vllm-eagle",
             "vllm_draft_model": "cacheflow bench vllm-eagle --draft draft_model",
-            "vllm_stall_eagle": "cacheflow bench vllm-stall --draft eagle"}
+            "vllm_stall_eagle": "cacheflow bench vllm-stall --draft eagle",
+            "vllm_stall_step256": "cacheflow bench vllm-stall --step-tokens 256",
+            "vllm_stall_eagle_step256": "cacheflow bench vllm-stall --draft eagle --step-tokens 256"}
 Results = dict[str, dict[str, Any]]
 DRAFT_NAMES = {"eagle": "EAGLE draft", "draft_model": "draft model"}  # a speculative method's draft, in words
 
@@ -295,6 +297,13 @@ def drafting(body: dict[str, Any]) -> str:
     return f", every process drafting with a random one-layer {DRAFT_NAMES[body['draft']]}" if body.get("draft") else ""
 
 
+def chunking(body: dict[str, Any]) -> str:
+    """How a vllm-stall result capped one request's prefill per step, as a clause ("" where it did not)."""
+    tokens = body.get("step_tokens")
+    return (f", one request's prefill capped at {tokens} tokens a step while others run (vLLM's "
+            f"long_prefill_token_threshold, in every process), the connector's planned fronts too") if tokens else ""
+
+
 def vllm_stall_row(r: Row) -> tuple[str, str]:
     target = "the decoders stall less than with the restore in vLLM's step"
     columns = r.body.get("columns", {})
@@ -308,7 +317,7 @@ def vllm_stall_row(r: Row) -> tuple[str, str]:
                      f"vLLM's step, {stall['vllm']} s without the connector; the restored request's TTFT "
                      f"{ttft['background']} / {ttft['in-step']} / {ttft['vllm']} s")
     headline = (f"{r.body['decoders']} requests decoding when a {r.body['prefix_tokens']}-token cached prefix "
-                f"arrives (Tio/Tcomp = 1){drafting(r.body)}: " + "; ".join(parts))
+                f"arrives (Tio/Tcomp = 1){drafting(r.body)}{chunking(r.body)}: " + "; ".join(parts))
     return headline, target
 
 
@@ -341,6 +350,9 @@ ROWS: tuple[tuple[str, str, Callable[[Row], tuple[str, str]]], ...] = (
     ("vllm_memory", "vLLM memory with the connector", vllm_memory_row),
     ("vllm_stall", "a restore beside decoding requests, vLLM", vllm_stall_row),
     ("vllm_stall_eagle", "a restore beside decoding requests with an EAGLE draft, vLLM", vllm_stall_row),
+    ("vllm_stall_step256", "a restore beside decoding requests, prefill chunked, vLLM", vllm_stall_row),
+    ("vllm_stall_eagle_step256", "a restore beside decoding requests with an EAGLE draft, prefill chunked, vLLM",
+     vllm_stall_row),
     ("vllm_eagle", "an EAGLE draft in a restore, vLLM", vllm_eagle_row),
     ("vllm_draft_model", "a draft model in a restore, vLLM", vllm_eagle_row),
 )

@@ -38,10 +38,14 @@ from cacheflow_bench.common import RESULTS_DIR, SCRATCH_DIR, machine_facts, mark
 from cacheflow_bench.readme_table import commit_of, commit_problems
 
 SUITE = ("restore_single", "storage", "latency", "stages", "batch", "sched_scale", "sweep", "chaos", "vllm",
-         "vllm_memory", "vllm_stall", "vllm_stall_eagle", "vllm_eagle", "vllm_draft_model")  # each writes <name>.json
+         "vllm_memory", "vllm_stall", "vllm_stall_eagle", "vllm_stall_step256", "vllm_stall_eagle_step256",
+         "vllm_eagle", "vllm_draft_model")  # each writes <name>.json
 # a benchmark's module in cacheflow_bench, where not named as its results, and the arguments that make it write them
-MODULES = {"stages": "parallel_stages", "vllm_draft_model": "vllm_eagle", "vllm_stall_eagle": "vllm_stall"}
-SETTING = {"vllm_draft_model": ["--draft", "draft_model"], "vllm_stall_eagle": ["--draft", "eagle"]}
+MODULES = {"stages": "parallel_stages", "vllm_draft_model": "vllm_eagle", "vllm_stall_eagle": "vllm_stall",
+           "vllm_stall_step256": "vllm_stall", "vllm_stall_eagle_step256": "vllm_stall"}
+SETTING = {"vllm_draft_model": ["--draft", "draft_model"], "vllm_stall_eagle": ["--draft", "eagle"],
+           "vllm_stall_step256": ["--step-tokens", "256"],
+           "vllm_stall_eagle_step256": ["--draft", "eagle", "--step-tokens", "256"]}
 Section = Callable[[dict[str, dict[str, Any]], Path, bool], list[str]]
 
 
@@ -197,6 +201,9 @@ def other_sections(results: dict[str, dict[str, Any]], out: Path, mixed: bool) -
                         ("vllm_memory", "vLLM memory with the connector"),
                         ("vllm_stall", "A restore beside decoding requests (vLLM)"),
                         ("vllm_stall_eagle", "A restore beside decoding requests, with an EAGLE draft (vLLM)"),
+                        ("vllm_stall_step256", "A restore beside decoding requests, prefill chunked at 256 (vLLM)"),
+                        ("vllm_stall_eagle_step256",
+                         "A restore beside decoding requests, with an EAGLE draft, prefill chunked at 256 (vLLM)"),
                         ("vllm_eagle", "An EAGLE draft in a restore (vLLM)"),
                         ("vllm_draft_model", "A draft model in a restore (vLLM)")):
         body = results.get(name)

@@ -46,7 +46,7 @@ from cacheflow_bench.common import (
     provenance,
     publish,
 )
-from cacheflow_bench.readme_table import drafting
+from cacheflow_bench.readme_table import chunking, drafting
 from cacheflow_bench.vllm import BLOCK, SUFFIX, VOCAB, Bench, kv_bytes, require_vllm
 from cacheflow_bench.vllm_compat_cell import drive
 from cacheflow_bench.vllm_eagle import DRAFT_TOKENS, DRAFTS, save_draft
@@ -172,13 +172,6 @@ def report(body: dict[str, Any]) -> str:
             + markdown_table(header, rows) + "\n\n" + "\n".join(f"- {k}: {v:.3f}" if isinstance(v, float)
                                                                 else f"- {k}: {v}" for k, v in body["summary"].items())
             + "\n")
-
-
-def chunking(body: dict[str, Any]) -> str:
-    """How a run capped one request's prefill per step, if it did."""
-    tokens = body.get("step_tokens")
-    return (f"; one request's prefill capped at {tokens} tokens a step while others run (vLLM's "
-            f"long_prefill_token_threshold, in every process), the connector's planned fronts too") if tokens else ""
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
