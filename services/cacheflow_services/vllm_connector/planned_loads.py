@@ -171,10 +171,10 @@ class PlannedLoads:
         their first); in a step that scheduled nothing (`idle`), every step left of them all, as vLLM lifts its
         cap on a prefill that has no request to starve. The slices of requests vLLM finished are left out
         first. A step that fails stops its restores' loads and seals their blocks: they are reported as failed."""
-        for fronts, splits in self._fronts:
-            for split in splits:
-                if split.fronts is fronts and self._aborted(split, aborted):
-                    fronts.drop(split.plan)
+        for request_id in aborted & self._running.keys():
+            split = self._running[request_id].split
+            if split is not None and split.fronts is not None:
+                split.fronts.drop(split.plan)
         while self._fronts and not self._fronts[0][0].pending:  # every request of them finished
             self._fronts.popleft()
         while self._fronts and (idle or not self._started_fronts):
@@ -189,9 +189,6 @@ class PlannedLoads:
             if not idle:
                 break
         self._started_fronts = False
-
-    def _aborted(self, split: RunningSplit, aborted: set[str]) -> bool:
-        return any(running.split is split and request_id in aborted for request_id, running in self._running.items())
 
     def _any_ended(self) -> bool:
         return any(running.ended for running in self._running.values())
