@@ -276,15 +276,21 @@ def parallel_lines(body: dict[str, Any]) -> list[str]:
 def per_process_line(body: dict[str, Any], split: str) -> str:
     """Each process's resident memory after the trim over vLLM alone's same process, per configuration (medians;
     vLLM's driver first, then its ranks in order)."""
-    def process_medians(name: str) -> list[float]:
+    def process_medians(name: str, key: str) -> list[float]:
         runs = [r["processes"] for r in body["rows"] if r["config"] == name and layout(r) == split]
-        return [median([run[i]["trimmed_rss_bytes"] for run in runs]) for i in range(len(runs[0]))]
+        return [median([run[i].get(key, 0) for run in runs]) for i in range(len(runs[0]))]
 
-    alone = process_medians("vllm")
-    added = {name: ", ".join(f"{(m - a) / MiB:+.0f}" for m, a in zip(process_medians(name), alone, strict=True))
-             for name in dict.fromkeys(r["config"] for r in body["rows"] if layout(r) == split) if name != "vllm"}
+    def added(key: str, unit: float) -> str:
+        alone = process_medians("vllm", key)
+        return "; ".join(f"{name} " + ", ".join(f"{(m - a) / unit:+.0f}" for m, a in
+                                                 zip(process_medians(name, key), alone, strict=True))
+                         for name in dict.fromkeys(r["config"] for r in body["rows"] if layout(r) == split)
+                         if name != "vllm")
+
+    modules = all("python_modules" in p for r in body["rows"] for p in r["processes"])  # not in older runs
     return ("After the trim, per process over vLLM alone's (MiB; the driver, then each rank): "
-            + "; ".join(f"{name} {figures}" for name, figures in added.items()) + ".")
+            + added("trimmed_rss_bytes", MiB) + "."
+            + (f" Python modules loaded, the same way: {added('python_modules', 1)}." if modules else ""))
 
 
 def reference_line(body: dict[str, Any], split: str, over: dict[str, float] | None) -> str:

@@ -50,7 +50,13 @@ from cacheflow_common.errors import ConfigError
 from cacheflow_common.store.prefix import cached_prefix_tokens
 from cacheflow_services.vllm_connector.both_sides import StatsLog, blocks_from, open_store
 from cacheflow_services.vllm_connector.config import ConnectorConfig
-from cacheflow_services.vllm_connector.model_identity import KVGeometry, chunk_fingerprint, head_split, salted
+from cacheflow_services.vllm_connector.model_identity import (
+    KVGeometry,
+    chunk_fingerprint,
+    fingerprint_needs_layout,
+    head_split,
+    salted,
+)
 from cacheflow_services.vllm_connector.paged import draft_model_layer
 from cacheflow_services.vllm_connector.plan import Keying, LoadSpec, PromptRows, SaveSpec, SchedulerPlan
 from cacheflow_services.vllm_connector.support import (
@@ -116,8 +122,9 @@ class CacheFlowConnector(KVConnectorBase_V1):
             log.info("CacheFlow restores with a meeting point planned up front (tensor parallelism)")
         self.inactive = self._resolve_model(model_config.revision) \
             or unsupported(vllm_config, self.cfg.model, self.cfg.runtime) or unsupported_cache(kv_cache_config)
-        try:
-            isa, layout = _cache_layout(vllm_config)
+        try:  # the scheduler's chunk keys need the layout only for an fp8 cache (model_identity.py)
+            isa, layout = _cache_layout(vllm_config, exact=role != KVConnectorRole.SCHEDULER
+                                        or fingerprint_needs_layout(vllm_config))
         except ConfigError as exc:
             self.inactive = self.inactive or str(exc)
         if self.inactive:
@@ -330,12 +337,29 @@ def _cpu_attention_isa(vllm_config: VllmConfig) -> str:
     return str(_get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype))
 
 
-def _cache_layout(vllm_config: VllmConfig) -> tuple[str, str]:
-    """vLLM's CPU attention kernel ("" on a GPU) and how K and V sit in its cache's blocks (paged.py)."""
+def _cache_layout(vllm_config: VllmConfig, exact: bool = True) -> tuple[str, str]:
+    """vLLM's CPU attention kernel ("" on a GPU) and how K and V sit in its cache's blocks (paged.py). Not
+    `exact` (a scheduler whose chunk keys need no layout): ("", "") once the CPU is one whose kernels' layouts
+    the connector knows, without importing vLLM's CPU attention backend (250 modules, 4 MiB in a process that
+    does not otherwise load them: the driver of a tensor- or pipeline-parallel instance)."""
     if vllm_config.device_config.device_type != "cpu":
         return "", "split"
+    if not exact:
+        _check_cpu_architecture()
+        return "", ""
     isa = _cpu_attention_isa(vllm_config)
     return isa, _paged_layout(isa)
+
+
+def _check_cpu_architecture() -> None:
+    """ConfigError unless vLLM's CPU attention runs one of its x86 kernels, whose block layouts the connector
+    knows (`_paged_layout`; a rank also checks the exact kernel)."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    arch = current_platform.get_cpu_architecture()
+    if arch != CpuArchEnum.X86:
+        raise ConfigError(f"the CacheFlow connector knows the KV layouts of vLLM's x86 CPU attention kernels only, "
+                          f"not {arch.name}'s")
 
 
 def _paged_layout(isa: str) -> str:

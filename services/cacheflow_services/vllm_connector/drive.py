@@ -201,7 +201,7 @@ def process_memory(worker: Any = None) -> dict[str, int]:
     heap holds for live allocations (`heap_in_use_bytes`: glibc's `mallinfo2`, its arenas' in-use bytes plus
     its mmapped chunks; 0 where the C library has none). The trimmed RSS still holds freed memory the
     allocator keeps (the free top of a thread's own arena, which `malloc_trim` leaves); the heap in use does
-    not."""
+    not; and how many Python modules the process has loaded (where the fixed costs come from)."""
     import ctypes
 
     def status() -> dict[str, int]:
@@ -214,7 +214,8 @@ def process_memory(worker: Any = None) -> dict[str, int]:
     libc.malloc_trim(0)
     return {"pid": os.getpid(), "rss_bytes": before["VmRSS"], "peak_rss_bytes": before["VmHWM"],
             "anon_rss_bytes": before["RssAnon"], "file_rss_bytes": before["RssFile"],
-            "trimmed_rss_bytes": status()["VmRSS"], "heap_in_use_bytes": _heap_in_use(libc)}
+            "trimmed_rss_bytes": status()["VmRSS"], "heap_in_use_bytes": _heap_in_use(libc),
+            "python_modules": len(sys.modules)}
 
 
 def _heap_in_use(libc: Any) -> int:

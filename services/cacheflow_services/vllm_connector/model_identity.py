@@ -70,9 +70,15 @@ def chunk_fingerprint(model_dir: Path, vllm_config: Any, layout: str) -> str:
     does not depend on tensor parallelism: a rank's chunks are objects holding its KV heads (`rank_heads`),
     which an instance of any tensor-parallel size reads its own heads out of."""
     dtype = vllm_config.model_config.dtype
-    if vllm_config.cache_config.cache_dtype == "auto":
+    if not fingerprint_needs_layout(vllm_config):
         return model_fingerprint(model_dir, dtype)
     return _digest(f"{files_fingerprint(model_dir, dtype)}|{kv_dtype(vllm_config)}|{layout}".encode())
+
+
+def fingerprint_needs_layout(vllm_config: Any) -> bool:
+    """Whether chunk keys depend on the cache's layout: an fp8 cache's chunks hold its bytes as they are; a
+    model-dtype cache's are stored in CacheFlow's own [2, Hkv, T, D] whatever the kernel (paged.py)."""
+    return vllm_config.cache_config.cache_dtype != "auto"
 
 
 def rank_heads(vllm_config: Any, tp_rank: int | None) -> HeadRange | None:
