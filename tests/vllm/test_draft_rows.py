@@ -117,7 +117,7 @@ class _Stub:
         self.reach, self.fails = reach, fails
         self.ran: list[tuple[str, int, int]] = []
 
-    def rows(self, spec: LoadSpec, job: Any, kv: Any, store: Any, end: int) -> tuple[torch.Tensor, int]:
+    def rows(self, spec: LoadSpec, job: Any, kv: Any, store: Any, end: int, share: Any) -> tuple[torch.Tensor, int]:
         if spec.req_id in self.fails:
             raise RuntimeError("no draft model")
         return ROWS[spec.start : self.reach[spec.req_id]], self.reach[spec.req_id]

@@ -25,7 +25,10 @@ its drafts never change the output (the target verifies them), only how many are
 
 Under tensor parallelism the draft's layers are split like the target's, so every rank runs the same draft
 forwards, in lockstep: the ranks agree on how far each restore's draft goes (the least any rank reached:
-`restore_drafts`) before any of them runs it. A restore in the background (`planned_loads.py`) reruns its draft
+`restore_drafts`) before any of them runs it. The rows are not split by head: every rank's draft reads all of
+them. So the ranks share them (`ranks.RowShare`): each stores and reads those of every TP-th chunk, and before
+the rerun the ranks add up what they read over vLLM's tensor-parallel group, as bytes (exact: each byte is one
+rank's), so each moves 1/TP of the rows instead of all of them (the chunks' predicted load times count 1/TP). A restore in the background (`planned_loads.py`) reruns its draft
 once its loads ended on every rank (each rank's end when they do: the ranks agree on that first).
 
 An MTP draft (`"method": "mtp"`: the model's own multi-token-prediction layers, e.g. MiMo's, GLM-4.5's) is fed
@@ -59,6 +62,7 @@ from cacheflow_common.restore.boundary import BoundaryInput, BoundaryMissingErro
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.plan import LoadSpec
+from cacheflow_services.vllm_connector.ranks import ONE_RANK, RowShare
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime, forward_groups
 
 
@@ -75,10 +79,12 @@ class DraftPass:
         self.sources = tuple(sources)
         self.combine = combine
 
-    def rows(self, spec: LoadSpec, job: RestoreJob, kv: BlockKV, store: Any, end: int) -> tuple[torch.Tensor, int]:
+    def rows(self, spec: LoadSpec, job: RestoreJob, kv: BlockKV, store: Any, end: int,
+             share: RowShare = ONE_RANK) -> tuple[torch.Tensor, int]:
         """The draft's input rows for positions [spec.start, end'), [end' - start, k * hidden] (the `sources` side by
         side), and end' (<= end): the rows vLLM's model returned, else those stored with the chunk, up to the
-        first chunk with neither. A draft model reads no rows: [0, 0], and end."""
+        first chunk with neither. A draft model reads no rows: [0, 0], and end. Under tensor parallelism only the
+        chunks `share` gives this rank, zeros elsewhere (`RowShare.gather` adds the ranks' up)."""
         if not self.sources:
             return torch.empty(0, 0), end
         parts, reached = [], spec.start
@@ -86,6 +92,11 @@ class DraftPass:
             if key.token_end <= spec.start or key.token_start >= end:
                 continue
             first, last = max(key.token_start, spec.start), min(key.token_end, end)
+            if not share.mine(key.index):  # another rank's: it reads them, or stops the draft where it cannot
+                width = len(self.sources) * self.runtime.config.hidden_size  # a row's: its sources side by side
+                parts.append(torch.zeros(last - first, width, dtype=self.runtime.dtype, device=self.runtime.device))
+                reached = last
+                continue
             rows = kv.outputs(first, last)
             if rows is None:
                 try:
@@ -139,14 +150,16 @@ def stored_rows(job: RestoreJob, store: Any, sources: Sequence[tuple[int, str]],
         key.token_start, key.token_end) for layer, kind in sources], dim=-1)
 
 
-def keep_draft_rows(job: RestoreJob, kv: BlockKV, store: Any, sources: Sequence[tuple[int, str]]
-                    ) -> Callable[[int], None]:
+def keep_draft_rows(job: RestoreJob, kv: BlockKV, store: Any, sources: Sequence[tuple[int, str]],
+                    share: RowShare = ONE_RANK) -> Callable[[int], None]:
     """What to do after each chunk a restore loads (called with its index, on the loading thread): read the rows
-    its draft reads there (`sources`; none: nothing) and keep them with the restore's KV, where the draft's rerun
-    finds them (`DraftPass.rows`) instead of reading them one by one after the loads. A chunk without them is
-    left for the rerun, which stops there."""
+    its draft reads there (`sources`; none: nothing; under tensor parallelism the chunks `share` gives this rank)
+    and keep them with the restore's KV, where the draft's rerun finds them (`DraftPass.rows`) instead of reading
+    them one by one after the loads. A chunk without them is left for the rerun, which stops there."""
     def keep(unit: int) -> None:
         key = job.keys[unit]
+        if not share.mine(key.index):
+            return
         try:
             kv.keep(key.token_start, stored_rows(job, store, sources, key))  # [C, k * hidden]
         except Exception:  # missing, wrong, its pod unreachable: the rerun reads it again and stops there
@@ -156,22 +169,24 @@ def keep_draft_rows(job: RestoreJob, kv: BlockKV, store: Any, sources: Sequence[
 
 
 def restore_drafts(restored: Sequence[Restored], draft: Callable[[], DraftPass], store: Any, *,
-                   agree: Callable[[list[int]], list[int]], event: Callable[..., None]) -> list[int]:
+                   agree: Callable[[list[int]], list[int]], event: Callable[..., None],
+                   share: RowShare = ONE_RANK) -> list[int]:
     """Rerun the draft over each restore, every tensor-parallel rank the same forwards (`agree`: the least of each
-    value over the ranks). Returns where each restore's draft ended (its start: not run); vLLM computes the
-    rest."""
+    value over the ranks) over the same rows (each rank read its `share`: `RowShare.gather`). Returns where each
+    restore's draft ended (its start: not run); vLLM computes the rest."""
     found: list[tuple[torch.Tensor | None, int]] = []
     for r in restored:
         try:
-            found.append(draft().rows(r.spec, r.job, r.kv, store, r.end) if r.job and r.kv else (None, r.spec.start))
+            found.append(draft().rows(r.spec, r.job, r.kv, store, r.end, share) if r.job and r.kv
+                         else (None, r.spec.start))
         except Exception as exc:  # a rank without the draft model, say: no rank reruns this one's draft
             event("draft_error", req=r.spec.req_id, error=f"{type(exc).__name__}: {exc}")
             found.append((None, r.spec.start))
     reached = agree([end for _, end in found])
     for r, (rows, _), end in zip(restored, found, reached, strict=True):
         started = time.perf_counter()
-        if rows is not None and r.kv is not None and end > r.spec.start:
-            draft().run(r.spec, r.kv, rows[: end - r.spec.start], end)
+        if rows is not None and r.kv is not None and end > r.spec.start:  # so on every rank (`agree`)
+            draft().run(r.spec, r.kv, share.gather(rows[: end - r.spec.start]), end)
         event("draft", req=r.spec.req_id, tokens=end - r.spec.start, short=r.end - end,
               elapsed_s=time.perf_counter() - started)
     return reached

@@ -33,6 +33,7 @@ from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.draft import keep_draft_rows
 from cacheflow_services.vllm_connector.planned_fronts import Fronts, front_inputs
+from cacheflow_services.vllm_connector.ranks import ONE_RANK, RowShare
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 
@@ -129,21 +130,24 @@ def restore_split(job: RestoreJob, store: ChunkStore, kv: BlockKV, model: VllmRu
 def start_splits(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRuntime | None, *, prefill_tokens: int,
                  step_tokens: int | None = None, on_loaded: Callable[[], None] = lambda: None,
                  agree: Callable[[bool], bool] = lambda ok: ok, draft_sources: Sequence[tuple[int, str]] = (),
-                 on_fronts_done: Callable[[float], None] = lambda seconds: None) -> list[RunningSplit]:
+                 on_fronts_done: Callable[[float], None] = lambda seconds: None,
+                 row_share: RowShare = ONE_RANK) -> list[RunningSplit]:
     """Start every plan's back loading on a thread of its own, recompute the first step of their fronts
     (positions [start, front)) together with vLLM's model meanwhile (`step_tokens`: the most front tokens a
     step takes, None: all), and return with the loads still running and the rest of the fronts in the splits'
     shared `fronts`, one step per later `Fronts.step` (`on_loaded`: called on a load thread once its loads end;
     `agree`: whether every tensor-parallel rank read its fronts' inputs, see `front_inputs`; `draft_sources`: the
     stored rows a draft reads, each (layer, kind): read with each chunk loaded and kept with the plan's KV, where
-    its rerun finds them; `on_fronts_done`: `Fronts`' `on_done`). Fronts that fail in this step stop every
+    its rerun finds them (under tensor parallelism the chunks `row_share` gives this rank); `on_fronts_done`:
+    `Fronts`' `on_done`). Fronts that fail in this step stop every
     plan's loads (and seal its blocks) first."""
     fronts = Fronts(plans, front_inputs(plans, store, model, agree), model, prefill_tokens=prefill_tokens,
                     step_tokens=step_tokens, on_done=on_fronts_done)
     loads = [BackLoads(KVLoader(store=store, keys=plan.job.keys, layers=plan.job.layers, kv=plan.kv,
                                 dtype=plan.job.kv_dtype, quant=plan.job.quant, heads=plan.job.heads),
                        [unit for unit, key in enumerate(plan.job.keys) if key.token_end > max(plan.start, plan.front)],
-                       on_loaded, keep_draft_rows(plan.job, plan.kv, store, draft_sources)) for plan in plans]
+                       on_loaded, keep_draft_rows(plan.job, plan.kv, store, draft_sources, row_share))
+             for plan in plans]
     running = [RunningSplit(plan.job, plan.kv, back, _chunks_between(plan.job, plan.start, plan.front),
                             max(plan.start, plan.front), batch=len(plans), predicted_s=plan.load_s,
                             fronts=fronts, plan=i)

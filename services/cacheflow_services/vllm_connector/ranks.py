@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,42 @@ def tensor_parallel_min(values: list[int]) -> list[int]:
     least = torch.tensor(values, dtype=torch.int64)  # [n]
     dist.all_reduce(least, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
     return [int(v) for v in least.tolist()]
+
+
+@dataclass(frozen=True)
+class RowShare:
+    """How the tensor-parallel ranks of a pipeline rank share a prefix's stored rows (an EAGLE or MTP draft's
+    inputs, the boundary activations entering a pipeline rank): every rank needs all of them (rows are not split
+    by head, unlike KV), so rank r stores, and reads for a draft, the rows of every `ranks`-th chunk from its r-th
+    (`mine`, by the chunk's index in its prefix: the same on every rank), and before a draft reruns the ranks add
+    up what they read (`gather`). Each rank moves 1/`ranks` of the rows instead of all of them."""
+
+    rank: int = 0
+    ranks: int = 1
+
+    def mine(self, chunk: int) -> bool:
+        """Whether this rank stores and reads the rows of the prefix's chunk number `chunk`."""
+        return chunk % self.ranks == self.rank
+
+    def gather(self, rows: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """rows [T, W]: each chunk's rows where this rank holds them (`mine`), zeros elsewhere -> every chunk's
+        rows, on every rank. Added up as bytes (a SUM over vLLM's tensor-parallel device group): each byte is one
+        rank's and the others' zero, so the sum is exact. A collective: every rank calls it at the same point,
+        with rows of the same shape and dtype (`group`: vLLM's by default)."""
+        if self.ranks == 1 or rows.numel() == 0:
+            return rows
+        import torch.distributed as dist
+
+        if group is None:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            group = get_tp_group().device_group
+        raw = rows.contiguous().view(torch.uint8)  # [T, W * itemsize]
+        dist.all_reduce(raw, group=group)
+        return raw.view(rows.dtype)  # [T, W]
+
+
+ONE_RANK = RowShare()  # no tensor parallelism: the one rank stores and reads every chunk's rows
 
 
 def rank_layers(layer_ids: Sequence[int], num_layers: int) -> range:

@@ -17,14 +17,17 @@ from cacheflow_common.restore.saver_thread import SaverThread
 from cacheflow_common.store.base import ChunkStore
 from cacheflow_services.vllm_connector.model_identity import salted
 from cacheflow_services.vllm_connector.plan import SaveSpec
+from cacheflow_services.vllm_connector.ranks import ONE_RANK, RowShare
 from cacheflow_services.vllm_connector.runtime import Event
 
 
 class ConnectorSaves:
     def __init__(self, store: ChunkStore, event: Event, *, fingerprint: str, dtype: torch.dtype, kv_dtype: str,
-                 chunk_size: int, tenant: str, heads: HeadRange | None = None) -> None:
+                 chunk_size: int, tenant: str, heads: HeadRange | None = None, row_share: RowShare = ONE_RANK
+                 ) -> None:
         """`dtype`: the model's (boundary activations); `kv_dtype`: the chunks' (the cache's, fp8 included);
-        `heads`: the model's KV heads the chunks hold (a tensor-parallel rank's; None: all)."""
+        `heads`: the model's KV heads the chunks hold (a tensor-parallel rank's; None: all); `row_share`: the
+        chunks whose captured rows this rank stores (every rank captures the same rows)."""
         self.store = store
         self.event = event
         self.fingerprint = fingerprint
@@ -33,6 +36,7 @@ class ConnectorSaves:
         self.chunk_size = chunk_size
         self.tenant = tenant
         self.heads = heads
+        self.row_share = row_share
         self._thread = SaverThread("cacheflow-saver", lambda request_id, exc: event(
             "save_error", req=request_id, error=f"{type(exc).__name__}: {exc}"))
 
@@ -74,7 +78,8 @@ class ConnectorSaves:
                 job = RestoreJob(token_ids=spec.token_ids, keys=every, layers=range(layer, layer + 1),
                                  kv_dtype=dtype_name(self.dtype))
                 written += save_boundaries(job, rows.to(self.dtype), self.store, model_fingerprint=fingerprint,
-                                           keys=keys, first_row_token=spec.start, kind=kind)
+                                           keys=[k for k in keys if self.row_share.mine(k.index)],
+                                           first_row_token=spec.start, kind=kind)
         self.event("save", req=spec.req_id, chunks=len(keys), bytes=written, tokens_end=len(spec.token_ids))
 
     def _put(self, key: ChunkKey, token_ids: tuple[int, ...], kv: torch.Tensor, layers: range, fingerprint: str

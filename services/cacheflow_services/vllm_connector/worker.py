@@ -84,6 +84,7 @@ from cacheflow_services.vllm_connector.planned_split import (
 )
 from cacheflow_services.vllm_connector.ranks import (
     BoundaryCapture,
+    RowShare,
     StepSlots,
     rank_layers,
     tensor_parallel_agree,
@@ -133,6 +134,9 @@ class WorkerEngine:
         self.fingerprint = chunk_fingerprint(Path(cfg.model), vllm_config, layout) \
             if vllm_config is not None else model_fingerprint(Path(cfg.model), dtype)  # as the scheduler's
         self.heads = rank_heads(vllm_config, tp_rank) if vllm_config is not None else None  # its chunks hold these
+        # the chunks whose stored rows (a draft's, a pipeline rank's boundary) this rank stores and reads
+        self.row_share = RowShare() if tp_rank is None or vllm_config is None else \
+            RowShare(tp_rank, vllm_config.parallel_config.tensor_parallel_size)
         self.kv_dtype = kv_dtype(vllm_config) if vllm_config is not None else dtype_name(dtype)  # chunks' dtype
         self._vllm_model = vllm_model or (lambda: None)
         self.store = open_store(cfg)
@@ -153,7 +157,7 @@ class WorkerEngine:
         self._draft: DraftPass | None = None  # at the first restore that reruns the draft
         self._once = OnceLog()
         self.saves = ConnectorSaves(self.store, self.stats.event, fingerprint=self.fingerprint, dtype=dtype,
-                                    kv_dtype=self.kv_dtype, heads=self.heads,
+                                    kv_dtype=self.kv_dtype, heads=self.heads, row_share=self.row_share,
                                     chunk_size=cfg.chunk_size, tenant=cfg.tenant)
         self.caches: list[tuple[int, torch.Tensor]] = []  # (decoder layer, its vLLM cache), by layer
         self._expected = layers  # the rank's layers vLLM's split gives, checked at `register`
@@ -339,7 +343,8 @@ class WorkerEngine:
                 job = self.job(spec)
                 load_s: list[float] = chunk_load_times(
                     job, costs, model.kv_bytes_per_token_per_layer,
-                    row_bytes=len(sources) * self.config.hidden_size * model.dtype.itemsize) if costs and model else []
+                    row_bytes=len(sources) * self.config.hidden_size * model.dtype.itemsize // self.row_share.ranks,
+                ) if costs and model else []
                 front = spec.start if spec.load_only or model is None else planned_front(
                     job, start=spec.start, costs=costs, policy=make_policy(self.policy),
                     load_s=[seconds * self.calibration.load_scale for seconds in load_s],
@@ -355,7 +360,8 @@ class WorkerEngine:
             running = iter(start_splits(started, self.store, model, prefill_tokens=PREFILL_TOKENS,
                                         step_tokens=self.front_step_tokens if in_steps else None,
                                         on_loaded=on_loaded, agree=self._agree, draft_sources=sources,
-                                        on_fronts_done=lambda seconds: self._fronts_timed(predicted_s, seconds)))
+                                        on_fronts_done=lambda seconds: self._fronts_timed(predicted_s, seconds),
+                                        row_share=self.row_share))
         except Exception as exc:  # the shared fronts failed: every restore that started fails with them
             return [p if isinstance(p, BaseException) else exc for p in plans]
         return [p if isinstance(p, BaseException) else next(running) for p in plans]
@@ -427,7 +433,8 @@ class WorkerEngine:
         """What a background restore in the engine does after each chunk it loads: read the rows its draft reads
         there with it (as planned restores do)."""
         sources = self.draft_inputs()
-        return keep_draft_rows(job, kv, self.store, sources) if sources and isinstance(kv, BlockKV) else None
+        return keep_draft_rows(job, kv, self.store, sources, self.row_share) if sources and isinstance(kv, BlockKV) \
+            else None
 
     def event(self, kind: str, **fields: Any) -> None:
         self.stats.event(kind, **fields)
@@ -478,7 +485,7 @@ class WorkerEngine:
         draft stopped: a chunk without the rows an EAGLE or MTP draft reads, or a draft that could not run)."""
         try:
             reached = restore_drafts(restored, self._draft_pass, self.store, agree=self.agree_min,
-                                     event=self.stats.event)
+                                     event=self.stats.event, share=self.row_share)
         except Exception as exc:  # a forward that failed: vLLM recomputes all of it
             return set().union(*(self.failed_load(r.spec, exc) for r in restored))
         return set().union(*(blocks_from(r.spec, end, self.block_size) for r, end in zip(restored, reached, strict=True)
