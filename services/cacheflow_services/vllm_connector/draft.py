@@ -184,11 +184,13 @@ def restore_drafts(restored: Sequence[Restored], draft: Callable[[], DraftPass],
             found.append((None, r.spec.start))
     reached = agree([end for _, end in found])
     for r, (rows, _), end in zip(restored, found, reached, strict=True):
-        started = time.perf_counter()
+        started = gathered = time.perf_counter()
         if rows is not None and r.kv is not None and end > r.spec.start:  # so on every rank (`agree`)
-            draft().run(r.spec, r.kv, share.gather(rows[: end - r.spec.start]), end)
+            rows = share.gather(rows[: end - r.spec.start])
+            gathered = time.perf_counter()
+            draft().run(r.spec, r.kv, rows, end)
         event("draft", req=r.spec.req_id, tokens=end - r.spec.start, short=r.end - end,
-              elapsed_s=time.perf_counter() - started)
+              elapsed_s=time.perf_counter() - started, gather_s=gathered - started)
     return reached
 
 
