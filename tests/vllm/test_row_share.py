@@ -20,29 +20,14 @@ from cacheflow_common.kv.keys import chunk_keys, tenant_salt
 from cacheflow_common.restore.boundary import OUTPUT_KIND, boundary_name, save_boundaries
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.store.memory import MemoryStore
-from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.draft import DraftPass, keep_draft_rows
 from cacheflow_services.vllm_connector.plan import LoadSpec, SaveSpec
 from cacheflow_services.vllm_connector.ranks import RowShare
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
+from tests.vllm.test_draft_rows import CHUNK, HIDDEN, LAYERS, TOKENS, _job, _kv  # the same prefix and blocks
 
-CHUNK, LAYERS, HIDDEN = 8, 2, 4
-TOKENS = tuple(range(100, 100 + 4 * CHUNK))
 ROWS = torch.randn(len(TOKENS), HIDDEN, generator=torch.Generator().manual_seed(0))  # [N, hidden]
 OUTPUT = [(LAYERS, OUTPUT_KIND)]  # an EAGLE draft's rows: the target's output
-
-
-def _job() -> RestoreJob:
-    keys = tuple(chunk_keys(TOKENS, CHUNK, tenant_salt("fp", "t")))
-    return RestoreJob(token_ids=TOKENS, keys=keys, layers=range(LAYERS), kv_dtype="float32")
-
-
-def _kv() -> BlockKV:
-    caches = {layer: torch.zeros(8, 1, CHUNK, 4) for layer in range(LAYERS)}  # [blocks, Hkv, block, 2D]
-    kv = BlockKV(layers=range(LAYERS), num_kv_heads=1, head_dim=2, capacity=len(TOKENS), dtype=torch.float32,
-                 caches=caches, layout="split", block_ids=range(4), block_size=CHUNK, first_writable=0)
-    kv.keep_outputs()
-    return kv
 
 
 def _draft() -> DraftPass:

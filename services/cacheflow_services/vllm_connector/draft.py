@@ -28,8 +28,9 @@ forwards, in lockstep: the ranks agree on how far each restore's draft goes (the
 `restore_drafts`) before any of them runs it. The rows are not split by head: every rank's draft reads all of
 them. So the ranks share them (`ranks.RowShare`): each stores and reads those of every TP-th chunk, and before
 the rerun the ranks add up what they read over vLLM's tensor-parallel group, as bytes (exact: each byte is one
-rank's), so each moves 1/TP of the rows instead of all of them (the chunks' predicted load times count 1/TP). A restore in the background (`planned_loads.py`) reruns its draft
-once its loads ended on every rank (each rank's end when they do: the ranks agree on that first).
+rank's), so each moves 1/TP of the rows instead of all of them (the chunks' predicted load times count 1/TP).
+A restore in the background (`planned_loads.py`) reruns its draft once its loads ended on every rank (each
+rank's end when they do: the ranks agree on that first).
 
 An MTP draft (`"method": "mtp"`: the model's own multi-token-prediction layers, e.g. MiMo's, GLM-4.5's) is fed
 by vLLM's EAGLE proposer the same way: the next token and the target's output row at each position, its layers
