@@ -6,12 +6,12 @@ parallelism run in tests/bench/test_vllm_compat_smoke.py and test_eagle_restore.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -129,12 +129,13 @@ def _gather_on_rank(rank: int, init: str, rows: dict[str, torch.Tensor], out: Pa
         dist.destroy_process_group()
 
 
-def test_the_ranks_rows_add_up_to_every_rows_bit_for_bit_over_a_real_process_group(tmp_path: Path) -> None:
+def test_the_ranks_rows_add_up_to_every_rows_bit_for_bit_over_a_real_process_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     special = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -3.5, 65504.0, 0.0])
     full = torch.cat([ROWS.flatten(), special]).repeat(4)[: 4 * CHUNK * HIDDEN].view(4 * CHUNK, HIDDEN)
     rows = {"float32": full, "bfloat16": full.to(torch.bfloat16), "float16": full.to(torch.float16)}
     init = f"file://{tmp_path / 'rendezvous'}"
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the two processes meet on loopback
     mp.start_processes(_gather_on_rank, args=(init, rows, tmp_path), nprocs=2, start_method="spawn", join=True)
     for rank in range(2):
         gathered = torch.load(tmp_path / f"rank{rank}.pt")
