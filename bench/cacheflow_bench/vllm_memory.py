@@ -278,7 +278,7 @@ def per_process_line(body: dict[str, Any], split: str) -> str:
     vLLM's driver first, then its ranks in order)."""
     def process_medians(name: str, key: str) -> list[float]:
         runs = [r["processes"] for r in body["rows"] if r["config"] == name and layout(r) == split]
-        return [median([run[i].get(key, 0) for run in runs]) for i in range(len(runs[0]))]
+        return [median([run[i][key] for run in runs]) for i in range(len(runs[0]))]
 
     def added(key: str, unit: float) -> str:
         alone = process_medians("vllm", key)

@@ -83,6 +83,7 @@ from cacheflow_services.vllm_connector.planned_split import (
     start_splits,
 )
 from cacheflow_services.vllm_connector.ranks import (
+    ONE_RANK,
     BoundaryCapture,
     RowShare,
     StepSlots,
@@ -135,7 +136,7 @@ class WorkerEngine:
             if vllm_config is not None else model_fingerprint(Path(cfg.model), dtype)  # as the scheduler's
         self.heads = rank_heads(vllm_config, tp_rank) if vllm_config is not None else None  # its chunks hold these
         # the chunks whose stored rows (a draft's, a pipeline rank's boundary) this rank stores and reads
-        self.row_share = RowShare() if tp_rank is None or vllm_config is None else \
+        self.row_share = ONE_RANK if tp_rank is None or vllm_config is None else \
             RowShare(tp_rank, vllm_config.parallel_config.tensor_parallel_size)
         self.kv_dtype = kv_dtype(vllm_config) if vllm_config is not None else dtype_name(dtype)  # chunks' dtype
         self._vllm_model = vllm_model or (lambda: None)
