@@ -40,6 +40,7 @@ from cacheflow_services.vllm_connector.planned_split import (
     planned_front,
     restore_split,
 )
+from cacheflow_services.vllm_connector.ranks import RowShare
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 from tests.factories import TINY_COSTS, tiny_model
@@ -274,13 +275,14 @@ def test_readers_land_units_of_one_request_in_its_blocks_at_once(model, quant, u
 
 
 class _ModelSide:
-    """What a front's inputs ask of vLLM's model: the device and dtype of its rows, and its embedding (here
-    CacheFlow's tiny model's; the forwards themselves run on vLLM's ranks in `test_step_aside.py`)."""
+    """What a front's inputs ask of vLLM's model: the device and dtype of its rows, its width, and its embedding
+    (here CacheFlow's tiny model's; the forwards themselves run on vLLM's ranks in `test_step_aside.py`)."""
 
     device, dtype = torch.device("cpu"), torch.float32
 
     def __init__(self, model) -> None:
         self.model = model
+        self.config = model.config
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(ids)
@@ -348,6 +350,65 @@ def test_a_boundary_any_rank_cannot_read_fails_the_steps_restores_on_every_rank(
     with pytest.raises(ConnectionError):
         front_inputs([later], _Unreachable(), _side(model), unreachable)
     assert unreachable.asked == [False]  # a read that raised still answers the other ranks
+
+
+class _Reads(MemoryStore):
+    """A store that records the names read from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read_names: list[str] = []
+
+    def read(self, name: str) -> bytes | None:
+        self.read_names.append(name)
+        return super().read(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankOfTwo(RowShare):
+    """One of two tensor-parallel ranks whose `gather` records the rows this rank adds and returns `total` (what
+    the real collective returns: the ranks' rows added up; `test_row_share.py` runs it over a real group)."""
+
+    sent: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    total: torch.Tensor | None = None
+
+    def gather(self, rows: torch.Tensor, group: object = None) -> torch.Tensor:
+        self.sent.append(rows.clone())
+        return rows if self.total is None else self.total
+
+
+def test_a_later_pipeline_ranks_tensor_parallel_ranks_each_read_every_other_chunks_boundary_and_add_them_up(model):
+    """Two tensor-parallel ranks of a later pipeline rank read the boundary activations of alternate chunks (by
+    chunk index, as they saved them), zeros for the other's; one gather for the step's plans adds them up into
+    every chunk's, and a rank that lacks one of its own chunks fails the step on both (no gather)."""
+    store, n = _Reads(), 6 * CHUNK
+    later = _stage_plans(model, store, n, CHUNK + BS, 5 * CHUNK)[1]
+    other = later._replace(start=0, front=2 * CHUNK)  # a second restore started in the same step
+    with BoundaryInput(later.job, store, prefetch=0) as boundary:
+        stored = boundary(0, n)  # [N, hidden]
+    ranks = [_RankOfTwo(rank, 2) for rank in range(2)]
+    for rank in ranks:
+        store.read_names.clear()
+        front_inputs([later, other], store, _side(model), _Ranks(), rank)
+        mine = [boundary_name(key, later.job.layers.start) for chunks in (range(1, 5), range(2)) for key in
+                later.job.keys if key.index in chunks and key.index % 2 == rank.rank]  # its chunks of each front
+        assert sorted(store.read_names) == sorted(mine)
+    [sent0], [sent1] = ranks[0].sent, ranks[1].sent
+    expected = torch.cat([stored[CHUNK : 5 * CHUNK], stored[: 2 * CHUNK]])  # each from the chunk holding its start
+    assert sent0.shape == expected.shape and torch.equal(sent0 + sent1, expected)  # disjoint chunks
+    assert torch.equal(sent0[:CHUNK], torch.zeros(CHUNK, stored.shape[1]))  # chunk 1 is rank 1's
+    summed = _RankOfTwo(0, 2, total=sent0 + sent1)
+    from_later, from_other = front_inputs([later, other], store, _side(model), _Ranks(), summed)
+    assert from_later is not None and from_other is not None
+    assert torch.equal(from_later(CHUNK + BS, 5 * CHUNK), stored[CHUNK + BS : 5 * CHUNK])
+    assert torch.equal(from_other(0, 2 * CHUNK), stored[: 2 * CHUNK])
+    store.delete(boundary_name(later.job.keys[3], later.job.layers.start))  # rank 1's
+    fine, lacking = _RankOfTwo(0, 2), _RankOfTwo(1, 2)
+    with pytest.raises(BoundaryMissingError, match="another tensor-parallel rank"):
+        front_inputs([later], store, _side(model), _Ranks(others=False), fine)
+    with pytest.raises(BoundaryMissingError, match="not in the store"):
+        front_inputs([later], store, _side(model), _Ranks(), lacking)
+    assert fine.sent == lacking.sent == []
 
 
 class _Unreachable(MemoryStore):

@@ -13,8 +13,9 @@ are left out only when vLLM finished its request, which every rank learns in the
 
 A pipeline rank after the first starts its fronts from their stored boundary activations, read before any
 forward (and before the backs start loading): a forward must not depend on a read either. Its tensor-parallel
-ranks agree that every one of them read them all (`agree`, a collective over vLLM's tensor-parallel group);
-if one could not, the step's restores fail on every rank alike, and vLLM recomputes them.
+ranks each read the rows of every TP-th chunk (`ranks.RowShare`, as they saved them) and agree that every one of
+them read its own (`agree`, a collective over vLLM's tensor-parallel group) before they add them up; if one
+could not, the step's restores fail on every rank alike, and vLLM recomputes them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from cacheflow_common.model.transformer import Span
 from cacheflow_common.restore.boundary import BoundaryInput, BoundaryMissingError
 from cacheflow_common.store.base import ChunkStore
+from cacheflow_services.vllm_connector.ranks import ONE_RANK, RowShare
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
 
 if TYPE_CHECKING:
@@ -144,41 +146,74 @@ class Fronts:
 
 
 def front_inputs(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRuntime | None,
-                 agree: Callable[[bool], bool]) -> list[FrontInput | None]:
+                 agree: Callable[[bool], bool], share: RowShare = ONE_RANK) -> list[FrontInput | None]:
     """Per plan, what its front's forwards start from (None: it has no front). A later pipeline rank reads its
     fronts' boundary activations here, and, where any plan reads some, `agree` says whether every
     tensor-parallel rank read all of its own (the same plans on each: all call it, or none); if any rank
-    could not, the step's restores fail here, on every rank, before a forward or a load starts."""
+    could not, the step's restores fail here, on every rank, before a forward or a load starts. Under tensor
+    parallelism each rank reads the chunks `share` gives it and the ranks then add up what they read
+    (`RowShare.gather`, once for the step's plans, only where they agreed)."""
     if model is None:
         if any(plan.front > plan.start for plan in plans):
             raise RuntimeError("a planned front needs vLLM's model")
         return [None] * len(plans)
-    inputs: list[FrontInput | None] = []
+    boundaries: list[Boundary | None] = []
     error: Exception | None = None
     for plan in plans:
         try:
-            inputs.append(_front_input(plan, store, model))
+            boundaries.append(_boundary_rows(plan, store, model, share))
         except Exception as exc:  # missing, wrong, or its pod unreachable: this rank must still answer `agree`
             error = exc
-            inputs.append(None)
-    reads = any(plan.job.layers.start > 0 and plan.front > plan.start for plan in plans)
+            boundaries.append(None)
+    reads = any(_reads_boundary(plan) for plan in plans)
     if not (agree(error is None) if reads else error is None):  # every rank calls `agree`, failed or not
         raise error or BoundaryMissingError("another tensor-parallel rank could not read a boundary activation")
-    return inputs
+    gathered = _gathered(boundaries, share)
+    return [_front_input(plan, model, boundary) for plan, boundary in zip(plans, gathered, strict=True)]
 
 
-def _front_input(plan: SplitPlan, store: ChunkStore, model: VllmRuntime) -> FrontInput | None:
-    """The plan's front input: its tokens' embeddings on the first pipeline rank; on a later one, its stored
-    boundary activations (the front's chunks, read now: BoundaryMissingError if one is missing or wrong)."""
+Boundary = tuple[int, torch.Tensor]  # (first, rows [front - first, hidden]): the boundary rows from position first
+
+
+def _reads_boundary(plan: SplitPlan) -> bool:
+    return plan.job.layers.start > 0 and plan.front > plan.start
+
+
+def _boundary_rows(plan: SplitPlan, store: ChunkStore, model: VllmRuntime, share: RowShare) -> Boundary | None:
+    """A later pipeline rank's stored boundary activations for the plan's front, from the chunk holding its start
+    (read now: BoundaryMissingError if one is missing or wrong): those of the chunks `share` gives this rank,
+    zeros elsewhere. None on the first rank, or without a front."""
     job = plan.job
+    if not _reads_boundary(plan):
+        return None
+    first = max(key.token_start for key in job.keys if key.token_start <= plan.start)  # the chunk holding `start`
+    keys = [key for key in job.keys if first <= key.token_start < plan.front]
+    with BoundaryInput(job, store, device=model.device, prefetch=0) as boundary:
+        parts = [boundary(key.token_start, key.token_end).to(model.dtype) if share.mine(key.index)
+                 else torch.zeros(key.n_tokens, model.config.hidden_size, dtype=model.dtype, device=model.device)
+                 for key in keys]  # [n_tokens, hidden] each
+    return first, torch.cat(parts)  # [front - first, hidden]
+
+
+def _gathered(boundaries: Sequence[Boundary | None], share: RowShare) -> list[Boundary | None]:
+    """`boundaries` with every rank's share added up, in one `RowShare.gather` (every rank holds the same plans,
+    so the same rows' shapes, in the same order)."""
+    read = [boundary[1] for boundary in boundaries if boundary is not None]
+    if share.ranks == 1 or not read:
+        return list(boundaries)
+    pieces = iter(share.gather(torch.cat(read)).split([rows.shape[0] for rows in read]))  # [T_i, hidden] each
+    return [None if boundary is None else (boundary[0], next(pieces)) for boundary in boundaries]
+
+
+def _front_input(plan: SplitPlan, model: VllmRuntime, boundary: Boundary | None) -> FrontInput | None:
+    """The plan's front input: its tokens' embeddings on the first pipeline rank; on a later one, its boundary
+    activations."""
     if plan.front <= plan.start:
         return None
-    if job.layers.start == 0:
-        ids = torch.tensor(job.token_ids, dtype=torch.long)  # [N]
+    if boundary is None:
+        ids = torch.tensor(plan.job.token_ids, dtype=torch.long)  # [N]
         return lambda a, b: model.embed(ids[a:b])  # [b - a, hidden]
-    first = max(key.token_start for key in job.keys if key.token_start <= plan.start)  # the chunk holding `start`
-    with BoundaryInput(job, store, device=model.device, prefetch=0) as boundary:
-        rows = boundary(first, plan.front).to(model.dtype)  # [front - first, hidden]
+    first, rows = boundary
     return lambda a, b: rows[a - first : b - first]
 
 

@@ -138,10 +138,11 @@ def start_splits(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRunti
     shared `fronts`, one step per later `Fronts.step` (`on_loaded`: called on a load thread once its loads end;
     `agree`: whether every tensor-parallel rank read its fronts' inputs, see `front_inputs`; `draft_sources`: the
     stored rows a draft reads, each (layer, kind): read with each chunk loaded and kept with the plan's KV, where
-    its rerun finds them (under tensor parallelism the chunks `row_share` gives this rank); `on_fronts_done`:
+    its rerun finds them (under tensor parallelism the chunks `row_share` gives this rank, as are a later pipeline
+    rank's fronts' boundary activations); `on_fronts_done`:
     `Fronts`' `on_done`). Fronts that fail in this step stop every
     plan's loads (and seal its blocks) first."""
-    fronts = Fronts(plans, front_inputs(plans, store, model, agree), model, prefill_tokens=prefill_tokens,
+    fronts = Fronts(plans, front_inputs(plans, store, model, agree, row_share), model, prefill_tokens=prefill_tokens,
                     step_tokens=step_tokens, on_done=on_fronts_done)
     loads = [BackLoads(KVLoader(store=store, keys=plan.job.keys, layers=plan.job.layers, kv=plan.kv,
                                 dtype=plan.job.kv_dtype, quant=plan.job.quant, heads=plan.job.heads),
