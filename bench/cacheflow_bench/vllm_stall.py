@@ -159,11 +159,24 @@ def summarize(columns: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def measured_plans(restores: list[dict[str, Any]]) -> str:
+    """The measured batches' restores as one rank planned them (the first tensor-parallel rank's; the ranks agree
+    on the fronts): per batch, chunks computed / loaded, then the compute scale they were planned with. Each
+    batch's late request is restored once per rank, the warm-up batch's first (left out)."""
+    first_rank = [e for e in restores if e.get("tp_rank") in (None, 0)][1:]
+    if not first_rank:
+        return ""
+    scales = [e["compute_scale"] for e in first_rank if "compute_scale" in e]
+    scale = f"; scale {min(scales):.2f}-{max(scales):.2f}" if scales else ""
+    return ", ".join(f"{e['computed']}/{e['loaded']}" for e in first_rank) + scale
+
+
 def report(body: dict[str, Any]) -> str:
     header = ["TP", "column", "decoders' longest gap (s)", "their median gap (s)", "late request's TTFT (s)",
-              "first token = vLLM's"]
+              "first token = vLLM's", "plans (chunks computed/loaded per batch)"]
     rows = [[tp, name, f"{row['stall_s']:.3f}", f"{row['median_gap_s']:.3f}", f"{row['late_ttft_s']:.3f}",
-             row["next_token_matches"]] for tp, by_name in body["columns"].items() for name, row in by_name.items()]
+             row["next_token_matches"], measured_plans(row.get("restores", []))]
+            for tp, by_name in body["columns"].items() for name, row in by_name.items()]
     return (f"# A restore beside decoding requests (vLLM on CPU)\n\n`{body['command']}`\n\n"
             f"{body['decoders']} requests decoding {body['decode_tokens']} tokens; a {body['prefix_tokens']}-token "
             f"cached prefix arrives once each has {body['late_after_tokens']}; link emulated at "

@@ -32,4 +32,9 @@ def test_vllm_stall_bench_invariants(tmp_path):
         restores = columns[name]["restores"]
         assert len(restores) == 2 and all(r["asynchronous"] is asynchronous for r in restores), name  # warm-up too
         assert all(r["computed"] + r["loaded"] > 0 and not r["misses"] for r in restores), name
-    assert "longest gap" in (tmp_path / "vllm_stall.md").read_text()
+    table = (tmp_path / "vllm_stall.md").read_text()
+    assert "longest gap" in table
+    for name in ("background", "in-step"):
+        measured = columns[name]["restores"][1]  # the warm-up batch's restore is left out of the plans
+        assert f"| {name} |" in table and vllm_stall.measured_plans(columns[name]["restores"]) == \
+            f"{measured['computed']}/{measured['loaded']}"
