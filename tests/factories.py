@@ -10,6 +10,7 @@ import torch
 from cacheflow_common.model.config import ModelConfig, MoeConfig, RopeConfig
 from cacheflow_common.model.transformer import Span, Transformer
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
+from cacheflow_common.store.memory import MemoryStore
 
 # Rough costs for the tiny model: good enough to plan with; correctness never depends on them.
 TINY_COSTS = CostModel(
@@ -57,3 +58,15 @@ def greedy_reference(model: Transformer, ids: list[int], n_new: int) -> tuple[to
         hidden = model.forward_layers(model.embed(torch.tensor(tokens[-1:])), model.layers, [Span(kv, position, 1)])
         tokens.append(int(model.logits(hidden).argmax()))
     return kv.data[:, :, :, : len(ids)], tokens
+
+
+class CountingStore(MemoryStore):
+    """A store in memory that records the names read from it, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def read(self, name: str) -> bytes | None:
+        self.reads.append(name)
+        return super().read(name)

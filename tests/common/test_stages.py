@@ -25,7 +25,7 @@ from cacheflow_common.restore.upstream import UpstreamInput
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_common.store.shaped import ShapedStore
 from cacheflow_common.transport.shaping import TokenBucket
-from tests.factories import TINY_COSTS, tiny_model
+from tests.factories import TINY_COSTS, CountingStore, tiny_model
 
 CHUNK = 16
 ATOL = 1e-4
@@ -88,16 +88,6 @@ def test_each_stage_restores_its_layers_from_its_boundary_activations(model, pol
             assert inputs.bytes_read == boundary_bytes[split.index(stage.layers)]
         if inputs is not None:
             inputs.close()
-
-
-class CountingStore(MemoryStore):
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[str] = []
-
-    def read(self, name: str) -> bytes | None:
-        self.reads.append(name)
-        return super().read(name)
 
 
 def test_the_next_chunks_boundary_is_read_while_this_one_computes(model):

@@ -43,7 +43,7 @@ from cacheflow_services.vllm_connector.planned_split import (
 from cacheflow_services.vllm_connector.ranks import RowShare
 from cacheflow_services.vllm_connector.saves import ConnectorSaves
 from cacheflow_services.vllm_connector.vllm_runtime import VllmRuntime
-from tests.factories import TINY_COSTS, tiny_model
+from tests.factories import TINY_COSTS, CountingStore, tiny_model
 
 CHUNK, BS = 16, 8
 KV_BYTES = 256  # one token's KV in one layer
@@ -352,18 +352,6 @@ def test_a_boundary_any_rank_cannot_read_fails_the_steps_restores_on_every_rank(
     assert unreachable.asked == [False]  # a read that raised still answers the other ranks
 
 
-class _Reads(MemoryStore):
-    """A store that records the names read from it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.read_names: list[str] = []
-
-    def read(self, name: str) -> bytes | None:
-        self.read_names.append(name)
-        return super().read(name)
-
-
 @dataclasses.dataclass(frozen=True)
 class _RankOfTwo(RowShare):
     """One of two tensor-parallel ranks whose `gather` records the rows this rank adds and returns `total` (what
@@ -381,18 +369,18 @@ def test_a_later_pipeline_ranks_tensor_parallel_ranks_each_read_every_other_chun
     """Two tensor-parallel ranks of a later pipeline rank read the boundary activations of alternate chunks (by
     chunk index, as they saved them), zeros for the other's; one gather for the step's plans adds them up into
     every chunk's, and a rank that lacks one of its own chunks fails the step on both (no gather)."""
-    store, n = _Reads(), 6 * CHUNK
+    store, n = CountingStore(), 6 * CHUNK
     later = _stage_plans(model, store, n, CHUNK + BS, 5 * CHUNK)[1]
     other = later._replace(start=0, front=2 * CHUNK)  # a second restore started in the same step
     with BoundaryInput(later.job, store, prefetch=0) as boundary:
         stored = boundary(0, n)  # [N, hidden]
     ranks = [_RankOfTwo(rank, 2) for rank in range(2)]
     for rank in ranks:
-        store.read_names.clear()
+        store.reads.clear()
         front_inputs([later, other], store, _side(model), _Ranks(), rank)
         mine = [boundary_name(key, later.job.layers.start) for chunks in (range(1, 5), range(2)) for key in
                 later.job.keys if key.index in chunks and key.index % 2 == rank.rank]  # its chunks of each front
-        assert sorted(store.read_names) == sorted(mine)
+        assert sorted(store.reads) == sorted(mine)
     [sent0], [sent1] = ranks[0].sent, ranks[1].sent
     expected = torch.cat([stored[CHUNK : 5 * CHUNK], stored[: 2 * CHUNK]])  # each from the chunk holding its start
     assert sent0.shape == expected.shape and torch.equal(sent0 + sent1, expected)  # disjoint chunks
