@@ -41,6 +41,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     pod.stop()
 
 
+FP8_CPU_UNSUPPORTED = "FP8 KV cache on CPU requires"  # vLLM's own error where the CPU lacks AVX-512 and AMX
+
+
 def _connector(cluster: dict[str, Any], stats: Path) -> dict[str, Any]:
     return {"pods": [f"pod-0=127.0.0.1:{cluster['pod'].data_port}"], "tenant": "alpha",
             "pod_token_file": str(cluster["root"] / "tokens"), "chunk_size": CHUNK, "stats_file": str(stats)}
@@ -84,7 +87,13 @@ def test_an_fp8_kv_cache_is_restored_as_its_bytes_and_only_into_fp8(cluster: dic
     save_tiny_qwen3(model_dir)
     stats = cluster["root"] / "fp8.jsonl"
     connector = _connector(cluster, stats)
-    reference = _run(cluster, "fp8-reference", str(model_dir), None, kv_cache_dtype="fp8")
+    try:
+        reference = _run(cluster, "fp8-reference", str(model_dir), None, kv_cache_dtype="fp8")
+    except RuntimeError as exc:  # vLLM alone, without the connector: its CPU build needs AVX-512 or AMX for fp8
+        if FP8_CPU_UNSUPPORTED not in str(exc):
+            raise
+        said = next(line for line in str(exc).splitlines() if FP8_CPU_UNSUPPORTED in line)
+        pytest.skip(f"vLLM's CPU build cannot run an fp8 KV cache on this CPU ({said.split(': ')[-1].strip()})")
     saved = _run(cluster, "fp8-save", str(model_dir), connector, kv_cache_dtype="fp8")
     restored = _run(cluster, "fp8-restore", str(model_dir), connector, kv_cache_dtype="fp8")
     assert saved == reference and restored == reference
