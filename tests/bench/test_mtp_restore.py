@@ -1,15 +1,15 @@
 """An MTP draft's KV restored with the target's (`"method": "mtp"`), on real vLLM (CPU) processes over a real
 storage pod.
 
-The model is a one-layer tiny MiMo (a Qwen2) or GLM-4.5 (MoE) whose multi-token-prediction layer copies its
-target layer (`tiny_models.save_copying_mtp`): vLLM accepts every token it drafts after its own prefill, and
-fewer where the MTP layer's KV is wrong (measured with the connector's draft pass left out: 66 of 93 drafted
-tokens accepted against 72 of 72 on the MiMo, 59 of 111 on the GLM-4.5). vLLM feeds an MTP layer as it does
-an EAGLE draft (its EAGLE proposer: the next token and the target's output row), so the connector stores the
-output rows beside the chunks and reruns the layer over them. Each warm process is fresh (nothing of the
-prompts in its cache): its greedy tokens and vLLM's draft counters must equal those after vLLM's own prefill,
-at TP 1 and at TP 2 (from chunks and rows the TP 1 process stored; each rank reruns its half of the layer's
-heads, in lockstep).
+The model is a one-layer tiny MiMo (a Qwen2; GLM-4.5's MoE in the compatibility bench) whose
+multi-token-prediction layer copies its target layer (`tiny_models.save_copying_mtp`): vLLM accepts every token
+it drafts after its own prefill, and fewer where the MTP layer's KV is wrong (measured with the connector's draft
+pass left out: 66 of 93 drafted tokens accepted against 72 of 72 on the MiMo, 59 of 111 on the GLM-4.5). vLLM
+feeds an MTP layer as it does an EAGLE draft (its EAGLE proposer: the next token and the target's output row), so
+the connector stores the output rows beside the chunks and reruns the layer over them. Each warm process is fresh
+(nothing of the prompts in its cache): its greedy tokens and vLLM's draft counters must equal those after vLLM's
+own prefill, at TP 1 and at TP 2 (from chunks and rows the TP 1 process stored; each rank reruns its half of the
+layer's heads, in lockstep).
 """
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vll
 PASSES = {"pod": (("cold", True, 1), ("warm", True, 1), ("tp2-warm", True, 2))}  # (name, with the draft, TP)
 
 
-@pytest.fixture(scope="module", params=sorted(tiny_models.MTP_FAMILIES))
+# CI's subset: the MiMo (a Qwen2). GLM-4.5's MoE MTP layer, at TP 1 and 2 with drafts counted as vLLM's, is a
+# `cacheflow bench vllm-compat` cell (a vLLM process costs ~20 s on CI's 2 cores without AVX-512).
+CI_FAMILIES = ("mimo",)
+
+
+@pytest.fixture(scope="module", params=CI_FAMILIES)
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Over one pod: cold (vLLM's own prefill, with the MTP draft; stores), then warm restores at TP 1 and 2."""
     root = tmp_path_factory.mktemp(f"mtp-{request.param}")

@@ -260,6 +260,7 @@ def test_every_dashboard_query_returns_its_series_from_a_real_prometheus(local, 
         fail_a_stage(local, client, prompt(3))
         prom.wait_for('cacheflow_failures_total{cause="stage1:restore-recomputed"} > 0', "the failed stage scraped")
         prom.wait_for('cacheflow_misses_total{cause="absent"} > 0', "the miss scraped")
+        prom.wait_for('sum(cacheflow_storage_reads_total{result="corrupt"}) > 0', "the corrupt reads scraped")
         at = time.time()
         check(prom, EXPECT, at)
         assert set(panel_queries()) == set(EXPECT), "every panel query is checked"
