@@ -5,8 +5,9 @@ The draft model is the target itself (a one-layer tiny Llama), so vLLM accepts e
 own prefill, and fewer where the draft's KV is wrong (measured with the connector's draft pass left out: 69 of
 87 drafted tokens accepted against 72 of 72). A draft model reads the tokens alone, so chunks an instance
 without the draft stored restore it too. Each warm process is fresh (nothing of the prompts in its cache): its
-greedy tokens and vLLM's draft counters must equal those after vLLM's own prefill, at TP 1 and at TP 2 (each
-rank reruns its half of the draft's heads, in lockstep).
+greedy tokens and vLLM's draft counters must equal those after vLLM's own prefill. CI runs TP 1; a draft model
+at TP 2 (each rank reruns its half of the draft's heads, in lockstep, as test_eagle_restore.py's TP 2 EAGLE draft
+does) is a `cacheflow bench vllm-compat` cell.
 """
 
 from __future__ import annotations
@@ -21,20 +22,20 @@ from tests.bench.draft_runs import check_restored_as_cold, run_pods
 
 pytestmark = pytest.mark.skipif(not vllm.VLLM_PYTHON.exists(), reason=".venv-vllm is missing (.ci/run creates it)")
 
-PASSES = {"pod": (("cold", True, 1), ("warm", True, 1), ("tp2-warm", True, 2)),  # (name, with the draft, TP)
+PASSES = {"pod": (("cold", True, 1), ("warm", True, 1)),  # (name, with the draft, TP)
           "plain-pod": (("plain-cold", False, 1), ("plain-warm", True, 1))}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Over one pod: cold (vLLM's own prefill, with the draft model; stores), then warm restores at TP 1 and 2.
+    """Over one pod: cold (vLLM's own prefill, with the draft model; stores), then a warm restore.
     Over another: plain-cold (stores, without the draft), then plain-warm restores with it."""
     root = tmp_path_factory.mktemp("draft-model")
     target, _ = tiny_models.save_copying_eagle(root / "target", root / "eagle")
     return run_pods(root, PASSES, (target, target), method="draft_model")
 
 
-@pytest.mark.parametrize("warm_name, tp", [("warm", 1), ("tp2-warm", 2), ("plain-warm", 1)])
+@pytest.mark.parametrize("warm_name, tp", [("warm", 1), ("plain-warm", 1)])
 def test_a_restored_draft_model_drafts_and_is_accepted_as_after_vllms_own_prefill(
         runs: dict[str, Any], warm_name: str, tp: int) -> None:
     """plain-warm restores chunks an instance without the draft stored: a draft model needs no rows of them."""
