@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from cacheflow_bench.vllm_compat_cell import error_line
 from cacheflow_common.restore.costs import CostModel, LinearCost, LoadCost
 from cacheflow_common.restore.profile import Crossover, Profile
 from cacheflow_services.storage.launch import launch_pod, write_tokens
@@ -92,8 +93,7 @@ def test_an_fp8_kv_cache_is_restored_as_its_bytes_and_only_into_fp8(cluster: dic
     except RuntimeError as exc:  # vLLM alone, without the connector: its CPU build needs AVX-512 or AMX for fp8
         if FP8_CPU_UNSUPPORTED not in str(exc):
             raise
-        said = next(line for line in str(exc).splitlines() if FP8_CPU_UNSUPPORTED in line)
-        pytest.skip(f"vLLM's CPU build cannot run an fp8 KV cache on this CPU ({said.split(': ')[-1].strip()})")
+        pytest.skip(f"vLLM's CPU build cannot run an fp8 KV cache on this CPU: {error_line(str(exc))}")
     saved = _run(cluster, "fp8-save", str(model_dir), connector, kv_cache_dtype="fp8")
     restored = _run(cluster, "fp8-restore", str(model_dir), connector, kv_cache_dtype="fp8")
     assert saved == reference and restored == reference
