@@ -205,7 +205,8 @@ def as_result(restore: StageRestore, summary: RestoreSummary) -> RestoreResult:
     """A finished restore as the library reports it: its KV, its units and its summary's counts."""
     return RestoreResult(policy=summary.policy, mode=summary.mode, kv=restore.kv, units=restore.records(),
                          elapsed_s=summary.elapsed_s, bytes_loaded=summary.bytes_loaded,
-                         misses=Counter(summary.misses), fallback=summary.fallback)
+                         boundary_bytes_read=summary.boundary_bytes_read, misses=Counter(summary.misses),
+                         fallback=summary.fallback)
 
 
 def _ignore(*_: object) -> None:

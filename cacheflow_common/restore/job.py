@@ -105,6 +105,7 @@ class RestoreResult:
     elapsed_s: float
     loader_error: str = ""  # an unexpected loader failure (its units were recomputed)
     bytes_loaded: int = 0
+    boundary_bytes_read: int = 0  # a later pipeline stage's: the boundary activations it read
     misses: Counter[str] = field(default_factory=Counter)
     fallback: str = ""  # why the policy or mode differs from the one asked for ("" when it does not)
 

@@ -56,10 +56,11 @@ def run_pods(root: Path, passes: Mapping[str, Sequence[tuple[str, bool, int]]], 
     return out
 
 
-def check_restored_as_cold(cold: dict[str, Any], warm: dict[str, Any], tp: int) -> None:
+def check_restored_as_cold(cold: dict[str, Any], warm: dict[str, Any], tp: int, *, rows: bool = True) -> None:
     """`warm` restored every prefix on each of its `tp` ranks in the background (loading and recomputing chunks),
     reran the draft over all of it, and gave `cold`'s greedy tokens and draft counters (drafted, draft tokens,
-    accepted: all equal)."""
+    accepted: all equal). `rows`: the draft reads rows stored with the chunks (EAGLE, MTP; a draft model none), so
+    its reruns read some from storage (those of the chunks loaded)."""
     restores = [e for e in warm["events"] if e["event"] == "restore"]
     assert len(restores) == len(PREFIXES) * tp and all(e["loaded"] > 0 for e in restores), restores
     assert all(e["asynchronous"] for e in restores)  # vLLM stepped the batch meanwhile
@@ -67,5 +68,6 @@ def check_restored_as_cold(cold: dict[str, Any], warm: dict[str, Any], tp: int) 
     assert sum(e["computed"] + e["loaded"] for e in restores) == sum(n // CHUNK for n in PREFIXES) * tp
     draft_passes = [e for e in warm["events"] if e["event"] == "draft"]  # one per rank
     assert sorted((e["tokens"], e["short"]) for e in draft_passes) == sorted([(n, 0) for n in PREFIXES] * tp)
+    assert (sum(e["bytes_read"] for e in draft_passes) > 0) == rows
     assert warm["tokens"] == cold["tokens"]
     assert warm["drafts"] == cold["drafts"]

@@ -42,7 +42,7 @@ def test_a_restored_draft_model_drafts_and_is_accepted_as_after_vllms_own_prefil
     cold, warm = runs["cold"], runs[warm_name]
     drafted, accepted = cold["drafts"]["draft_tokens"], cold["drafts"]["accepted_tokens"]
     assert accepted == drafted > 0  # the draft is its target: a wrong draft KV shows in its counters
-    check_restored_as_cold(cold, warm, tp)
+    check_restored_as_cold(cold, warm, tp, rows=False)
 
 
 def test_a_draft_model_stores_no_rows(runs: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from cacheflow_common.kv.keys import chunk_keys, tenant_salt
 from cacheflow_common.model.transformer import Span
-from cacheflow_common.restore.boundary import BOUNDARY_KIND, OUTPUT_KIND, save_boundaries
+from cacheflow_common.restore.boundary import BOUNDARY_KIND, OUTPUT_KIND, boundary_name, save_boundaries
 from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.store.memory import MemoryStore
 from cacheflow_services.vllm_connector.block_kv import BlockKV
@@ -57,6 +57,8 @@ def test_rows_come_from_the_recomputed_front_then_the_stored_chunks_up_to_the_fi
     rows, reached = _draft([(LAYERS, OUTPUT_KIND)]).rows(spec, job, kv, store, len(TOKENS))
     assert reached == 3 * CHUNK  # chunk 3 has neither
     assert torch.equal(rows, torch.cat([2 * ROWS[4 : 2 * CHUNK], ROWS[2 * CHUNK : 3 * CHUNK]]))
+    stored = store.read(boundary_name(job.keys[2], LAYERS, OUTPUT_KIND))  # the one chunk's rows read from storage
+    assert stored is not None and kv.draft_bytes_read == len(stored)
 
 
 def test_an_eagle3_draft_reads_the_boundary_activations_of_its_auxiliary_layers_side_by_side() -> None:
@@ -132,13 +134,15 @@ def test_the_ranks_rerun_each_draft_as_far_as_every_rank_reached_and_log_each() 
     restored = [Restored(LoadSpec(name, TOKENS, (), start=8), _job(), _kv(), 32) for name in "abc"]
     restored.append(Restored(LoadSpec("d", TOKENS, (), start=8), None, None, 8))  # a restore that failed
     other_rank = [16, 24, 32, 8]  # what the other rank reached, per restore
+    for n_bytes in (100, 23):  # "b"'s rows read from storage: kept with a chunk loaded, then by its rerun
+        restored[1].kv.read_draft_rows(n_bytes)  # type: ignore[union-attr]
     reached = restore_drafts(restored, lambda: stub, MemoryStore(),  # type: ignore[arg-type, return-value]
                              agree=lambda mine: [min(a, b) for a, b in zip(mine, other_rank, strict=True)],
                              event=lambda kind, **fields: events.append((kind, fields)))
     assert reached == [16, 24, 8, 8]
     assert stub.ran == [("a", 16, 8), ("b", 24, 16)]  # "c" could not find its rows: not run on any rank
-    assert [(f["req"], f["tokens"], f["short"]) for kind, f in events if kind == "draft"] == [
-        ("a", 8, 16), ("b", 16, 8), ("c", 0, 24), ("d", 0, 0)]
+    assert [(f["req"], f["tokens"], f["short"], f["bytes_read"]) for kind, f in events if kind == "draft"] == [
+        ("a", 8, 16, 0), ("b", 16, 8, 123), ("c", 0, 24, 0), ("d", 0, 0, 0)]
     assert [f["req"] for kind, f in events if kind == "draft_error"] == ["c"]
 
 

@@ -423,6 +423,8 @@ def test_vllm_pipeline_ranks_restore_with_vllms_own_model(ranks: Ranks, tmp_path
         assert sorted(e["tokens"] for e in warm) == sorted(e["tokens"] for e in everything) == [192, 320]
         assert all(e["computed"] > 0 and e["loaded"] > 0 for e in warm)
         assert all(e["computed"] > 0 and e["loaded"] == 0 for e in everything)  # in units of up to 2,048 tokens
+        # rank 1 read the boundary activations its fronts start from, rank 0 none
+        assert all((e["boundary_bytes_read"] > 0) == (layers[0] > 0) for e in warm + everything)
     assert not [e for e in events if e.get("req", "").startswith("gone") and e["event"] != "save"]
 
 
@@ -453,3 +455,7 @@ def test_tensor_and_pipeline_parallel_ranks_restore_together(ranks: Ranks, tmp_p
     for done in by_rank.values():
         assert sorted(e["tokens"] for e in done) == [192, 320]
         assert all(e["computed"] > 0 and e["loaded"] > 0 and not e["misses"] for e in done)
+    for tokens in (192, 320):  # the second pipeline rank's pair read its fronts' boundary activations between them
+        read = {key: sum(e["boundary_bytes_read"] for e in done if e["tokens"] == tokens)
+                for key, done in by_rank.items()}
+        assert read[(0, 2), 0] == read[(0, 2), 1] == 0 and read[(2, 4), 0] + read[(2, 4), 1] > 0

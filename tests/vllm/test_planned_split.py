@@ -32,7 +32,7 @@ from cacheflow_common.store.shaped import ShapedStore
 from cacheflow_common.transport.shaping import TokenBucket
 from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.paged import LAYOUTS, gather
-from cacheflow_services.vllm_connector.planned_fronts import front_forwards, front_inputs
+from cacheflow_services.vllm_connector.planned_fronts import Fronts, front_forwards, front_inputs
 from cacheflow_services.vllm_connector.planned_split import (
     SplitPlan,
     chunk_load_times,
@@ -377,10 +377,14 @@ def test_a_later_pipeline_ranks_tensor_parallel_ranks_each_read_every_other_chun
     ranks = [_RankOfTwo(rank, 2) for rank in range(2)]
     for rank in ranks:
         store.reads.clear()
-        front_inputs([later, other], store, _side(model), _Ranks(), rank)
+        inputs = front_inputs([later, other], store, _side(model), _Ranks(), rank)
         mine = [boundary_name(key, later.job.layers.start) for chunks in (range(1, 5), range(2)) for key in
                 later.job.keys if key.index in chunks and key.index % 2 == rank.rank]  # its chunks of each front
         assert sorted(store.reads) == sorted(mine)
+        size = {key.index: len(MemoryStore.read(store, boundary_name(key, later.job.layers.start)) or b"")
+                for key in later.job.keys}  # each chunk's stored boundary activation (not counted as a read)
+        read = Fronts([later, other], inputs, None, prefill_tokens=2048, step_tokens=None).boundary_bytes_read
+        assert read == [sum(size[c] for c in chunks if c % 2 == rank.rank) for chunks in (range(1, 5), range(2))]
     [sent0], [sent1] = ranks[0].sent, ranks[1].sent
     expected = torch.cat([stored[CHUNK : 5 * CHUNK], stored[: 2 * CHUNK]])  # each from the chunk holding its start
     assert sent0.shape == expected.shape and torch.equal(sent0 + sent1, expected)  # disjoint chunks

@@ -85,14 +85,17 @@ def test_a_chunk_whose_rank_cannot_read_its_rows_stops_that_ranks_draft_there_on
 def test_a_rank_keeps_the_rows_of_its_own_chunks_as_they_load() -> None:
     job = _job()
     store = _stored(job, range(0, 4))
-    kept = []
+    kept, read = [], []
     for rank in range(2):
         kv = _kv()
         keep = keep_draft_rows(job, kv, store, OUTPUT, RowShare(rank, 2))
         for unit in range(4):
             keep(unit)
         kept.append([kv.outputs(c * CHUNK, (c + 1) * CHUNK) is not None for c in range(4)])
+        read.append(kv.draft_bytes_read)
     assert kept == [[True, False, True, False], [False, True, False, True]]
+    sizes = [len(store.read(boundary_name(key, LAYERS, OUTPUT_KIND)) or b"") for key in job.keys]
+    assert read == [sizes[0] + sizes[2], sizes[1] + sizes[3]] and min(sizes) > 0  # each rank's own chunks' bytes
 
 
 def test_each_rank_stores_the_rows_of_its_own_chunks_and_the_ranks_all_of_them() -> None:

@@ -45,6 +45,7 @@ class BlockKV(KVBuffer):
         self._lock = threading.Lock()  # one write at a time, and none after `seal`
         self._sealed = False
         self._outputs: dict[int, torch.Tensor] | None = None  # first position -> rows vLLM's model returned there
+        self.draft_bytes_read = 0  # the bytes of its draft's input rows read from storage (`read_draft_rows`)
 
     def keep_outputs(self) -> None:
         """Keep the output rows of the forwards that compute this request's positions (`keep`): an EAGLE draft
@@ -60,6 +61,11 @@ class BlockKV(KVBuffer):
         with self._lock:
             if not self._sealed:
                 self._outputs[start] = rows
+
+    def read_draft_rows(self, n_bytes: int) -> None:
+        """Count `n_bytes` read from storage for this request's draft rows (on a load thread or vLLM's)."""
+        with self._lock:
+            self.draft_bytes_read += n_bytes
 
     def outputs(self, start: int, end: int) -> torch.Tensor | None:
         """The kept output rows of positions [start, end), [end - start, hidden], or None unless all were kept."""

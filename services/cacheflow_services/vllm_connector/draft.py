@@ -101,9 +101,10 @@ class DraftPass:
             rows = kv.outputs(first, last)
             if rows is None:
                 try:
-                    rows = stored_rows(job, store, self.sources, key)
+                    rows, n_bytes = stored_rows(job, store, self.sources, key)
                 except BoundaryMissingError:
                     break
+                kv.read_draft_rows(n_bytes)
                 rows = rows[first - key.token_start : last - key.token_start]  # [T, k * hidden]
             parts.append(rows.to(self.runtime.device, self.runtime.dtype))
             reached = last
@@ -144,11 +145,14 @@ class Restored:
     end: int
 
 
-def stored_rows(job: RestoreJob, store: Any, sources: Sequence[tuple[int, str]], key: ChunkKey) -> torch.Tensor:
+def stored_rows(job: RestoreJob, store: Any, sources: Sequence[tuple[int, str]],
+                key: ChunkKey) -> tuple[torch.Tensor, int]:
     """The rows a draft reads at chunk `key`, as stored with it: [C, k * hidden], its `sources` side by side
-    (see `DraftPass`). BoundaryMissingError where one is missing or wrong."""
-    return torch.cat([BoundaryInput(replace(job, layers=range(layer, layer + 1)), store, prefetch=0, kind=kind)(
-        key.token_start, key.token_end) for layer, kind in sources], dim=-1)
+    (see `DraftPass`), and the bytes read for them. BoundaryMissingError where one is missing or wrong."""
+    reads = [BoundaryInput(replace(job, layers=range(layer, layer + 1)), store, prefetch=0, kind=kind)
+             for layer, kind in sources]
+    rows = torch.cat([read(key.token_start, key.token_end) for read in reads], dim=-1)  # [C, k * hidden]
+    return rows, sum(read.bytes_read for read in reads)
 
 
 def keep_draft_rows(job: RestoreJob, kv: BlockKV, store: Any, sources: Sequence[tuple[int, str]],
@@ -162,9 +166,11 @@ def keep_draft_rows(job: RestoreJob, kv: BlockKV, store: Any, sources: Sequence[
         if not share.mine(key.index):
             return
         try:
-            kv.keep(key.token_start, stored_rows(job, store, sources, key))  # [C, k * hidden]
+            rows, n_bytes = stored_rows(job, store, sources, key)  # [C, k * hidden]
         except Exception:  # missing, wrong, its pod unreachable: the rerun reads it again and stops there
             return
+        kv.read_draft_rows(n_bytes)
+        kv.keep(key.token_start, rows)
 
     return keep if sources else lambda unit: None
 
@@ -191,7 +197,8 @@ def restore_drafts(restored: Sequence[Restored], draft: Callable[[], DraftPass],
             gathered = time.perf_counter()
             draft().run(r.spec, r.kv, rows, end)
         event("draft", req=r.spec.req_id, tokens=end - r.spec.start, short=r.end - end,
-              elapsed_s=time.perf_counter() - started, gather_s=gathered - started)
+              elapsed_s=time.perf_counter() - started, gather_s=gathered - started,
+              bytes_read=r.kv.draft_bytes_read if r.kv is not None else 0)
     return reached
 
 

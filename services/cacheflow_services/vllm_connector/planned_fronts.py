@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -101,6 +102,8 @@ class Fronts:
         self._on_done = on_done
         self.error: BaseException | None = None  # what a forward raised (every plan's front failed with it)
         self.elapsed_s = 0.0  # the forwards' time so far
+        # per plan, the bytes of boundary activations this rank read for its front (a later pipeline rank's)
+        self.boundary_bytes_read = [x.bytes_read if isinstance(x, Boundary) else 0 for x in inputs]
 
     @property
     def pending(self) -> bool:
@@ -172,7 +175,17 @@ def front_inputs(plans: Sequence[SplitPlan], store: ChunkStore, model: VllmRunti
     return [_front_input(plan, model, boundary) for plan, boundary in zip(plans, gathered, strict=True)]
 
 
-Boundary = tuple[int, torch.Tensor]  # (first, rows [front - first, hidden]): the boundary rows from position first
+@dataclass(frozen=True)
+class Boundary:
+    """A later pipeline rank's front input: its boundary rows from position `first` on, and the bytes this rank
+    read from storage for them."""
+
+    first: int
+    rows: torch.Tensor  # [front - first, hidden]
+    bytes_read: int
+
+    def __call__(self, a: int, b: int) -> torch.Tensor:
+        return self.rows[a - self.first : b - self.first]  # positions [a, b): [b - a, hidden]
 
 
 def _reads_boundary(plan: SplitPlan) -> bool:
@@ -192,17 +205,17 @@ def _boundary_rows(plan: SplitPlan, store: ChunkStore, model: VllmRuntime, share
         parts = [boundary(key.token_start, key.token_end).to(model.dtype) if share.mine(key.index)
                  else torch.zeros(key.n_tokens, model.config.hidden_size, dtype=model.dtype, device=model.device)
                  for key in keys]  # [n_tokens, hidden] each
-    return first, torch.cat(parts)  # [front - first, hidden]
+    return Boundary(first, torch.cat(parts), boundary.bytes_read)  # rows [front - first, hidden]
 
 
 def _gathered(boundaries: Sequence[Boundary | None], share: RowShare) -> list[Boundary | None]:
     """`boundaries` with every rank's share added up, in one `RowShare.gather` (every rank holds the same plans,
     so the same rows' shapes, in the same order)."""
-    read = [boundary[1] for boundary in boundaries if boundary is not None]
+    read = [boundary.rows for boundary in boundaries if boundary is not None]
     if share.ranks == 1 or not read:
         return list(boundaries)
     pieces = iter(share.gather(torch.cat(read)).split([rows.shape[0] for rows in read]))  # [T_i, hidden] each
-    return [None if boundary is None else (boundary[0], next(pieces)) for boundary in boundaries]
+    return [None if boundary is None else replace(boundary, rows=next(pieces)) for boundary in boundaries]
 
 
 def _front_input(plan: SplitPlan, model: VllmRuntime, boundary: Boundary | None) -> FrontInput | None:
@@ -213,8 +226,7 @@ def _front_input(plan: SplitPlan, model: VllmRuntime, boundary: Boundary | None)
     if boundary is None:
         ids = torch.tensor(plan.job.token_ids, dtype=torch.long)  # [N]
         return lambda a, b: model.embed(ids[a:b])  # [b - a, hidden]
-    first, rows = boundary
-    return lambda a, b: rows[a - first : b - first]
+    return boundary
 
 
 def _input(front_input: FrontInput | None) -> FrontInput:

@@ -56,6 +56,7 @@ class Split(NamedTuple):
     batch: int = 1  # restores started together (their fronts shared forwards)
     timed: tuple[tuple[float, float], ...] = ()  # per chunk loaded, in order: (predicted, measured) seconds
     front_steps: int = 0  # vLLM steps its front's forwards took
+    boundary_bytes_read: int = 0  # a later pipeline rank's: the boundary activations it read for the front
 
     @property
     def load_s(self) -> float:
@@ -260,8 +261,10 @@ class RunningSplit:
         landed = [0.0, *self.loads.landed_s[: len(hits)]]
         timed = tuple((self.predicted_s[unit] if self.predicted_s else 0.0, landed[i + 1] - landed[i])
                       for i, unit in enumerate(units[: len(hits)]))
-        steps = self.fronts.plan_steps[self.plan] if self.fronts is not None else 0
-        return Split(end, self.computed, len(hits), self.loads.loader.bytes_read, miss, self.batch, timed, steps)
+        steps, boundary = ((self.fronts.plan_steps[self.plan], self.fronts.boundary_bytes_read[self.plan])
+                           if self.fronts is not None else (0, 0))
+        return Split(end, self.computed, len(hits), self.loads.loader.bytes_read, miss, self.batch, timed, steps,
+                     boundary)
 
 
 def _chunks_between(job: RestoreJob, start: int, front: int) -> int:
