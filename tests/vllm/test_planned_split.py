@@ -374,6 +374,8 @@ def test_a_later_pipeline_ranks_tensor_parallel_ranks_each_read_every_other_chun
     other = later._replace(start=0, front=2 * CHUNK)  # a second restore started in the same step
     with BoundaryInput(later.job, store, prefetch=0) as boundary:
         stored = boundary(0, n)  # [N, hidden]
+    size = {key.index: len(MemoryStore.read(store, boundary_name(key, later.job.layers.start)) or b"")
+            for key in later.job.keys}  # each chunk's stored boundary activation (not counted as a read)
     ranks = [_RankOfTwo(rank, 2) for rank in range(2)]
     for rank in ranks:
         store.reads.clear()
@@ -381,8 +383,6 @@ def test_a_later_pipeline_ranks_tensor_parallel_ranks_each_read_every_other_chun
         mine = [boundary_name(key, later.job.layers.start) for chunks in (range(1, 5), range(2)) for key in
                 later.job.keys if key.index in chunks and key.index % 2 == rank.rank]  # its chunks of each front
         assert sorted(store.reads) == sorted(mine)
-        size = {key.index: len(MemoryStore.read(store, boundary_name(key, later.job.layers.start)) or b"")
-                for key in later.job.keys}  # each chunk's stored boundary activation (not counted as a read)
         read = Fronts([later, other], inputs, None, prefill_tokens=2048, step_tokens=None).boundary_bytes_read
         assert read == [sum(size[c] for c in chunks if c % 2 == rank.rank) for chunks in (range(1, 5), range(2))]
     [sent0], [sent1] = ranks[0].sent, ranks[1].sent
