@@ -19,11 +19,13 @@ from cacheflow_operator.manifests.build import children
 from cacheflow_operator.spec import API_VERSION, KIND, PLURAL, Cluster
 from tests.k8s.kmock_env import (
     CR_PATH,
+    KMOCK_CONTAINS,
     NAMESPACE,
     Api,
     ApplyingEmulator,
     child_path,
     cluster_body,
+    holds,
     running_operator,
 )
 
@@ -61,8 +63,8 @@ async def wait_condition(api: Api, kind: str, status: str, *, generation: int | 
         observed = generation is None or (cr or {}).get("status", {}).get("observedGeneration") == generation
         return cr if ok and observed else None
 
-    # generous: a spec change is a few hundred requests to the fake API, and its waits took up to ~50 s on 2 busy
-    # cores (a liveness bound, not a speed check)
+    # generous: a spec change is a few hundred requests to the fake API (its waits took up to ~50 s on 2 busy cores
+    # before kmock_env.holds, a few seconds since); a liveness bound, not a speed check
     result: dict[str, Any] = await api.eventually(probe, timeout_s=180)
     return result
 
@@ -340,3 +342,16 @@ async def test_kmock_does_not_create_on_apply(kmock):
                           params={"fieldManager": "cacheflow-operator", "force": "true"},
                           headers={"Content-Type": "application/apply-patch+yaml"}) as response:
         assert response.status == 404
+
+
+async def test_the_fast_membership_check_answers_as_kmocks_scan(kmock, tmp_path, monkeypatch):
+    """kmock_env.holds decides from a request alone whether a reaction's view holds it (kmock scans its whole history
+    for that): over every request of a reconcile, for each reaction kmock holds (its own and a test's), the answer of
+    kmock's scan; a view it cannot decide (a slice) is left to that scan."""
+    kmock[f"patch {child_path('v1', 'configmaps', 'never-sent')}"] << 403
+    async with running_operator(kmock, tmp_path, monkeypatch) as api:
+        await create_and_wait(api)
+    requests, views = list(kmock), [payload._source for payload in kmock._payloads]
+    answers = [(holds(view, r), KMOCK_CONTAINS(view, r)) for view in views for r in requests]
+    assert all(fast == scanned for fast, scanned in answers) and {fast for fast, _ in answers} == {True, False}
+    assert holds(kmock["get"][:3], requests[0]) is None
