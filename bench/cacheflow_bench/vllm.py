@@ -54,7 +54,7 @@ MODEL = {**TINY_QWEN3, "torch_dtype": "float32"}  # 8 layers, hidden 512, GQA 8/
 CONFIG = ModelConfig.from_hf_dict(MODEL)
 VOCAB = CONFIG.vocab_size
 POLICIES = ("load-only", "cake", "cacheflow")  # the connector's `policy` setting, and the column's name
-BUDGETS = (None, 16384)  # vLLM's per-step token budget for the recompute baseline: its default, the whole prompt
+BUDGETS = "default,16384"  # vLLM's per-step token budgets for the recompute baseline: its default, the whole prompt
 
 
 def kv_bytes(n_tokens: int) -> int:
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bench.make_profile()
     ordered = [bench.warm] + [bench.prompts[n] for n in args.lengths for _ in range(REPEATS)]
     by_budget = {str(b or "default"): per_length(args.lengths, bench.drive(f"recompute-{b or 'default'}", ordered,
-                                                                           None, b)[1:]) for b in BUDGETS}
+                                                                           None, b)[1:]) for b in args.budgets}
     tcomp = {n: min(times[n] for times in by_budget.values()) for n in args.lengths}
     bench.start_pod()
     bench.drive("save", [bench.warm] + [bench.prompts[n] for n in args.lengths], bench.connector())
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # two-pointer method gains from what the compute pointer's own speed does
     recompute = vllm_recompute.run_recompute(bench, args.lengths, vllm_recompute.fresh_prompts(args.lengths, SUFFIX,
                                                                                                VOCAB),
-                                             repeats=REPEATS, budgets=BUDGETS)
+                                             repeats=REPEATS, budgets=args.budgets)
     print(json.dumps(recompute["summary"]), flush=True)
     own = {n: row["connector"] for n, row in recompute["by_length"].items()}
     rows: list[dict[str, Any]] = []
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batch = None
     if args.batch_prefixes:
         prompts = vllm_batch.prompts_for(args.batch_prefixes, SUFFIX, VOCAB)
-        batch = vllm_batch.run_batch(bench, prompts, repeats=REPEATS, budgets=BUDGETS,
+        batch = vllm_batch.run_batch(bench, prompts, repeats=REPEATS, budgets=args.budgets,
                                      kv_bytes=sum(kv_bytes(n) for n in args.batch_prefixes))
         print(json.dumps(batch["summary"]), flush=True)
     trace = None
@@ -202,6 +202,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="serving mode: Mooncake requests replayed through vLLM's OpenAI server (0 for none)")
     parser.add_argument("--loads", default=",".join(vllm_trace.LOADS),
                         help=f"serving mode: the request rates, of {', '.join(vllm_trace.LOADS)}")
+    parser.add_argument("--budgets", default=BUDGETS,
+                        help="vLLM's per-step token budgets the recompute baseline runs with, the fastest taken "
+                             "('default': vLLM's own; the default list also prefills the whole prompt in one step)")
     parser.add_argument("--quick", action="store_true",
                         help="lengths 1024,2048 only; a batch of 2 short prefixes; 4 trace requests")
     parser.add_argument("--workdir", default=str(SCRATCH_DIR / "vllm"), help="working folder")
@@ -215,10 +218,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.trace_requests = 4
     args.batch_prefixes = tuple(int(x) for x in args.batch_prefixes.split(",") if x)
     args.loads = [x for x in args.loads.split(",") if x]
+    args.budgets = parse_budgets(parser, args.budgets)
     if unknown := set(args.loads) - set(vllm_trace.LOADS):
         parser.error(f"unknown --loads {sorted(unknown)}; choose from {', '.join(vllm_trace.LOADS)}")
     require_vllm(parser)
     return args
+
+
+def parse_budgets(parser: argparse.ArgumentParser, text: str) -> tuple[int | None, ...]:
+    """`--budgets`: vLLM's per-step token budgets (None: its default), at least one."""
+    names = [x for x in text.split(",") if x]
+    if not names or not all(x == "default" or (x.isdigit() and int(x) > 0) for x in names):
+        parser.error(f"--budgets {text!r}: a comma-separated list of 'default' and positive token counts")
+    return tuple(None if x == "default" else int(x) for x in names)
 
 
 def require_vllm(parser: argparse.ArgumentParser) -> None:
@@ -268,8 +280,8 @@ def single_report(body: dict[str, Any]) -> str:
     return (f"# vLLM on CPU with the CacheFlow connector: TTFT\n\n`{body['command']}`; model: random Qwen3 "
             f"(8 layers, hidden 512, fp32), chunks of {body['chunk_size']} tokens, 1 storage pod whose link is "
             "emulated (token bucket) at the rate each row gives.\n\n"
-            "Baselines: **vLLM recompute** is the faster of vLLM's default per-step token budget and one that "
-            "prefills the whole prompt in one step (per length: "
+            "Baselines: **vLLM recompute** is the fastest of the per-step token budgets vLLM ran with (`--budgets`; "
+            "by default its own and one that prefills the whole prompt in one step; per length: "
             f"{_budget_note(body['rows'])}); **load-only** is the connector loading every chunk with "
             "2 reads in flight; **Cake** is the connector with `policy: cake` (token-wise two pointers, one read "
             "in flight); TTFT medians of 3 requests after a warm-up, each configuration in a fresh vLLM process, "

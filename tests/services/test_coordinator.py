@@ -317,18 +317,29 @@ def test_a_killed_storage_pod_is_recomputed_around(client, cluster, reference):
     assert body["choices"][0]["token_ids"] == expected
 
 
-def test_a_killed_stage_worker_fails_requests_with_a_reason_not_a_hang(client, cluster):
-    local, _ = cluster
-    local.workers[1].kill()
-    r = client.post("/v1/completions", json={"model": MODEL, "prompt": _prompt(50, seed=50), "max_tokens": 2})
-    assert r.status_code in (502, 503), r.text
-    assert "unreachable" in r.json()["error"]["message"] or "not answering" in r.json()["error"]["message"]
-    deadline = time.monotonic() + 15  # the health probe (every 2 s) marks the stage down
-    while time.monotonic() < deadline:
-        r = client.post("/v1/completions", json={"model": MODEL, "prompt": _prompt(50, seed=51), "max_tokens": 2})
-        if r.status_code == 503:
-            break
-        time.sleep(0.5)
-    assert r.status_code == 503 and "stage worker(s) 1 not answering" in r.json()["error"]["message"]
-    assert httpx.get(f"{local.coordinator.url}/readyz").status_code == 503
+def test_a_killed_stage_worker_fails_requests_with_a_reason_not_a_hang(cluster, tmp_path):
+    """A request that finds a stage down waits `--stage-wait-s` for it (30 s by default, for a supervisor's restart;
+    1 s here), then answers 503 with the reason."""
+    local, workdir = cluster
+    impatient = _second_coordinator(local, workdir, tmp_path, "--stage-wait-s", "1")
+    try:
+        with httpx.Client(base_url=impatient.url, headers={"Authorization": f"Bearer {local.token}"},
+                          timeout=120) as client:
+            local.workers[1].kill()
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": _prompt(50, seed=50), "max_tokens": 2})
+            assert r.status_code in (502, 503), r.text
+            message = r.json()["error"]["message"]
+            assert "unreachable" in message or "not answering" in message
+            deadline = time.monotonic() + 15  # the health probe (every 2 s) marks the stage down
+            while time.monotonic() < deadline:
+                r = client.post("/v1/completions",
+                                json={"model": MODEL, "prompt": _prompt(50, seed=51), "max_tokens": 2})
+                if r.status_code == 503:
+                    break
+                time.sleep(0.5)
+            assert r.status_code == 503 and "stage worker(s) 1 not answering" in r.json()["error"]["message"]
+            assert httpx.get(f"{impatient.url}/readyz").status_code == 503
+            assert httpx.get(f"{local.coordinator.url}/readyz").status_code == 503
+    finally:
+        impatient.stop()
 
