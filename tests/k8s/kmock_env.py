@@ -165,6 +165,9 @@ def holds(view: Any, request: Any) -> bool | None:
         view = view._source
 
 
+KMOCK_CONTAINS = dsl.View.__contains__
+
+
 def contains_fast(view: Any, item: Any) -> bool:
     """kmock 0.8 decides whether a reaction's view holds an arriving request by iterating the view over the
     server's whole request history, every criterion applied to every past request, for each reaction it tries: its
@@ -173,9 +176,6 @@ def contains_fast(view: Any, item: Any) -> bool:
     if isinstance(item, rendering.Request) and (answer := holds(view, item)) is not None:
         return answer
     return KMOCK_CONTAINS(view, item)
-
-
-KMOCK_CONTAINS = dsl.View.__contains__
 
 
 @contextlib.asynccontextmanager

@@ -57,9 +57,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalClu
 @pytest.fixture(scope="module")
 def client(cluster: tuple[LocalCluster, Path]) -> Iterator[httpx.Client]:
     local, _ = cluster
-    with httpx.Client(base_url=local.coordinator.url, headers={"Authorization": f"Bearer {local.token}"},
-                      timeout=120) as c:
+    with _client(local.coordinator.url, local.token) as c:
         yield c
+
+
+def _client(url: str, token: str) -> httpx.Client:
+    """An API client of the coordinator at `url`."""
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -323,8 +327,7 @@ def test_a_killed_stage_worker_fails_requests_with_a_reason_not_a_hang(cluster, 
     local, workdir = cluster
     impatient = _second_coordinator(local, workdir, tmp_path, "--stage-wait-s", "1")
     try:
-        with httpx.Client(base_url=impatient.url, headers={"Authorization": f"Bearer {local.token}"},
-                          timeout=120) as client:
+        with _client(impatient.url, local.token) as client:
             local.workers[1].kill()
             r = client.post("/v1/completions", json={"model": MODEL, "prompt": _prompt(50, seed=50), "max_tokens": 2})
             assert r.status_code in (502, 503), r.text
