@@ -16,9 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cacheflow_services.vllm_connector.fork_client import KILLED, shared_server
+
 REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"  # created by .ci/run
 TIMED_OUT = "timed out after"  # the line a timeout adds to the log
+DRIVE_MODULE = "cacheflow_services.vllm_connector.drive"
+# what the fork server imports: most of what a run imports (12 of its 20 s on a 2-core CPU, 3 more to tear down)
+PRELOAD = ("vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.worker.cpu_worker",
+           "cacheflow_services.vllm_connector.connector")
+PER_RUN_ENV = ("VLLM_CPU_KVCACHE_SPACE",)  # read as vLLM's engine starts: a run may set its own
 LOG_TAIL_CHARS = 4000
 
 
@@ -27,7 +34,7 @@ class DriveRun:
     name: str
     result: dict[str, Any] | None  # what drive.py wrote; None when it failed or timed out
     log: str
-    returncode: int  # -1: killed at the timeout
+    returncode: int  # KILLED: killed at the timeout
 
     def checked(self) -> dict[str, Any]:
         """What drive.py wrote, or RuntimeError with the log's tail."""
@@ -52,21 +59,37 @@ def vllm_env(ranks: int = 1, *, kv_space_gib: int = 1) -> dict[str, str]:
 def run_drive(spec: dict[str, Any], workdir: Path, name: str, *, timeout_s: float | None = None,
               kv_space_gib: int = 1, python: Path = VLLM_PYTHON) -> DriveRun:
     """drive.py over `spec` in a fresh vLLM process, in `workdir` (`name`.spec.json, .out.json, .log there).
-    `-P`: the working folder stays off sys.path."""
+    `-P`: the working folder stays off sys.path. A run in one process (one rank) of vLLM's own Python forks
+    from a process that has imported vLLM (`fork_client.py`), but for a run that measures its memory or one
+    whose environment differs from that process's (beyond PER_RUN_ENV)."""
     spec_path, out_path, log_path = (workdir / f"{name}{suffix}" for suffix in (".spec.json", ".out.json", ".log"))
     spec_path.write_text(json.dumps({**spec, "out": str(out_path)}))
     out_path.unlink(missing_ok=True)
+    log_path.write_text("")
     ranks = spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen([str(python), "-P", "-m", "cacheflow_services.vllm_connector.drive", str(spec_path)],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True,
-                                env=vllm_env(ranks, kv_space_gib=kv_space_gib))
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # its rank workers too
-            proc.wait()
-            returncode = -1
+    env = vllm_env(ranks, kv_space_gib=kv_space_gib)
+    forks = python == VLLM_PYTHON and ranks == 1 and not spec.get("memory")
+    server = shared_server(python, vllm_env(), PRELOAD) if forks else None
+    if server is not None and server.serves(env, PER_RUN_ENV):
+        returncode = server.run(DRIVE_MODULE, [str(spec_path)], workdir, env, log_path, timeout_s)
+    else:
+        returncode = _spawn([str(python), "-P", "-m", DRIVE_MODULE, str(spec_path)], workdir, env, log_path,
+                            timeout_s)
+    if returncode == KILLED:
+        with log_path.open("a") as log:
             log.write(f"\n{TIMED_OUT} {timeout_s:g} s\n")
     result = json.loads(out_path.read_text()) if returncode == 0 and out_path.exists() else None
     return DriveRun(name, result, log_path.read_text(errors="replace"), returncode)
+
+
+def _spawn(argv: list[str], workdir: Path, env: dict[str, str], log_path: Path, timeout_s: float | None) -> int:
+    """A fresh process in its own session; its exit status, or KILLED once its group is killed."""
+    with log_path.open("a") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True,
+                                env=env)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its rank workers too
+            proc.wait()
+            return KILLED
