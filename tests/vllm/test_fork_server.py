@@ -115,7 +115,7 @@ def test_runs_go_side_by_side(server: ForkServer, tmp_path: Path) -> None:
 def test_the_server_ends_with_its_client(server: ForkServer) -> None:
     assert server.proc.stdin is not None
     server.proc.stdin.close()  # as when the process that started it ends
-    assert server.proc.wait(timeout=10) == 0
+    assert server.proc.wait(timeout=10) == 0 and not server.alive
 
 
 def test_a_server_that_cannot_start_is_not_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -70,7 +70,7 @@ def run_drive(spec: dict[str, Any], workdir: Path, name: str, *, timeout_s: floa
     env = vllm_env(ranks, kv_space_gib=kv_space_gib)
     forks = python == VLLM_PYTHON and ranks == 1 and not spec.get("memory")
     server = shared_server(python, vllm_env(), PRELOAD) if forks else None
-    if server is not None and server.serves(env, PER_RUN_ENV):
+    if server is not None and server.alive and server.serves(env, PER_RUN_ENV):
         returncode = server.run(DRIVE_MODULE, [str(spec_path)], workdir, env, log_path, timeout_s)
     else:
         returncode = _spawn([str(python), "-P", "-m", DRIVE_MODULE, str(spec_path)], workdir, env, log_path,

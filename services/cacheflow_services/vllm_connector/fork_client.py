@@ -9,6 +9,7 @@ caller falls back to fresh processes, and the server's log says why. The server 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -68,15 +69,20 @@ class ForkServer:
             conn.connect(self.socket_path)
             conn.sendall(json.dumps(request).encode() + b"\n")
             pending = bytearray()
-            pid = int(read_line(conn, pending))
+            pid = _number(read_line(conn, pending))
             conn.settimeout(timeout_s)
             try:
-                return _status(read_line(conn, pending))
+                return _number(read_line(conn, pending))
             except TimeoutError:
-                os.killpg(pid, signal.SIGKILL)  # the run and any process it started
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.killpg(pid, signal.SIGKILL)  # the run and any process it started
                 conn.settimeout(None)
                 read_line(conn, pending)  # the server reaped it
                 return KILLED
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -89,9 +95,10 @@ class ForkServer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _status(line: str) -> int:
+def _number(line: str) -> int:
+    """A pid or an exit status the server sent."""
     if not line:
-        raise RuntimeError("the fork server went away before its child's exit status")
+        raise RuntimeError("the fork server went away before it answered")
     return int(line)
 
 
