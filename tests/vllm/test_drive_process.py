@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cacheflow_services.vllm_connector.drive_process import TIMED_OUT, run_drive, vllm_env
+from cacheflow_services.vllm_connector.drive_process import PER_RUN_ENV, TIMED_OUT, run_drive, vllm_env
 
 STAND_IN = f"""#!{sys.executable}
 import json, os, subprocess, sys, time
@@ -84,3 +84,12 @@ def test_ranks_get_a_core_each_and_share_them_when_too_few(monkeypatch: pytest.M
     cores = sorted(os.sched_getaffinity(0))
     ranks = len(cores) + 1  # one more rank than cores: the first core takes two
     assert vllm_env(ranks)["VLLM_CPU_OMP_THREADS_BIND"].split("|") == [str(c) for c in cores + cores[:1]]
+
+
+def test_the_runs_of_every_test_fork_from_one_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What differs between two tests' runs (pytest's name of the test, a run's KV space) is read per run, so
+    both fork from the server the first started (`fork_client.ForkServer.serves`)."""
+    first = vllm_env()
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/vllm/another.py::test (call)")
+    second = vllm_env(1, kv_space_gib=2)
+    assert {name for name in {*first, *second} if first.get(name) != second.get(name)} <= set(PER_RUN_ENV)

@@ -25,7 +25,9 @@ DRIVE_MODULE = "cacheflow_services.vllm_connector.drive"
 # what the fork server imports: most of what a run imports (12 of its 20 s on a 2-core CPU, 3 more to tear down)
 PRELOAD = ("vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.worker.cpu_worker",
            "cacheflow_services.vllm_connector.connector")
-PER_RUN_ENV = ("VLLM_CPU_KVCACHE_SPACE",)  # read as vLLM's engine starts: a run may set its own
+# a run's variables that may differ from the fork server's: read as vLLM's engine starts, or not by vLLM at all
+# (pytest names the running test in PYTEST_CURRENT_TEST)
+PER_RUN_ENV = ("VLLM_CPU_KVCACHE_SPACE", "PYTEST_CURRENT_TEST")
 LOG_TAIL_CHARS = 4000
 
 
