@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from cacheflow_services.vllm_connector.drive_process import PER_RUN_ENV, TIMED_OUT, run_drive, vllm_env
+from cacheflow_services.vllm_connector.drive_process import (
+    PER_RUN_ENV,
+    TIMED_OUT,
+    VLLM_PYTHON,
+    forks,
+    run_drive,
+    vllm_env,
+)
 
 STAND_IN = f"""#!{sys.executable}
 import json, os, subprocess, sys, time
@@ -93,3 +100,10 @@ def test_the_runs_of_every_test_fork_from_one_server(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/vllm/another.py::test (call)")
     second = vllm_env(1, kv_space_gib=2)
     assert {name for name in {*first, *second} if first.get(name) != second.get(name)} <= set(PER_RUN_ENV)
+
+
+def test_only_one_rank_runs_of_vllms_python_that_measure_no_memory_fork(stand_in: Path) -> None:
+    assert forks({}, VLLM_PYTHON) and forks({"tensor_parallel_size": 1, "pipeline_parallel_size": 1}, VLLM_PYTHON)
+    assert not forks({"tensor_parallel_size": 2}, VLLM_PYTHON) and not forks({"pipeline_parallel_size": 2}, VLLM_PYTHON)
+    assert not forks({"memory": True}, VLLM_PYTHON)  # vllm_memory compares real starts
+    assert not forks({}, stand_in)  # another interpreter: it runs as given

@@ -68,10 +68,8 @@ def run_drive(spec: dict[str, Any], workdir: Path, name: str, *, timeout_s: floa
     spec_path.write_text(json.dumps({**spec, "out": str(out_path)}))
     out_path.unlink(missing_ok=True)
     log_path.write_text("")
-    ranks = spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1)
-    env = vllm_env(ranks, kv_space_gib=kv_space_gib)
-    forks = python == VLLM_PYTHON and ranks == 1 and not spec.get("memory")
-    server = shared_server(python, vllm_env(), PRELOAD) if forks else None
+    env = vllm_env(_ranks(spec), kv_space_gib=kv_space_gib)
+    server = shared_server(python, vllm_env(), PRELOAD) if forks(spec, python) else None
     if server is not None and server.alive and server.serves(env, PER_RUN_ENV):
         returncode = server.run(DRIVE_MODULE, [str(spec_path)], workdir, env, log_path, timeout_s)
     else:
@@ -82,6 +80,16 @@ def run_drive(spec: dict[str, Any], workdir: Path, name: str, *, timeout_s: floa
             log.write(f"\n{TIMED_OUT} {timeout_s:g} s\n")
     result = json.loads(out_path.read_text()) if returncode == 0 and out_path.exists() else None
     return DriveRun(name, result, log_path.read_text(errors="replace"), returncode)
+
+
+def forks(spec: dict[str, Any], python: Path) -> bool:
+    """Whether a run may fork from the fork server: vLLM's own Python, one rank (several start their own rank
+    workers, each bound to its cores as it starts), and not a run that measures its own memory."""
+    return python == VLLM_PYTHON and _ranks(spec) == 1 and not spec.get("memory")
+
+
+def _ranks(spec: dict[str, Any]) -> int:
+    return int(spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1))
 
 
 def _spawn(argv: list[str], workdir: Path, env: dict[str, str], log_path: Path, timeout_s: float | None) -> int:
