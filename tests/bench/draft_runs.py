@@ -17,12 +17,13 @@ TENANT = "eagle"
 def run(root: Path, name: str, models: tuple[Path, Path], *, draft: bool, tp: int, method: str = "eagle",
         adapter: Path | None = None) -> dict[str, Any]:
     """One fresh vLLM process of `models[0]` over the pod in `root`: its prompts once; `draft`: with the draft
-    `models[1]` (its `method`); `tp` tensor-parallel ranks; `adapter`: LoRA on, every prompt under it. Its
-    tokens, vLLM's draft counters and the connector's events."""
+    `models[1]` (its `method`); `tp` tensor-parallel ranks; `adapter`: LoRA on, every prompt under it; a process
+    named "...rerun" stores and loads no draft KV (`draft_kv: false`: restores rerun the draft). Its tokens, vLLM's
+    draft counters and the connector's events."""
     target, draft_model = models
     connector = {"pods": [f"pod-0=127.0.0.1:{(root / 'port').read_text()}"], "tenant": TENANT,
                  "pod_token_file": str(root / "tokens"), "chunk_size": CHUNK, "stats_file": str(root / f"{name}.jsonl"),
-                 **fixed_plan(root / "profile.json")}
+                 "draft_kv": not name.endswith("rerun"), **fixed_plan(root / "profile.json")}
     spec = {"model": str(target), "dtype": "float32", "prompts": prompts(), "max_tokens": 32, "ignore_eos": True,
             "speculative_config": {"method": method, "model": str(draft_model), "num_speculative_tokens": SPEC_TOKENS}
             if draft else None,
@@ -56,18 +57,22 @@ def run_pods(root: Path, passes: Mapping[str, Sequence[tuple[str, bool, int]]], 
     return out
 
 
-def check_restored_as_cold(cold: dict[str, Any], warm: dict[str, Any], tp: int, *, rows: bool = True) -> None:
+def check_restored_as_cold(cold: dict[str, Any], warm: dict[str, Any], tp: int, *, rows: bool = True,
+                           rerun: bool = False) -> None:
     """`warm` restored every prefix on each of its `tp` ranks in the background (loading and recomputing chunks),
-    reran the draft over all of it, and gave `cold`'s greedy tokens and draft counters (drafted, draft tokens,
-    accepted: all equal). `rows`: the draft reads rows stored with the chunks (EAGLE, MTP; a draft model none), so
-    its reruns read some from storage (those of the chunks loaded)."""
+    loaded the draft's KV stored with every chunk (`rerun`: reran the draft over all of it instead), and gave
+    `cold`'s greedy tokens and draft counters (drafted, draft tokens, accepted: all equal). `rows`: the draft
+    reads rows stored with the chunks (EAGLE, MTP; a draft model none), so its reruns read some from storage
+    (those of the chunks loaded); a draft whose KV was loaded reads none."""
     restores = [e for e in warm["events"] if e["event"] == "restore"]
     assert len(restores) == len(PREFIXES) * tp and all(e["loaded"] > 0 for e in restores), restores
     assert all(e["asynchronous"] for e in restores)  # vLLM stepped the batch meanwhile
     assert sum(e["computed"] for e in restores) > 0  # the profile's plan recomputes the front of some
     assert sum(e["computed"] + e["loaded"] for e in restores) == sum(n // CHUNK for n in PREFIXES) * tp
     draft_passes = [e for e in warm["events"] if e["event"] == "draft"]  # one per rank
-    assert sorted((e["tokens"], e["short"]) for e in draft_passes) == sorted([(n, 0) for n in PREFIXES] * tp)
-    assert (sum(e["bytes_read"] for e in draft_passes) > 0) == rows
+    expected = [(n, 0, 0) if rerun else (0, n, 0) for n in PREFIXES] * tp  # (tokens rerun, loaded, short)
+    assert sorted((e["tokens"], e["loaded"], e["short"]) for e in draft_passes) == sorted(expected), draft_passes
+    assert (sum(e["bytes_read"] for e in draft_passes) > 0) == (rows and rerun)
+    assert (sum(e["loaded_bytes"] for e in draft_passes) > 0) == (not rerun)
     assert warm["tokens"] == cold["tokens"]
     assert warm["drafts"] == cold["drafts"]

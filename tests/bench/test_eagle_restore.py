@@ -3,9 +3,10 @@
 The draft copies its one-layer target (`tiny_models.save_copying_eagle`): vLLM accepts nearly every token it
 drafts after its own prefill, and fewer where the draft's KV is wrong (measured with the connector's draft pass
 left out: 69 of 87 drafted tokens accepted against 72 of 72). A cold process computes the prompts and stores
-their chunks (and the target's output rows); a warm one, started fresh (nothing of the prompts in its cache),
-restores them: its greedy tokens and vLLM's draft counters must equal the cold process's, token for token;
-at TP 1 and at TP 2 (each rank reruns its half of the draft's heads, in lockstep).
+their chunks (the target's output rows and the draft's own KV with them); a warm one, started fresh (nothing of
+the prompts in its cache), restores them, loading the draft's KV; another reruns the draft instead (`draft_kv`
+off): the greedy tokens and vLLM's draft counters of each must equal the cold process's, token for token; at TP 1
+and at TP 2 (each rank loads, or reruns, its half of the draft's heads).
 """
 
 from __future__ import annotations
@@ -30,19 +31,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (stores, without the draft: no output rows) and plain-warm (restores with the draft) over a third."""
     root = tmp_path_factory.mktemp("eagle")
     models = tiny_models.save_copying_eagle(root / "target", root / "draft")
-    passes = {"pod": (("cold", True, 1), ("warm", True, 1)), "tp2-pod": (("tp2-cold", True, 2), ("tp2-warm", True, 2)),
+    passes = {"pod": (("cold", True, 1), ("warm", True, 1), ("rerun", True, 1)),
+              "tp2-pod": (("tp2-cold", True, 2), ("tp2-warm", True, 2), ("tp2-rerun", True, 2)),
               "plain-pod": (("plain-cold", False, 1), ("plain-warm", True, 1))}  # (name, with the draft, TP)
     return {"models": models, **run_pods(root, passes, models)}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_a_restored_draft_drafts_and_is_accepted_as_after_vllms_own_prefill(runs: dict[str, Any], tp: int) -> None:
-    """At TP 2 each rank reruns its half of the draft's heads, the ranks in lockstep."""
+@pytest.mark.parametrize("rerun", [False, True])
+def test_a_restored_draft_drafts_and_is_accepted_as_after_vllms_own_prefill(runs: dict[str, Any], tp: int,
+                                                                            rerun: bool) -> None:
+    """The draft's KV loaded as the cold process stored it, or (`rerun`: `draft_kv` off) rerun over the target's
+    rows; at TP 2 each rank loads, or reruns, its half of the draft's heads, the ranks in lockstep."""
     prefix = "tp2-" if tp == 2 else ""
-    cold, warm = runs[f"{prefix}cold"], runs[f"{prefix}warm"]
+    cold, warm = runs[f"{prefix}cold"], runs[f"{prefix}{'rerun' if rerun else 'warm'}"]
     drafted, accepted = cold["drafts"]["draft_tokens"], cold["drafts"]["accepted_tokens"]
     assert accepted >= 0.9 * drafted > 0  # the copying draft is good: a wrong draft KV shows in its counters
-    check_restored_as_cold(cold, warm, tp)
+    check_restored_as_cold(cold, warm, tp, rerun=rerun)
 
 
 def test_the_stored_output_rows_are_the_targets_output(runs: dict[str, Any]) -> None:
@@ -88,21 +93,24 @@ def eagle3_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("eagle3")
     target = tiny_models.save("llama", root / "target")
     draft = tiny_models.save_eagle3("llama", root / "draft")
-    passes = {"pod": (("cold", True, 1), ("warm", True, 1)), "plain-pod": (("plain-cold", False, 1),
-                                                                           ("plain-warm", True, 1))}
+    passes = {"pod": (("cold", True, 1), ("warm", True, 1), ("rerun", True, 1)),
+              "plain-pod": (("plain-cold", False, 1), ("plain-warm", True, 1))}
     return {"target": target, **run_pods(root, passes, (target, draft), method="eagle3")}
 
 
 def test_an_eagle3_draft_is_restored_from_the_residual_streams_of_its_auxiliary_layers(
         eagle3_runs: dict[str, Any]) -> None:
     """The chunks hold the target's residual streams entering each auxiliary layer (boundary activations, as
-    transformers computes them: the one past the last layer before the final norm); the warm process restores
-    the prefixes and reruns the draft over them, with vLLM's tokens and draft counters."""
+    transformers computes them: the one past the last layer before the final norm); a process without the
+    draft's stored KV (`draft_kv` off) restores the prefixes and reruns the draft over them, one with it loads
+    the draft's KV: each with vLLM's tokens and draft counters."""
     from transformers import AutoModelForCausalLM
 
-    cold, warm = eagle3_runs["cold"], eagle3_runs["warm"]
-    assert [(e["tokens"], e["short"]) for e in warm["events"] if e["event"] == "draft"] == [(n, 0) for n in PREFIXES]
-    assert warm["tokens"] == cold["tokens"] and warm["drafts"] == cold["drafts"]
+    cold = eagle3_runs["cold"]
+    for name, expected in (("rerun", [(n, 0, 0) for n in PREFIXES]), ("warm", [(0, n, 0) for n in PREFIXES])):
+        run = eagle3_runs[name]
+        assert [(e["tokens"], e["loaded"], e["short"]) for e in run["events"] if e["event"] == "draft"] == expected
+        assert run["tokens"] == cold["tokens"] and run["drafts"] == cold["drafts"]
     model = AutoModelForCausalLM.from_pretrained(eagle3_runs["target"], dtype=torch.float32)
     before_norm: list[torch.Tensor] = []
     model.model.norm.register_forward_hook(lambda module, args, out: before_norm.append(args[0][0]))

@@ -1,7 +1,7 @@
 """`cacheflow bench vllm-eagle --quick` on real vLLM (CPU) processes, with an EAGLE draft:
-every measured prompt restored with and without the draft, with the next token vLLM computed, the draft rerun
-over each restored prefix, and the report written (its numbers are the bench's business:
-bench/results/vllm_eagle.md)."""
+every measured prompt restored with and without the draft, with the next token vLLM computed, the draft's KV
+loaded with each restored prefix (or, `draft_kv` off, the draft rerun over it), and the report written (its
+numbers are the bench's business: bench/results/vllm_eagle.md)."""
 
 from __future__ import annotations
 
@@ -21,5 +21,7 @@ def test_the_quick_run_restores_every_prompt_with_and_without_the_draft(tmp_path
     body = json.loads((tmp_path / f"vllm_{draft}.json").read_text())
     assert body["draft"] == draft
     assert body["summary"]["every_prompt_restored"] and body["summary"]["next_token_matches"]
-    assert body["rows"][draft]["512"]["draft_elapsed"] > 0  # the draft was rerun over the restored prefix
+    assert body["summary"]["draft_kv_loaded_whole"]  # the draft's stored KV loaded with every restore
+    assert body["rows"][f"{draft}-rerun"]["512"]["draft_rerun_tokens"] == 512  # or rerun over it (draft_kv off)
+    assert body["rows"][draft]["512"]["draft_elapsed"] > 0
     assert "| 512 |" in (tmp_path / f"vllm_{draft}.md").read_text()

@@ -36,6 +36,7 @@ class ConnectorConfig:
     front_step_tokens: int = 0  # a background restore's front recomputes at most this many tokens per vLLM step
     # (tensor-parallel ranks), vLLM's other requests stepping between; 0: as vLLM chunks a long prefill
     restore_timeout_s: float = 60.0  # a background restore still running after this is cancelled: vLLM recomputes
+    draft_kv: bool = True  # store a speculative draft's KV with the chunks and load it (off: restores rerun the draft)
     attention: str = "vllm"  # CacheFlow's runtime attends with vLLM's CPU kernel over the blocks, or its own
     stats_file: str = ""  # append one JSON line per restore / save / load error (tests, benchmarks)
 

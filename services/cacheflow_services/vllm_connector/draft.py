@@ -145,6 +145,9 @@ class Restored:
     end: int
 
 
+StoredDraft = Callable[[Restored], tuple[int, int]]  # a restore -> where its stored draft KV loaded ends, bytes
+
+
 def stored_rows(job: RestoreJob, store: Any, sources: Sequence[tuple[int, str]],
                 key: ChunkKey) -> tuple[torch.Tensor, int]:
     """The rows a draft reads at chunk `key`, as stored with it: [C, k * hidden], its `sources` side by side
@@ -177,29 +180,48 @@ def keep_draft_rows(job: RestoreJob, kv: BlockKV, store: Any, sources: Sequence[
 
 def restore_drafts(restored: Sequence[Restored], draft: Callable[[], DraftPass], store: Any, *,
                    agree: Callable[[list[int]], list[int]], event: Callable[..., None],
-                   share: RowShare = ONE_RANK) -> list[int]:
-    """Rerun the draft over each restore, every tensor-parallel rank the same forwards (`agree`: the least of each
+                   share: RowShare = ONE_RANK, stored: StoredDraft = lambda r: (r.spec.start, 0)) -> list[int]:
+    """Load the draft's stored KV of each restore (`stored`: where what it loaded ends, and its bytes; draft_kv.py),
+    then rerun the draft over the rest, every tensor-parallel rank the same forwards (`agree`: the least of each
     value over the ranks) over the same rows (each rank read its `share`: `RowShare.gather`). Returns where each
-    restore's draft ended (its start: not run); vLLM computes the rest."""
+    restore's draft ended (its start: not loaded, not run); vLLM computes the rest."""
+    loaded = [_stored(r, stored, event) for r in restored]  # (where it ends, bytes, seconds)
+    starts = agree([start for start, _, _ in loaded])  # every rank loaded at least this far
     found: list[tuple[torch.Tensor | None, int]] = []
-    for r in restored:
+    for r, start in zip(restored, starts, strict=True):
         try:
-            found.append(draft().rows(r.spec, r.job, r.kv, store, r.end, share) if r.job and r.kv
-                         else (None, r.spec.start))
+            found.append(draft().rows(replace(r.spec, start=start), r.job, r.kv, store, r.end, share)
+                         if r.job and r.kv else (None, start))
         except Exception as exc:  # a rank without the draft model, say: no rank reruns this one's draft
             event("draft_error", req=r.spec.req_id, error=f"{type(exc).__name__}: {exc}")
-            found.append((None, r.spec.start))
+            found.append((None, start))
     reached = agree([end for _, end in found])
-    for r, (rows, _), end in zip(restored, found, reached, strict=True):
+    for r, (rows, _), start, (_, loaded_bytes, load_s), end in zip(restored, found, starts, loaded, reached,
+                                                                   strict=True):
         started = gathered = time.perf_counter()
-        if rows is not None and r.kv is not None and end > r.spec.start:  # so on every rank (`agree`)
-            rows = share.gather(rows[: end - r.spec.start])
+        if rows is not None and r.kv is not None and end > start:  # so on every rank (`agree`)
+            rows = share.gather(rows[: end - start])
             gathered = time.perf_counter()
-            draft().run(r.spec, r.kv, rows, end)
-        event("draft", req=r.spec.req_id, tokens=end - r.spec.start, short=r.end - end,
-              elapsed_s=time.perf_counter() - started, gather_s=gathered - started,
-              bytes_read=r.kv.draft_bytes_read if r.kv is not None else 0)
+            draft().run(replace(r.spec, start=start), r.kv, rows, end)
+        event("draft", req=r.spec.req_id, tokens=max(0, end - start), loaded=start - r.spec.start,
+              short=r.end - end, elapsed_s=load_s + time.perf_counter() - started, load_s=load_s,
+              gather_s=gathered - started, bytes_read=r.kv.draft_bytes_read if r.kv is not None else 0,
+              loaded_bytes=loaded_bytes)
     return reached
+
+
+def _stored(r: Restored, stored: StoredDraft, event: Callable[..., None]) -> tuple[int, int, float]:
+    """Where the stored draft KV loaded for `r` ends, its bytes (from its start where none could be), and the
+    seconds it took."""
+    started = time.perf_counter()
+    if r.job is None or r.kv is None:
+        return r.spec.start, 0, 0.0
+    try:
+        end, n_bytes = stored(r)
+    except Exception as exc:  # its pod unreachable, say: the draft reruns over all of it
+        event("draft_error", req=r.spec.req_id, error=f"{type(exc).__name__}: {exc}")
+        end, n_bytes = r.spec.start, 0
+    return end, n_bytes, time.perf_counter() - started
 
 
 def _next(spec: LoadSpec, end: int) -> tuple[int, ...]:

@@ -43,6 +43,7 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     start: int  # first token to store (a chunk boundary); the chunks before it are stored already
     salt: str = ""  # as its LoadSpec's
+    next_token: int | None = None  # the prompt's token at `end` (None: `end` is the prompt's end)
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ class SchedulerPlan:
         end = min(computed_after, len(tracked.prompt)) // self.chunk_size * self.chunk_size
         if not self.save or end <= tracked.saved:
             return None
-        spec = SaveSpec(req_id, tracked.prompt[:end], tuple(tracked.block_ids), tracked.saved, salt=tracked.keying.salt)
+        spec = SaveSpec(req_id, tracked.prompt[:end], tuple(tracked.block_ids), tracked.saved, salt=tracked.keying.salt,
+                        next_token=tracked.prompt[end] if end < len(tracked.prompt) else None)
         tracked.saved = end
         return spec

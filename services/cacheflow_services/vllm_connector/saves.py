@@ -15,6 +15,7 @@ from cacheflow_common.restore.job import RestoreJob
 from cacheflow_common.restore.save import dtype_name, put_chunk
 from cacheflow_common.restore.saver_thread import SaverThread
 from cacheflow_common.store.base import ChunkStore
+from cacheflow_services.vllm_connector.draft_kv import DraftCaches
 from cacheflow_services.vllm_connector.model_identity import salted
 from cacheflow_services.vllm_connector.plan import SaveSpec
 from cacheflow_services.vllm_connector.ranks import ONE_RANK, RowShare
@@ -63,11 +64,25 @@ class ConnectorSaves:
     def close(self) -> None:
         self._thread.close()
 
-    def _store_new(self, spec: SaveSpec, kv: torch.Tensor, hidden: torch.Tensor | None, layers: range,
-                   captured: Sequence[tuple[int, str]] | None) -> None:
+    def store_draft(self, spec: SaveSpec, kv: torch.Tensor, draft: DraftCaches) -> None:
+        """Queue the draft's KV of the spec's chunks [start, end): kv [Ld, 2, Hkv, T, D], its layers' (draft_kv.py)."""
+        self._thread.submit(spec.req_id, lambda: self._store_draft(spec, kv, draft))
+
+    def _keys(self, spec: SaveSpec) -> tuple[str, tuple[ChunkKey, ...], list[ChunkKey]]:
+        """The request's salted fingerprint, every chunk key of its prompt so far, and those of the spec's chunks."""
         fingerprint = salted(self.fingerprint, spec.salt)
         every = tuple(chunk_keys(spec.token_ids, self.chunk_size, tenant_salt(fingerprint, self.tenant)))
-        keys = [k for k in every if k.token_start >= spec.start]
+        return fingerprint, every, [k for k in every if k.token_start >= spec.start]
+
+    def _store_draft(self, spec: SaveSpec, kv: torch.Tensor, draft: DraftCaches) -> None:
+        fingerprint, _, keys = self._keys(spec)
+        written = draft.store(self.store, keys, spec.token_ids, spec.next_token, kv, spec.start,
+                              fingerprint=fingerprint)
+        self.event("draft_save", req=spec.req_id, chunks=len(keys), bytes=written)
+
+    def _store_new(self, spec: SaveSpec, kv: torch.Tensor, hidden: torch.Tensor | None, layers: range,
+                   captured: Sequence[tuple[int, str]] | None) -> None:
+        fingerprint, every, keys = self._keys(spec)
         first = spec.start  # kv's first position
         written = sum(self._put(key, spec.token_ids, kv[:, :, :, key.token_start - first : key.token_end - first],
                                 layers, fingerprint) for key in keys)  # each chunk's [b - a, 2, Hkv, C, D]

@@ -52,6 +52,7 @@ from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.both_sides import StatsLog, blocks_from, open_store
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.draft import DraftPass, Restored, keep_draft_rows, restore_drafts
+from cacheflow_services.vllm_connector.draft_kv import DraftCaches, draft_caches, draft_heads
 from cacheflow_services.vllm_connector.model_identity import (
     KVGeometry,
     chunk_fingerprint,
@@ -156,6 +157,8 @@ class WorkerEngine:
         self.draft_sources = draft_sources(vllm_config, self.config.num_layers) if self.draft_rows else []
         self._drafter = drafter
         self._draft: DraftPass | None = None  # at the first restore that reruns the draft
+        self._vllm_config = vllm_config
+        self.draft_kv: DraftCaches | None = None  # the draft's caches, whose KV chunks also hold (at `register`)
         self._once = OnceLog()
         self.saves = ConnectorSaves(self.store, self.stats.event, fingerprint=self.fingerprint, dtype=dtype,
                                     kv_dtype=self.kv_dtype, heads=self.heads, row_share=self.row_share,
@@ -190,8 +193,10 @@ class WorkerEngine:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._runtime.choose(self.layers, final=False)
         c = self.config
-        # a draft's layers are not the target's (draft.py reruns them; chunks hold the target's)
-        kv_caches = {name: cache for name, cache in kv_caches.items() if not draft_layer(name, c.num_layers)}
+        # a draft's layers are not the target's: their KV is stored apart (draft_kv.py), or rerun (draft.py)
+        drafted = {name: cache for name, cache in kv_caches.items() if draft_layer(name, c.num_layers)}
+        kv_caches = {name: cache for name, cache in kv_caches.items() if name not in drafted}
+        self.draft_kv = self._draft_caches(drafted)
         self.caches = sorted((layer_index(name), cache) for name, cache in kv_caches.items())
         self._first_layer = min(kv_caches, key=layer_index)
         self.layers = rank_layers([layer for layer, _ in self.caches], c.num_layers)
@@ -203,6 +208,18 @@ class WorkerEngine:
             log.info("CacheFlow connector on a pipeline rank holding layers [%d, %d)", self.layers.start,
                      self.layers.stop)
         self._attach_capture()
+
+    def _draft_caches(self, drafted: dict[str, torch.Tensor]) -> DraftCaches | None:
+        """The draft's caches, whose KV is stored and loaded with the chunks (`draft_kv`: on; a draft whose KV
+        restores recompute), else None: its KV is rerun (draft.py). One that cannot be named is logged, once."""
+        if not (self.drafts and self.cfg.draft_kv and drafted and self._vllm_config is not None):
+            return None
+        try:
+            return draft_caches(drafted, self._vllm_config, target_fingerprint=self.fingerprint, layout=self.layout,
+                                block_size=self.block_size, heads=draft_heads(self._vllm_config, self.tp_rank))
+        except Exception as exc:  # its checkpoint unreadable, say: restores rerun the draft, as without it
+            log.warning("CacheFlow stores no draft KV (%s: %s): restores rerun the draft", type(exc).__name__, exc)
+            return None
 
     # ------------------------------------------------------------------------------------ pipeline ranks
     @property
@@ -225,6 +242,11 @@ class WorkerEngine:
         """The stored rows a restore's draft reads, side by side (layer, kind); none without a draft that reads
         the target's rows."""
         return self.captured() if self.draft_rows else []
+
+    def rows_with_loads(self) -> list[tuple[int, str]]:
+        """The stored rows read with each chunk a restore loads, for its draft's rerun (`draft_inputs`): none where
+        the draft's own KV is stored with the chunks (draft_kv.py): the rerun reads rows only where it is missing."""
+        return [] if self.draft_kv is not None else self.draft_inputs()
 
     def begin_step(self, rows: PromptRows) -> None:
         """Where the step's prompt rows go, before its forward."""
@@ -337,7 +359,7 @@ class WorkerEngine:
         front that fails fails every restore of the step: they shared its forwards)."""
         model = self.model if isinstance(self.model, VllmRuntime) else None
         costs = self.profile.cost_model(self.link) if self.profile is not None else None
-        sources = self.draft_inputs()
+        sources = self.rows_with_loads()
         plans: list[SplitPlan | BaseException] = []
         for spec in specs:
             try:
@@ -434,7 +456,7 @@ class WorkerEngine:
     def after_chunk(self, job: RestoreJob, kv: KVBuffer) -> Callable[[int], None] | None:
         """What a background restore in the engine does after each chunk it loads: read the rows its draft reads
         there with it (as planned restores do)."""
-        sources = self.draft_inputs()
+        sources = self.rows_with_loads()
         return keep_draft_rows(job, kv, self.store, sources, self.row_share) if sources and isinstance(kv, BlockKV) \
             else None
 
@@ -488,11 +510,18 @@ class WorkerEngine:
         draft stopped: a chunk without the rows an EAGLE or MTP draft reads, or a draft that could not run)."""
         try:
             reached = restore_drafts(restored, self._draft_pass, self.store, agree=self.agree_min,
-                                     event=self.stats.event, share=self.row_share)
+                                     event=self.stats.event, share=self.row_share, stored=self._stored_draft)
         except Exception as exc:  # a forward that failed: vLLM recomputes all of it
             return set().union(*(self.failed_load(r.spec, exc) for r in restored))
         return set().union(*(blocks_from(r.spec, end, self.block_size) for r, end in zip(restored, reached, strict=True)
                              if end < r.end))
+
+    def _stored_draft(self, r: Restored) -> tuple[int, int]:
+        """Load the stored draft KV of a restore (draft_kv.py): where what it loaded ends, and its bytes."""
+        if self.draft_kv is None or r.job is None:
+            return r.spec.start, 0
+        return self.draft_kv.load(self.store, r.job, start=r.spec.start, end=r.end, next_token=r.spec.next_token,
+                                  block_ids=r.spec.block_ids)
 
     def _draft_pass(self) -> DraftPass:
         """vLLM's draft model over vLLM's model's forward contexts (found at the first restore)."""
@@ -546,6 +575,8 @@ class WorkerEngine:
             hidden = self.capture.take(spec.req_id, spec.start, end)  # [T, hidden] entering that layer, or None
             self.capture.release(spec.req_id, end)
         self.saves.store_new(spec, kv.cpu(), hidden, self.layers, captured=self.captured() if self.captures else None)
+        if self.draft_kv is not None:  # its KV of these positions is in the blocks: vLLM drafted before this call
+            self.saves.store_draft(spec, self.draft_kv.gather(spec.block_ids, spec.start, end).cpu(), self.draft_kv)
 
     def flush(self) -> None:
         """Wait for every queued save."""
