@@ -1,4 +1,5 @@
-"""Restoring a speculative draft's KV with the target's: vLLM's draft layers rerun over the restored positions.
+"""Restoring a speculative draft's KV with the target's: vLLM's draft layers rerun over the restored positions
+that no stored draft KV covers (the draft's KV stored with the chunks is loaded first: draft_kv.py).
 
 With `--speculative-config '{"method": "eagle", ...}'` vLLM keeps a KV cache for the draft's own layers
 (`model.layers.<L>...`, after the target's L), in the same blocks as the target's. When vLLM computes a prompt
@@ -9,8 +10,10 @@ norm: what enters the LM head); for EAGLE-3, the residual streams entering the t
 (vLLM's model returns them beside its output), side by side, which the draft first combines
 (`combine_hidden_states`).
 
-A restore gives the target's KV for [start, N) without running vLLM's step over them, so the connector runs
-the drafter's first pass over them itself, as vLLM would have (`DraftPass`): its inputs are the prompt's
+A restore gives the target's KV for [start, N) without running vLLM's step over them. Where the draft's own KV
+of those positions was not stored (by an instance with `draft_kv` off, or the chunk that ended its prompt: its
+next token was sampled), the connector runs the drafter's first pass over them itself, as vLLM would have
+(`DraftPass`), from where the loaded draft KV ends (`restore_drafts`): its inputs are the prompt's
 tokens [start + 1, N] (token N is the one after the prefix, `LoadSpec.next_token`) and the target's output
 rows — for positions vLLM's model recomputed, those it returned (`BlockKV.keep_outputs`); for loaded chunks,
 the rows stored with them, which the saving side captures from vLLM's own forward (a forward hook on its model,
