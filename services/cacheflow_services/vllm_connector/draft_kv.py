@@ -2,8 +2,10 @@
 the draft only where no stored draft KV fits (draft.py reruns it there).
 
 vLLM writes a draft's KV as it computes a prompt: the draft's first pass over the step's positions, which vLLM
-0.32 runs before it calls the connector's `wait_for_save` when a draft is on (it defers that call for this). So
-the saving side finds the draft's KV of each chunk it stores in the request's blocks, in the draft's layers.
+0.32 runs before it calls the connector's `wait_for_save` when a draft is on, on both of its model runners (V1
+defers `finalize_kv_connector` until the drafter ran, for this; V2 calls `post_forward` after `propose`). So the
+saving side finds the draft's KV of each chunk it stores in the request's blocks, in the draft's layers; a later
+step writes the draft's KV of later positions only.
 
 What that KV depends on decides its key. A draft model's KV at position i is a function of tokens [0, i]: the
 chunk's own key names it. An EAGLE, EAGLE-3 or MTP draft's at i reads token i + 1 (and the target's rows up to
