@@ -152,11 +152,3 @@ def draft_caches(kv_caches: Mapping[str, torch.Tensor], vllm_config: Any, *, tar
                        shifted=str(vllm_config.speculative_config.method) in DRAFTS_FROM_ROWS, heads=heads,
                        kv_dtype=kv_dtype(vllm_config), layout=layout, block_size=block_size)
 
-
-def draft_heads(vllm_config: Any, tp_rank: int | None) -> HeadRange | None:
-    """The draft's KV heads tensor-parallel rank `tp_rank` holds (None without tensor parallelism: all)."""
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    if tp == 1 or tp_rank is None:
-        return None
-    total = vllm_config.speculative_config.draft_model_config.get_total_num_kv_heads()
-    return HeadRange.of_rank(total, tp, tp_rank)

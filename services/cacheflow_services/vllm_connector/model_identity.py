@@ -81,13 +81,15 @@ def fingerprint_needs_layout(vllm_config: Any) -> bool:
     return vllm_config.cache_config.cache_dtype != "auto"
 
 
-def rank_heads(vllm_config: Any, tp_rank: int | None) -> HeadRange | None:
-    """The model's KV heads tensor-parallel rank `tp_rank` holds (None without tensor parallelism: all)."""
+def rank_heads(vllm_config: Any, tp_rank: int | None, model_config: Any = None) -> HeadRange | None:
+    """The KV heads tensor-parallel rank `tp_rank` holds of the model's (`model_config`: another's vLLM runs
+    beside it on the same ranks, a speculative draft's) (None without tensor parallelism: all)."""
     tp = vllm_config.parallel_config.tensor_parallel_size
     if tp == 1:
         return None
     assert tp_rank is not None, "a tensor-parallel rank holds the KV heads of its rank"
-    return HeadRange.of_rank(vllm_config.model_config.get_total_num_kv_heads(), tp, tp_rank)
+    model_config = model_config or vllm_config.model_config
+    return HeadRange.of_rank(model_config.get_total_num_kv_heads(), tp, tp_rank)
 
 
 def head_split(vllm_config: Any) -> int:

@@ -42,12 +42,14 @@ class ConnectorSaves:
             "save_error", req=request_id, error=f"{type(exc).__name__}: {exc}"))
 
     def store_new(self, spec: SaveSpec, kv: torch.Tensor, hidden: torch.Tensor | None, layers: range, *,
-                  captured: Sequence[tuple[int, str]] | None = None) -> None:
+                  captured: Sequence[tuple[int, str]] | None = None,
+                  draft: tuple[torch.Tensor, DraftCaches] | None = None) -> None:
         """Queue the spec's chunks [start, end): kv [b - a, 2, Hkv, T, D] for this rank's layers, and (a rank
         that captures rows) hidden [T, k * hidden], k tensors side by side, each stored as `captured`'s (layer,
         kind) says: the boundary activations entering its first layer, the model's output rows
-        (boundary.OUTPUT_KIND), an EAGLE-3 draft's auxiliary layers' (draft.py)."""
-        self._thread.submit(spec.req_id, lambda: self._store_new(spec, kv, hidden, layers, captured))
+        (boundary.OUTPUT_KIND), an EAGLE-3 draft's auxiliary layers' (draft.py); and `draft`: the draft's KV of
+        those positions, [Ld, 2, Hkv, T, D], and its caches (draft_kv.py)."""
+        self._thread.submit(spec.req_id, lambda: self._store_new(spec, kv, hidden, layers, captured, draft))
 
     def store_again(self, request_id: str, chunks: list[tuple[ChunkKey, torch.Tensor]], job: RestoreJob, *,
                     salt: str) -> None:
@@ -64,25 +66,12 @@ class ConnectorSaves:
     def close(self) -> None:
         self._thread.close()
 
-    def store_draft(self, spec: SaveSpec, kv: torch.Tensor, draft: DraftCaches) -> None:
-        """Queue the draft's KV of the spec's chunks [start, end): kv [Ld, 2, Hkv, T, D], its layers' (draft_kv.py)."""
-        self._thread.submit(spec.req_id, lambda: self._store_draft(spec, kv, draft))
-
-    def _keys(self, spec: SaveSpec) -> tuple[str, tuple[ChunkKey, ...], list[ChunkKey]]:
-        """The request's salted fingerprint, every chunk key of its prompt so far, and those of the spec's chunks."""
+    def _store_new(self, spec: SaveSpec, kv: torch.Tensor, hidden: torch.Tensor | None, layers: range,
+                   captured: Sequence[tuple[int, str]] | None, draft: tuple[torch.Tensor, DraftCaches] | None
+                   ) -> None:
         fingerprint = salted(self.fingerprint, spec.salt)
         every = tuple(chunk_keys(spec.token_ids, self.chunk_size, tenant_salt(fingerprint, self.tenant)))
-        return fingerprint, every, [k for k in every if k.token_start >= spec.start]
-
-    def _store_draft(self, spec: SaveSpec, kv: torch.Tensor, draft: DraftCaches) -> None:
-        fingerprint, _, keys = self._keys(spec)
-        written = draft.store(self.store, keys, spec.token_ids, spec.next_token, kv, spec.start,
-                              fingerprint=fingerprint)
-        self.event("draft_save", req=spec.req_id, chunks=len(keys), bytes=written)
-
-    def _store_new(self, spec: SaveSpec, kv: torch.Tensor, hidden: torch.Tensor | None, layers: range,
-                   captured: Sequence[tuple[int, str]] | None) -> None:
-        fingerprint, every, keys = self._keys(spec)
+        keys = [k for k in every if k.token_start >= spec.start]
         first = spec.start  # kv's first position
         written = sum(self._put(key, spec.token_ids, kv[:, :, :, key.token_start - first : key.token_end - first],
                                 layers, fingerprint) for key in keys)  # each chunk's [b - a, 2, Hkv, C, D]
@@ -96,6 +85,11 @@ class ConnectorSaves:
                                            keys=[k for k in keys if self.row_share.mine(k.index)],
                                            first_row_token=spec.start, kind=kind)
         self.event("save", req=spec.req_id, chunks=len(keys), bytes=written, tokens_end=len(spec.token_ids))
+        if draft is not None:
+            draft_kv, caches = draft
+            draft_bytes = caches.store(self.store, keys, spec.token_ids, spec.next_token, draft_kv, first,
+                                       fingerprint=fingerprint)
+            self.event("draft_save", req=spec.req_id, chunks=len(keys), bytes=draft_bytes)
 
     def _put(self, key: ChunkKey, token_ids: tuple[int, ...], kv: torch.Tensor, layers: range, fingerprint: str
              ) -> int:

@@ -52,7 +52,7 @@ from cacheflow_services.vllm_connector.block_kv import BlockKV
 from cacheflow_services.vllm_connector.both_sides import StatsLog, blocks_from, open_store
 from cacheflow_services.vllm_connector.config import ConnectorConfig
 from cacheflow_services.vllm_connector.draft import DraftPass, Restored, keep_draft_rows, restore_drafts
-from cacheflow_services.vllm_connector.draft_kv import DraftCaches, draft_caches, draft_heads
+from cacheflow_services.vllm_connector.draft_kv import DraftCaches, draft_caches
 from cacheflow_services.vllm_connector.model_identity import (
     KVGeometry,
     chunk_fingerprint,
@@ -216,7 +216,9 @@ class WorkerEngine:
             return None
         try:
             return draft_caches(drafted, self._vllm_config, target_fingerprint=self.fingerprint, layout=self.layout,
-                                block_size=self.block_size, heads=draft_heads(self._vllm_config, self.tp_rank))
+                                block_size=self.block_size,
+                                heads=rank_heads(self._vllm_config, self.tp_rank,
+                                                 self._vllm_config.speculative_config.draft_model_config))
         except Exception as exc:  # its checkpoint unreadable, say: restores rerun the draft, as without it
             log.warning("CacheFlow stores no draft KV (%s: %s): restores rerun the draft", type(exc).__name__, exc)
             return None
@@ -574,9 +576,11 @@ class WorkerEngine:
         if self.captures:
             hidden = self.capture.take(spec.req_id, spec.start, end)  # [T, hidden] entering that layer, or None
             self.capture.release(spec.req_id, end)
-        self.saves.store_new(spec, kv.cpu(), hidden, self.layers, captured=self.captured() if self.captures else None)
-        if self.draft_kv is not None:  # its KV of these positions is in the blocks: vLLM drafted before this call
-            self.saves.store_draft(spec, self.draft_kv.gather(spec.block_ids, spec.start, end).cpu(), self.draft_kv)
+        # the draft's KV of these positions is in the blocks too: vLLM drafted before this call (draft_kv.py)
+        draft = None if self.draft_kv is None else \
+            (self.draft_kv.gather(spec.block_ids, spec.start, end).cpu(), self.draft_kv)
+        self.saves.store_new(spec, kv.cpu(), hidden, self.layers, captured=self.captured() if self.captures else None,
+                             draft=draft)
 
     def flush(self) -> None:
         """Wait for every queued save."""
